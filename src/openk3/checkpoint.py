@@ -1,0 +1,267 @@
+"""Checkpoints in the released format: safetensors (single file or sharded with an index) under the released key
+names (SPEC.md §5.5). Never unpickles anything.
+
+Accepted on load:
+* released K3 (multimodal, ``language_model.`` prefix; ``vision_tower.*`` / ``mm_projector.*`` are skipped) and flat
+  text checkpoints (``model.*`` + ``lm_head.weight``);
+* files written by ``transformers``' ``KimiLinearForCausalLM.save_pretrained`` (which stores layer 0's dense MLP under
+  ``block_sparse_moe.``) and transformers' in-memory fused layout (``conv1d`` of q|k|v, ``forget_gate.*``,
+  ``experts.gate_up_proj`` / ``experts.down_proj``);
+* ``A_log`` as [H], zero-padded 1-D, or [1, 1, H, 1].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+
+from openk3.config import K3Config
+
+SKIP_PREFIXES = ("vision_tower.", "mm_projector.", "language_model.vision_tower.", "language_model.mm_projector.")
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight$")
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be used; the message lists what is wrong."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint directory (index-driven when an index exists)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint path {path!r} does not exist")
+    if os.path.isfile(path):
+        if not path.endswith(".safetensors"):
+            raise CheckpointError(
+                f"{path} is not a .safetensors file; openk3 only loads safetensors (it never unpickles .bin/.pt files)"
+            )
+        return [path]
+    idx = os.path.join(path, INDEX_NAME)
+    if os.path.exists(idx):
+        try:
+            with open(idx, encoding="utf-8") as f:
+                wm = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{idx} is malformed ({e!r}); it needs a 'weight_map' object") from None
+        files = sorted(set(wm.values()))
+        missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
+        if missing:
+            raise CheckpointError(f"shards listed in {INDEX_NAME} are missing: {missing}")
+        return [os.path.join(path, f) for f in files]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        others = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+        hint = f" (found {others}: pickled weights are not loaded, convert them to safetensors)" if others else ""
+        raise CheckpointError(f"no .safetensors files in {path}{hint}")
+    return [os.path.join(path, f) for f in files]
+
+
+def iter_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for fn in files:
+        try:
+            with safe_open(fn, framework="pt", device="cpu") as f:
+                for k in f.keys():
+                    yield k, f.get_tensor(k)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {fn}: {e} (truncated or not a safetensors file?)") from None
+
+
+def _strip_prefix(k: str) -> str | None:
+    if k.startswith(SKIP_PREFIXES):
+        return None
+    if k.startswith("language_model."):
+        k = k[len("language_model.") :]
+    return k
+
+
+def to_internal(config: K3Config, tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Map released / transformers key names and layouts to openk3's state_dict."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    H, K = config.kda_num_heads, config.kda_head_dim
+    for k0, t in tensors:
+        k = _strip_prefix(k0)
+        if k is None:
+            continue
+        m = re.match(r"^model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.(.*)$", k)
+        if m:
+            i = int(m.group(1))
+            sub = "block_sparse_moe" if (i < config.num_hidden_layers and config.is_moe_layer(i)) else "mlp"
+            k = f"model.layers.{i}.{sub}.{m.group(3)}"
+        k = k.replace(".self_attn.forget_gate.", ".self_attn.")
+        em = _EXPERT_RE.match(k)
+        if em:
+            experts.setdefault((em.group(1), em.group(3)), {})[int(em.group(2))] = t
+            continue
+        if k.endswith(".experts.gate_up_proj"):  # transformers fused [E, 2I, W]
+            base = k[: -len(".gate_up_proj")]
+            w1, w3 = t.chunk(2, dim=1)
+            out[base + ".w1"], out[base + ".w3"] = w1, w3
+            continue
+        if k.endswith(".experts.down_proj"):
+            out[k[: -len(".down_proj")] + ".w2"] = t
+            continue
+        cm = re.match(r"^(model\.layers\.(\d+)\.self_attn)\.conv1d\.weight$", k)
+        if cm:  # fused q|k|v conv
+            q, kk, v = t.chunk(3, dim=0)
+            out[cm.group(1) + ".q_conv1d.weight"] = q
+            out[cm.group(1) + ".k_conv1d.weight"] = kk
+            out[cm.group(1) + ".v_conv1d.weight"] = v
+            continue
+        am = re.match(r"^model\.layers\.(\d+)\.self_attn\.A_log$", k)
+        if am:
+            flat = t.reshape(-1)
+            if flat.numel() < H:
+                raise CheckpointError(f"{k0}: A_log has {flat.numel()} values, need at least num_heads={H}")
+            t = flat[:H].clone()
+        if k.endswith("self_attn.dt_bias") and t.dim() == 2:
+            t = t.reshape(-1)
+        out[k] = t
+    for (base, w), per in experts.items():
+        n = config.num_experts
+        missing = sorted(set(range(n)) - set(per))
+        if missing:
+            raise CheckpointError(f"{base}: missing experts {missing[:10]}{'...' if len(missing) > 10 else ''} for {w}")
+        out[f"{base}.{w}"] = torch.stack([per[e] for e in range(n)], dim=0)
+    return out
+
+
+def load_state_dict_into(model, sd: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Copy ``sd`` into ``model`` (which may live on the meta device), checking keys and shapes first."""
+    own = dict(model.state_dict())
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    wrong = sorted(
+        f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in set(own) & set(sd)
+        if tuple(sd[k].shape) != tuple(own[k].shape)
+    )
+    if strict and (missing or unexpected or wrong):
+
+        def fmt(xs):
+            return ", ".join(xs[:12]) + (f" ... (+{len(xs) - 12} more)" if len(xs) > 12 else "")
+
+        parts = []
+        if missing:
+            parts.append(f"missing keys ({len(missing)}): {fmt(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys ({len(unexpected)}): {fmt(unexpected)}")
+        if wrong:
+            parts.append(f"wrong shapes ({len(wrong)}): {fmt(wrong)}")
+        raise CheckpointError(
+            "checkpoint does not match the config; " + "; ".join(parts) + " -- is config.json the one these weights belong to?"
+        )
+    model.load_state_dict(sd, strict=strict, assign=True)
+
+
+def load_pretrained(path, *, dtype: torch.dtype | None = None, device="cpu", config: K3Config | None = None):
+    from openk3.model import K3ForCausalLM
+
+    path = os.fspath(path)
+    cfg = config or K3Config.from_pretrained(path if os.path.isdir(path) else os.path.dirname(path))
+    files = checkpoint_files(path)
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg)
+    sd = to_internal(cfg, iter_tensors(files))
+    own = model.state_dict()
+    for k, t in list(sd.items()):
+        if k in own:
+            p = own[k]
+            keep32 = getattr(_param_of(model, k), "_keep_fp32", False) or k.endswith("e_score_correction_bias")
+            tdt = torch.float32 if keep32 else (dtype or (t.dtype if t.is_floating_point() else p.dtype))
+            sd[k] = t.to(device=device, dtype=tdt)
+    load_state_dict_into(model, sd)
+    _restore_fp32_flags(model)
+    model.eval()
+    return model
+
+
+def _param_of(model, key: str):
+    obj = model
+    for part in key.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _restore_fp32_flags(model) -> None:
+    """``load_state_dict(assign=True)`` swaps in new Parameter objects; re-mark the fp32-kept ones."""
+    from openk3.modules.kda import KimiDeltaAttention
+
+    for m in model.modules():
+        if isinstance(m, KimiDeltaAttention):
+            for p in (m.dt_bias, m.A_log, m.o_norm.weight, m.q_conv1d.weight, m.k_conv1d.weight, m.v_conv1d.weight):
+                p._keep_fp32 = True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def to_released(model) -> dict[str, torch.Tensor]:
+    """openk3 state_dict -> released key names/layouts (per-expert tensors, release-shaped A_log)."""
+    cfg: K3Config = model.config
+    out = {}
+    for k, t in model.state_dict().items():
+        m = re.match(r"^(.*\.experts)\.(w[123])$", k)
+        if m:
+            for e in range(t.shape[0]):
+                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = t[e]
+            continue
+        if k.endswith("self_attn.A_log"):
+            H = cfg.kda_num_heads
+            if cfg.gate_lower_bound is not None:  # K3 release: 1-D, zero-padded to head_dim
+                n = max(H, cfg.kda_head_dim)
+                t = torch.cat([t.reshape(-1), t.new_zeros(n - H)])
+            else:  # Kimi Linear release
+                t = t.reshape(1, 1, H, 1)
+        out[k] = t
+    return out
+
+
+def save_pretrained(model, path, *, max_shard_size: int | None = None, prefix: str = "") -> None:
+    """Write ``config.json`` and safetensors (sharded above ``max_shard_size`` bytes, with an index). Files are
+    written aside and renamed into place."""
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    sd = {prefix + k: v.detach().contiguous().cpu() for k, v in to_released(model).items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k in sorted(sd):
+        nb = sd[k].numel() * sd[k].element_size()
+        if max_shard_size and size and size + nb > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][k] = sd[k]
+        size += nb
+    # clear older weights of another layout so the directory holds one checkpoint
+    for f in os.listdir(path):
+        if f.endswith(".safetensors") or f == INDEX_NAME:
+            os.remove(os.path.join(path, f))
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, sh in zip(names, shards):
+        tmp = os.path.join(path, name + ".tmp")
+        save_file(sh, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(path, name))
+    if len(shards) > 1:
+        wm = {k: n for n, sh in zip(names, shards) for k in sh}
+        total = sum(v.numel() * v.element_size() for v in sd.values())
+        with open(os.path.join(path, INDEX_NAME), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": wm}, f, indent=2, sort_keys=True)
+    model.config.save_pretrained(path)

@@ -1,0 +1,350 @@
+"""K3 decoder: hybrid KDA / MLA stack with Block Attention Residuals and Stable LatentMoE (SPEC.md §5)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _ckpt
+
+from openk3.cache import K3Cache
+from openk3.config import K3Config
+from openk3.modules.ffn import GLUMLP
+from openk3.modules.kda import KimiDeltaAttention
+from openk3.modules.mla import MLAttention
+from openk3.modules.moe import Experts, Router, SparseMoE
+from openk3.modules.norm import RMSNorm
+from openk3.ops import backend as _backend
+from openk3.ops.attnres import attnres_read
+
+__all__ = ["K3Model", "K3ForCausalLM", "K3Output", "causal_lm_loss", "check_cu_seqlens"]
+
+
+@dataclass
+class K3Output:
+    logits: torch.Tensor | None = None  # [B, T, V]
+    loss: torch.Tensor | None = None
+    cache: K3Cache | None = None
+    hidden_states: torch.Tensor | None = None  # [B, T, D] after the final norm
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, T: int) -> torch.Tensor:
+    """Validate packed-sequence boundaries; returns them as int64."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = torch.as_tensor(cu_seqlens)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    if batch != 1:
+        raise ValueError(f"packed input (cu_seqlens) needs batch size 1 (all documents in one row), got {batch}")
+    cu = cu_seqlens.long()
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {vals[0]}")
+    if any(b <= a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing, got {vals}")
+    if vals[-1] != T:
+        raise ValueError(f"cu_seqlens must end at the sequence length {T}, got {vals[-1]}")
+    return cu
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean token cross-entropy in fp32. ``targets`` are aligned with ``logits`` (target of position t at t)."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=ignore_index
+    )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        d = config.hidden_size
+        self.layer_idx = layer_idx
+        self.attn_type = config.layer_types[layer_idx]
+        self.self_attn = (
+            KimiDeltaAttention(config, layer_idx) if self.attn_type == "kda" else MLAttention(config, layer_idx)
+        )
+        self.is_moe = config.is_moe_layer(layer_idx)
+        if self.is_moe:
+            self.block_sparse_moe = SparseMoE(config, layer_idx)
+        else:
+            self.mlp = GLUMLP(
+                d,
+                config.intermediate_size,
+                config.hidden_act,
+                config.activation_situ_beta,
+                config.activation_situ_linear_beta,
+            )
+        self.input_layernorm = RMSNorm(d, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps)
+        self.use_attn_res = config.use_attn_res
+        if self.use_attn_res:
+            self.self_attention_res_norm = RMSNorm(d, config.rms_norm_eps)
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(d, config.rms_norm_eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+            self.seal = layer_idx % config.attn_res_block_size == 0
+        self.eps = config.rms_norm_eps
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
+
+    def _read(self, which: str, sealed: list[torch.Tensor], r: torch.Tensor) -> torch.Tensor:
+        norm = getattr(self, f"{which}_res_norm")
+        proj = getattr(self, f"{which}_res_proj")
+        return attnres_read([*sealed, r], proj.weight, norm.weight, self.eps)
+
+    def forward(self, r, sealed, *, cu_seqlens=None, cache=None, checkpoint=False):
+        """One layer of the AttnRes walk (SPEC.md §3.3). r: live running sum [B,T,D]; sealed: list of block
+        summaries (mutated: this layer may seal). Returns the new running sum."""
+        attn = lambda h: self.self_attn(self.input_layernorm(h), cu_seqlens=cu_seqlens, cache=cache)
+        ffn = lambda h: self.ffn(self.post_attention_layernorm(h))
+        if checkpoint and cache is None:
+            attn_fn = lambda h: _ckpt(attn, h, use_reentrant=False)
+            ffn_fn = lambda h: _ckpt(ffn, h, use_reentrant=False)
+        else:
+            attn_fn, ffn_fn = attn, ffn
+        if not self.use_attn_res:
+            r = r + attn_fn(r)
+            return r + ffn_fn(r)
+        h = self._read("self_attention", sealed, r) if sealed else r
+        if self.seal:
+            sealed.append(r)
+            r = attn_fn(h)
+        else:
+            r = r + attn_fn(h)
+        m = self._read("mlp", sealed, r)
+        return r + ffn_fn(m)
+
+
+class K3Model(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        if config.use_attn_res:
+            self.output_attn_res_norm = RMSNorm(d, config.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids, *, cu_seqlens=None, cache=None, inputs_embeds=None) -> torch.Tensor:
+        r = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        sealed: list[torch.Tensor] = []
+        ck = self.gradient_checkpointing and self.training
+        for i, layer in enumerate(self.layers):
+            r = layer(r, sealed, cu_seqlens=cu_seqlens, cache=None if cache is None else cache.layers[i], checkpoint=ck)
+        if self.config.use_attn_res:
+            r = attnres_read(
+                [*sealed, r], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight, self.config.rms_norm_eps
+            )
+        return self.norm(r)
+
+
+class K3ForCausalLM(nn.Module):
+    """Kimi K3 / Kimi Linear causal LM.
+
+    ``model(input_ids)`` with ``input_ids: [B, T]`` returns a :class:`K3Output` with ``.logits [B, T, V]``.
+    ``cu_seqlens`` ([N+1], B == 1) packs several documents into one row; ``cache`` (:class:`K3Cache`) continues a
+    previous call token by token; ``labels`` (HF style, shifted inside) or ``targets`` (aligned) give ``.loss``.
+    """
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        self.model = K3Model(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.init_weights()
+
+    # ---------------------------------------------------------------------------------------------------------
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Init: N(0, initializer_range) for matrices and embeddings, ones for norm gains, AttnRes pseudo-queries
+        zero (``attn_res_init="zero"``, the paper) or normal, KDA ``A_log = log U(1,16)``, ``dt_bias = 0``."""
+        std = self.config.initializer_range
+        for name, mod in self.named_modules():
+            if isinstance(mod, nn.Linear):
+                if name.endswith("_res_proj"):
+                    if self.config.attn_res_init == "zero":
+                        nn.init.zeros_(mod.weight)
+                    else:
+                        nn.init.normal_(mod.weight, 0.0, std)
+                else:
+                    nn.init.normal_(mod.weight, 0.0, std)
+            elif isinstance(mod, nn.Embedding):
+                nn.init.normal_(mod.weight, 0.0, std)
+            elif isinstance(mod, RMSNorm):
+                nn.init.ones_(mod.weight)
+            elif isinstance(mod, Router):
+                nn.init.normal_(mod.weight, 0.0, std)
+                mod.e_score_correction_bias.zero_()
+            elif isinstance(mod, Experts):
+                for p in (mod.w1, mod.w2, mod.w3):
+                    nn.init.normal_(p, 0.0, std)
+            elif isinstance(mod, KimiDeltaAttention):
+                mod.reset_parameters_kda(self.config.kda_init)
+
+    def to_dtype(self, dtype: torch.dtype) -> K3ForCausalLM:
+        """Cast parameters to ``dtype`` except those SPEC.md §5.3 keeps in fp32 (A_log, dt_bias, conv weights,
+        o_norm); buffers (router correction bias) stay fp32."""
+        for p in self.parameters():
+            if not getattr(p, "_keep_fp32", False):
+                p.data = p.data.to(dtype)
+        return self
+
+    def set_backend(self, op: str, name: str | None) -> None:
+        """Force a backend for one op ("kda", "mla", "moe", "attnres") on every layer; ``None`` = auto."""
+        if op not in _backend.OPS:
+            raise ValueError(f"unknown op {op!r}; ops are {_backend.OPS}")
+        for m in self.modules():
+            if hasattr(m, "backend") and (
+                (op == "kda" and isinstance(m, KimiDeltaAttention))
+                or (op == "mla" and isinstance(m, MLAttention))
+                or (op == "moe" and isinstance(m, SparseMoE))
+            ):
+                m.backend = name
+
+    # ---------------------------------------------------------------------------------------------------------
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.model.embed_tokens.weight.numel()
+        return n
+
+    def num_active_parameters(self) -> int:
+        """Parameters touched per token: everything except the input embedding table and the routed experts a token
+        does not pick (``num_experts - num_experts_per_token`` per MoE layer)."""
+        c = self.config
+        n = self.num_parameters()
+        if not c.tie_word_embeddings:
+            n -= self.model.embed_tokens.weight.numel()
+        for layer in self.model.layers:
+            if layer.is_moe:
+                ex = layer.block_sparse_moe.experts
+                per = (ex.w1.numel() + ex.w2.numel() + ex.w3.numel()) // c.num_experts
+                n -= (c.num_experts - c.num_experts_per_token) * per
+        return n
+
+    def new_cache(self) -> K3Cache:
+        return K3Cache(self.config)
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _validate(self, input_ids: torch.Tensor) -> None:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        if input_ids.numel() == 0:
+            raise ValueError("input_ids is empty")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(
+                f"token ids must lie in [0, vocab_size={self.config.vocab_size}); got min {lo}, max {hi} "
+                "(is the tokenizer matched to this model?)"
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: K3Cache | None = None,
+        labels: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        return_logits: bool = True,
+        logits_to_keep: int = 0,
+    ) -> K3Output:
+        self._validate(input_ids)
+        B, T = input_ids.shape
+        if cu_seqlens is not None:
+            cu_seqlens = check_cu_seqlens(cu_seqlens, B, T).to(input_ids.device)
+            if cache is not None:
+                raise ValueError("cache and cu_seqlens cannot be combined: decode packed documents separately")
+        if cache is not None:
+            bs = cache.batch_size
+            if bs is not None and bs != B:
+                raise ValueError(f"cache holds {bs} sequences but input_ids has batch size {B}")
+        h = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache)
+        if cache is not None:
+            cache.seq_len += T
+        hk = h[:, -logits_to_keep:] if logits_to_keep else h
+        logits = F.linear(hk, self.output_weight) if (return_logits or labels is not None or targets is not None) else None
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}")
+            tgt = torch.full_like(labels, -100)
+            tgt[:, :-1] = labels[:, 1:]
+            if cu_seqlens is not None:  # never predict across a document boundary
+                tgt[0, cu_seqlens[1:-1] - 1] = -100
+            loss = causal_lm_loss(logits, tgt)
+        elif targets is not None:
+            if targets.shape != input_ids.shape:
+                raise ValueError(f"targets must have the shape of input_ids {tuple(input_ids.shape)}")
+            loss = causal_lm_loss(logits, targets)
+        return K3Output(logits=logits if return_logits else None, loss=loss, cache=cache, hidden_states=h)
+
+    # ---------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 32,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Simple batched generation with the hybrid cache (prompts of equal length). Returns [B, T + new]."""
+        if max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        cache = self.new_cache()
+        out = self(input_ids, cache=cache, logits_to_keep=1)
+        seq = input_ids
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for _ in range(max_new_tokens):
+            logits = out.logits[:, -1].float()
+            if temperature and temperature > 0:
+                logits = logits / temperature
+                if top_k:
+                    kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+            else:
+                nxt = logits.argmax(-1, keepdim=True)
+            if eos_token_id is not None:
+                nxt = torch.where(done[:, None], torch.full_like(nxt, eos_token_id), nxt)
+                done |= nxt[:, 0] == eos_token_id
+            seq = torch.cat([seq, nxt], dim=1)
+            if eos_token_id is not None and bool(done.all()):
+                break
+            out = self(nxt, cache=cache)
+        return seq
+
+    # ---------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    ) -> K3ForCausalLM:
+        from openk3.checkpoint import load_pretrained
+
+        return load_pretrained(path, dtype=dtype, device=device)
+
+    def save_pretrained(self, path: str | os.PathLike, *, max_shard_size: int | None = None, prefix: str = "") -> None:
+        from openk3.checkpoint import save_pretrained
+
+        save_pretrained(self, path, max_shard_size=max_shard_size, prefix=prefix)

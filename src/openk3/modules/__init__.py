@@ -1,0 +1,1 @@
+"""nn.Modules wiring the ops; parameter names follow the released checkpoint."""

@@ -1,0 +1,141 @@
+"""Kimi Delta Attention layer (SPEC.md §1.4)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from openk3.config import K3Config
+from openk3.ops import backend as _backend
+from openk3.ops.conv import causal_conv1d
+from openk3.ops.kda import kda_chunk, kda_gate, kda_recurrent
+from openk3.ops.norm import gated_rms_norm
+
+# Fast-path hook: a callable with the signature of ``_kda_core_reference`` registered by openk3.ops.kda.fla
+FAST_KDA: dict[str, callable] = {}
+
+
+def _kda_core_reference(layer, q, k, v, z, beta_logits, *, initial_state, output_final_state, cu_seqlens):
+    """Reference KDA core: gate activation in fp32, then chunked or token recurrence.
+    q,k,v,z: [B,T,H,K] (after conv/SiLU for q,k,v; raw decay logits z); beta_logits: [B,T,H]."""
+    g = kda_gate(z, layer.A_log[: layer.num_heads], layer.dt_bias, kind=layer.gate_kind, lower_bound=layer.lower_bound)
+    beta = torch.sigmoid(beta_logits.float())
+    T = q.shape[1]
+    fn = kda_recurrent if T <= layer.recurrent_max_len else kda_chunk
+    kw = {} if fn is kda_recurrent else {"chunk_size": layer.chunk_size}
+    return fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm=True,
+        **kw,
+    )
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        d = config.hidden_size
+        H, K = config.kda_num_heads, config.kda_head_dim
+        W = config.short_conv_kernel_size
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim, self.conv_size = H, K, W
+        self.gate_kind = config.kda_gate_kind
+        self.lower_bound = config.gate_lower_bound if config.gate_lower_bound is not None else -5.0
+        self.eps = config.rms_norm_eps
+        self.chunk_size = 64
+        self.recurrent_max_len = 16  # reference backend: token recurrence at or below this length
+        self.backend: str | None = None
+        HK = H * K
+        self.q_proj = nn.Linear(d, HK, bias=False)
+        self.k_proj = nn.Linear(d, HK, bias=False)
+        self.v_proj = nn.Linear(d, HK, bias=False)
+        self.q_conv1d = nn.Conv1d(HK, HK, W, groups=HK, bias=False)
+        self.k_conv1d = nn.Conv1d(HK, HK, W, groups=HK, bias=False)
+        self.v_conv1d = nn.Conv1d(HK, HK, W, groups=HK, bias=False)
+        self.f_a_proj = nn.Linear(d, K, bias=False)
+        self.f_b_proj = nn.Linear(K, HK, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(HK))
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.full_rank_gate = config.use_full_rank_gate
+        if self.full_rank_gate:
+            self.g_proj = nn.Linear(d, HK, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, K, bias=False)
+            self.g_b_proj = nn.Linear(K, HK, bias=False)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(K))
+        self.o_proj = nn.Linear(HK, d, bias=False)
+        for p in (self.dt_bias, self.A_log, self.o_norm.weight, self.q_conv1d.weight, self.k_conv1d.weight,
+                  self.v_conv1d.weight):
+            p._keep_fp32 = True
+
+    @torch.no_grad()
+    def reset_parameters_kda(self, init: str = "fla") -> None:
+        """Assumed init (SPEC.md §1.2/§10): A_log = log U(1, 16), dt_bias = 0."""
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        self.dt_bias.zero_()
+        self.o_norm.weight.fill_(1.0)
+        for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            nn.init.uniform_(c.weight, -1 / math.sqrt(self.conv_size), 1 / math.sqrt(self.conv_size))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: dict | None = None,
+    ) -> torch.Tensor:
+        """x: [B, T, D] (normed layer input). ``cache``: this layer's dict (``conv_q/k/v`` [B, HK, W-1], ``state``
+        [B, H, K, K]) updated in place. Returns [B, T, D]."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        use_cache = cache is not None
+        convs = {}
+        outs = []
+        for name, proj, conv in (
+            ("q", self.q_proj, self.q_conv1d),
+            ("k", self.k_proj, self.k_conv1d),
+            ("v", self.v_proj, self.v_conv1d),
+        ):
+            y, fin = causal_conv1d(
+                proj(x),
+                conv.weight,
+                initial_state=cache.get(f"conv_{name}") if use_cache else None,
+                cu_seqlens=cu_seqlens,
+                activation="silu",
+                output_final_state=use_cache,
+            )
+            outs.append(y.view(B, T, H, K))
+            convs[name] = fin
+        q, k, v = outs
+        z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        beta_logits = self.b_proj(x)
+        be = _backend.resolve("kda", x.is_cuda, self.backend)
+        core = _kda_core_reference if be == "reference" else FAST_KDA[be]
+        o, state = core(
+            self,
+            q,
+            k,
+            v,
+            z,
+            beta_logits,
+            initial_state=cache.get("state") if use_cache else None,
+            output_final_state=use_cache,
+            cu_seqlens=cu_seqlens,
+        )
+        if use_cache:
+            for name in ("q", "k", "v"):
+                cache[f"conv_{name}"] = convs[name]
+            cache["state"] = state.float()
+        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        o = gated_rms_norm(o.to(x.dtype), self.o_norm.weight, gate.view(B, T, H, K), self.eps)
+        return self.o_proj(o.reshape(B, T, H * K))

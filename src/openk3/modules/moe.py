@@ -1,0 +1,100 @@
+"""Stable LatentMoE (SPEC.md §4) and plain MoE (Kimi Linear)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openk3.config import K3Config
+from openk3.modules.ffn import GLUMLP
+from openk3.modules.norm import RMSNorm
+from openk3.ops import backend as _backend
+from openk3.ops.moe import experts_reference, route
+
+# Fast-path hook for the expert compute: name -> fn(x, idx, weights, w1, w2, w3, act=, beta1=, beta2=) -> y
+FAST_EXPERTS: dict[str, callable] = {}
+
+
+class Router(nn.Module):
+    """``weight`` [E, D] (fp32 logits) and the selection-only ``e_score_correction_bias`` [E] (a buffer, moved only by
+    the balancer, never by gradients)."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        self.top_k = config.num_experts_per_token
+        self.activation = config.moe_router_activation_func
+        self.renormalize = config.moe_renormalize
+        self.scaling = config.routed_scaling_factor
+        self.n_group, self.topk_group = config.num_expert_group, config.topk_group
+
+    def forward(self, x: torch.Tensor):
+        return route(
+            x,
+            self.weight,
+            self.e_score_correction_bias,
+            top_k=self.top_k,
+            activation=self.activation,
+            renormalize=self.renormalize,
+            scaling=self.scaling,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+        )
+
+
+class Experts(nn.Module):
+    """Routed experts stacked: ``w1`` (gate) and ``w3`` (up) [E, I, W], ``w2`` (down) [E, W, I]. The checkpoint holds
+    them per expert as ``experts.{e}.w{1,2,3}.weight`` (see openk3.checkpoint)."""
+
+    def __init__(self, num: int, width: int, inter: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num, inter, width))
+        self.w2 = nn.Parameter(torch.empty(num, width, inter))
+        self.w3 = nn.Parameter(torch.empty(num, inter, width))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        d = config.hidden_size
+        self.layer_idx = layer_idx
+        self.latent = config.use_latent_moe
+        W = config.moe_width
+        self.gate = Router(config)
+        self.experts = Experts(config.num_experts, W, config.moe_intermediate_size)
+        self.act = config.hidden_act
+        self.beta1, self.beta2 = config.activation_situ_beta, config.activation_situ_linear_beta
+        if config.num_shared_experts > 0:
+            self.shared_experts = GLUMLP(
+                d, config.moe_intermediate_size * config.num_shared_experts, self.act, self.beta1, self.beta2
+            )
+        else:
+            self.shared_experts = None
+        if self.latent:
+            self.routed_expert_down_proj = nn.Linear(d, W, bias=False)
+            self.routed_expert_up_proj = nn.Linear(W, d, bias=False)
+            self.routed_expert_norm = RMSNorm(W, config.rms_norm_eps) if config.latent_moe_use_norm else None
+        self.backend: str | None = None
+        self.record_router = False  # when True, ``last_router`` keeps (scores [N,E], topk_idx [N,k]) for balancing
+        self.last_router: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, D] (post-attention-normed). Returns [B, T, D]."""
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        idx, w, scores = self.gate(xf)
+        if self.record_router:
+            self.last_router = (scores.detach(), idx.detach())
+        h = self.routed_expert_down_proj(xf) if self.latent else xf
+        be = _backend.resolve("moe", x.is_cuda, self.backend)
+        fn = experts_reference if be == "reference" else FAST_EXPERTS[be]
+        u = fn(h, idx, w, self.experts.w1, self.experts.w2, self.experts.w3, act=self.act, beta1=self.beta1,
+               beta2=self.beta2)
+        if self.latent:
+            if self.routed_expert_norm is not None:
+                u = self.routed_expert_norm(u)
+            u = self.routed_expert_up_proj(u)
+        if self.shared_experts is not None:
+            u = u + self.shared_experts(xf)
+        return u.view(shape)

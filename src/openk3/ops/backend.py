@@ -1,0 +1,68 @@
+"""Backend selection per op: a fast path on CUDA when available, the plain reference elsewhere.
+
+Each op ("kda", "mla", "moe", "attnres") has a registry of named backends. ``auto`` picks the first available
+non-reference backend for CUDA inputs and ``reference`` otherwise. Override per op with the environment variable
+``OPENK3_BACKEND_<OP>`` (e.g. ``OPENK3_BACKEND_KDA=reference``) or per model with ``model.set_backend(op, name)``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+OPS = ("kda", "mla", "moe", "attnres")
+
+
+@dataclass
+class Backend:
+    name: str
+    available: Callable[[], tuple[bool, str]]  # (ok, reason)
+    cuda_only: bool = True
+
+
+_REGISTRY: dict[str, list[Backend]] = {op: [Backend("reference", lambda: (True, "plain PyTorch"), False)] for op in OPS}
+
+
+def register(op: str, backend: Backend) -> None:
+    if op not in _REGISTRY:
+        raise ValueError(f"unknown op {op!r}; ops are {OPS}")
+    _REGISTRY[op] = [b for b in _REGISTRY[op] if b.name != backend.name]
+    _REGISTRY[op].insert(0, backend)  # newest fast path first
+
+
+def names(op: str) -> list[str]:
+    return [b.name for b in _REGISTRY[op]]
+
+
+def resolve(op: str, is_cuda: bool, requested: str | None = None) -> str:
+    """Backend name to use for ``op``. ``requested`` (from the model) beats the environment, which beats auto."""
+    req = requested or os.environ.get(f"OPENK3_BACKEND_{op.upper()}", "auto")
+    if req != "auto":
+        for b in _REGISTRY[op]:
+            if b.name == req:
+                ok, why = b.available()
+                if not ok:
+                    raise RuntimeError(f"backend {req!r} for {op} is not available: {why}")
+                if b.cuda_only and not is_cuda:
+                    raise RuntimeError(f"backend {req!r} for {op} needs CUDA tensors")
+                return req
+        raise ValueError(f"unknown backend {req!r} for {op}; choose from {names(op)} or 'auto'")
+    if is_cuda:
+        for b in _REGISTRY[op]:
+            if b.name != "reference" and b.available()[0]:
+                return b.name
+    return "reference"
+
+
+def describe(is_cuda: bool) -> dict[str, dict]:
+    """For ``openk3 env``: the backend each op resolves to, and every registered backend's availability."""
+    out = {}
+    for op in OPS:
+        rows = {b.name: b.available() for b in _REGISTRY[op]}
+        try:
+            chosen = resolve(op, is_cuda)
+        except (RuntimeError, ValueError) as e:
+            chosen = f"error: {e}"
+        out[op] = {"chosen": chosen, "backends": {k: {"available": v[0], "why": v[1]} for k, v in rows.items()}}
+    return out
