@@ -1,0 +1,1 @@
+"""Training: data pipeline, tokenizers and training loops."""
