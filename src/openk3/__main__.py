@@ -1,0 +1,5 @@
+import sys
+
+from openk3.cli import main
+
+sys.exit(main())

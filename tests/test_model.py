@@ -1,0 +1,183 @@
+"""Model-level invariants of the reference K3ForCausalLM on the tiny preset (CPU, fp32)."""
+
+import os
+
+import pytest
+import torch
+
+from openk3 import K3Config, K3ForCausalLM, get_preset
+from openk3.checkpoint import CheckpointError
+
+
+def _model(**over):
+    cfg = get_preset("tiny", **over)
+    m = K3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # make every constant-initialised parameter non-trivial
+        for n, p in m.named_parameters():
+            if "norm" in n or "_res_proj" in n:
+                p.add_(0.1 * torch.randn_like(p))
+        for mod in m.modules():
+            if hasattr(mod, "e_score_correction_bias"):
+                mod.e_score_correction_bias.normal_(0, 0.05)
+    return m
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _model()
+
+
+@pytest.mark.parametrize("decode_form", ["absorbed", "mha"])
+def test_prefill_equals_prefill_plus_decode(tiny, rel, decode_form):
+    for m in tiny.modules():
+        if hasattr(m, "decode_form"):
+            m.decode_form = decode_form
+    B, T, k = 2, 40, 6
+    ids = torch.randint(0, tiny.config.vocab_size, (B, T))
+    with torch.no_grad():
+        full = tiny(ids).logits
+        cache = tiny.new_cache()
+        parts = [tiny(ids[:, : T - k], cache=cache).logits]
+        for t in range(T - k, T):
+            parts.append(tiny(ids[:, t : t + 1], cache=cache).logits)
+    inc = torch.cat(parts, 1)
+    assert cache.seq_len == T
+    assert rel(inc, full) < 2e-5
+    assert rel(inc[:, -k:], full[:, -k:]) < 2e-5
+
+
+def test_packed_equals_separate(tiny, rel):
+    lens = [7, 1, 30, 12]
+    docs = [torch.randint(0, tiny.config.vocab_size, (1, n)) for n in lens]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    with torch.no_grad():
+        packed = tiny(torch.cat(docs, 1), cu_seqlens=cu).logits
+        sep = torch.cat([tiny(d).logits for d in docs], 1)
+    assert rel(packed, sep) < 1e-5
+
+
+def test_packed_loss_ignores_boundaries(tiny):
+    ids = torch.randint(0, tiny.config.vocab_size, (1, 20))
+    cu = torch.tensor([0, 8, 20])
+    out = tiny(ids, cu_seqlens=cu, labels=ids)
+    a = tiny(ids[:, :8], labels=ids[:, :8])
+    b = tiny(ids[:, 8:], labels=ids[:, 8:])
+    expect = (a.loss * 7 + b.loss * 11) / 18
+    assert torch.allclose(out.loss, expect, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shard", [None, 200_000])
+@pytest.mark.parametrize("prefix", ["", "language_model."])
+def test_save_load_identical(tiny, tmp_path, shard, prefix):
+    tiny.save_pretrained(tmp_path, max_shard_size=shard, prefix=prefix)
+    if shard:
+        assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    back = K3ForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, tiny.config.vocab_size, (2, 17))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, tiny(ids).logits)
+    assert back.config.to_dict() == tiny.config.to_dict()
+
+
+def test_bf16_load_keeps_fp32_params(tiny, tmp_path):
+    tiny.save_pretrained(tmp_path)
+    back = K3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    kda = back.model.layers[0].self_attn
+    assert kda.A_log.dtype == torch.float32 and kda.q_conv1d.weight.dtype == torch.float32
+    assert kda.q_proj.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, tiny.config.vocab_size, (1, 9))
+    assert torch.isfinite(back(ids).logits).all()
+
+
+def test_gradients_reach_every_parameter():
+    m = _model(attn_res_init="normal").train()
+    ids = torch.randint(0, m.config.vocab_size, (2, 24))
+    m(ids, labels=ids).loss.backward()
+    # layer 0's pre-attention read has no sealed block yet (it reads the embedding alone): unused by design
+    unused = {"model.layers.0.self_attention_res_norm.weight", "model.layers.0.self_attention_res_proj.weight"}
+    dead = [n for n, p in m.named_parameters() if n not in unused and (p.grad is None or p.grad.abs().sum() == 0)]
+    assert not dead, dead
+
+
+def test_param_counts_of_releases():
+    with torch.device("meta"):
+        k3 = K3ForCausalLM(get_preset("k3"))
+        kl = K3ForCausalLM(get_preset("kimi-linear-48b"))
+    assert round(k3.num_parameters() / 1e12, 4) == 2.7795
+    assert round(k3.num_active_parameters() / 1e9, 2) == 104.19
+    assert 47e9 < kl.num_parameters() < 50e9 and 2.8e9 < kl.num_active_parameters() < 3.2e9
+    assert k3.config.layer_types.count("mla") == 24 and k3.config.layer_types[91:] == ["mla", "mla"]
+
+
+def test_tiny_preset_covers_everything():
+    c = get_preset("tiny")
+    with torch.device("meta"):
+        m = K3ForCausalLM(c)
+    assert m.num_parameters() < 2_000_000
+    assert {"kda", "mla"} <= set(c.layer_types)
+    assert c.num_hidden_layers // c.attn_res_block_size >= 2
+    assert c.first_k_dense_replace == 1 and c.use_latent_moe and c.num_shared_experts >= 1
+
+
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        (lambda m: m(torch.randint(0, 10, (5,))), "batch, seq_len"),
+        (lambda m: m(torch.full((1, 4), m.config.vocab_size)), "vocab_size"),
+        (lambda m: m(torch.full((1, 4), -1)), "vocab_size"),
+        (lambda m: m(torch.rand(1, 4)), "integer"),
+        (lambda m: m(torch.zeros(1, 6, dtype=torch.long) + 1, cu_seqlens=torch.tensor([1, 6])), "start at 0"),
+        (lambda m: m(torch.zeros(1, 6, dtype=torch.long) + 1, cu_seqlens=torch.tensor([0, 4, 3, 6])), "increasing"),
+        (lambda m: m(torch.zeros(1, 6, dtype=torch.long) + 1, cu_seqlens=torch.tensor([0, 5])), "end at"),
+        (lambda m: m(torch.zeros(2, 6, dtype=torch.long) + 1, cu_seqlens=torch.tensor([0, 6])), "batch size 1"),
+        (lambda m: m(torch.zeros(1, 6, dtype=torch.long) + 1, cu_seqlens=torch.tensor([[0, 6]])), "1-D"),
+    ],
+)
+def test_bad_inputs(tiny, bad, msg):
+    with pytest.raises((ValueError, TypeError), match=msg):
+        bad(tiny)
+
+
+def test_checkpoint_errors(tiny, tmp_path):
+    tiny.save_pretrained(tmp_path)
+    # config that does not match the weights
+    cfg = K3Config.from_pretrained(tmp_path)
+    cfg.replace(hidden_size=64).save_pretrained(tmp_path / "other")
+    os.link(tmp_path / "model.safetensors", tmp_path / "other" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="wrong shapes"):
+        K3ForCausalLM.from_pretrained(tmp_path / "other")
+    # missing / unexpected keys
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(tmp_path / "model.safetensors")
+    sd.pop("model.norm.weight")
+    sd["model.bogus.weight"] = torch.zeros(3)
+    (tmp_path / "mk").mkdir()
+    save_file(sd, tmp_path / "mk" / "model.safetensors")
+    cfg.save_pretrained(tmp_path / "mk")
+    with pytest.raises(CheckpointError, match=r"missing keys.*model\.norm\.weight.*unexpected keys.*bogus"):
+        K3ForCausalLM.from_pretrained(tmp_path / "mk")
+    # truncated file
+    (tmp_path / "tr").mkdir()
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "tr" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cfg.save_pretrained(tmp_path / "tr")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        K3ForCausalLM.from_pretrained(tmp_path / "tr")
+    # pickles are refused, never loaded
+    (tmp_path / "pk").mkdir()
+    (tmp_path / "pk" / "pytorch_model.bin").write_bytes(b"not loaded")
+    cfg.save_pretrained(tmp_path / "pk")
+    with pytest.raises(CheckpointError, match="never unpickles|pickled"):
+        K3ForCausalLM.from_pretrained(tmp_path / "pk")
+    with pytest.raises(FileNotFoundError):
+        K3ForCausalLM.from_pretrained(tmp_path / "nope")
+
+
+def test_generate_greedy_matches_argmax(tiny):
+    ids = torch.randint(0, tiny.config.vocab_size, (2, 5))
+    out = tiny.generate(ids, max_new_tokens=6)
+    assert out.shape == (2, 11)
+    with torch.no_grad():
+        logits = tiny(out[:, :-1]).logits
+    assert torch.equal(logits[:, 4:].argmax(-1), out[:, 5:])
