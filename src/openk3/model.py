@@ -18,7 +18,7 @@ from openk3.modules.mla import MLAttention
 from openk3.modules.moe import Experts, Router, SparseMoE
 from openk3.modules.norm import RMSNorm
 from openk3.ops import backend as _backend
-from openk3.ops.attnres import attnres_read
+from openk3.ops.attnres import make_reader
 
 __all__ = ["K3Model", "K3ForCausalLM", "K3Output", "causal_lm_loss", "check_cu_seqlens"]
 
@@ -93,14 +93,15 @@ class DecoderLayer(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
 
-    def _read(self, which: str, sealed: list[torch.Tensor], r: torch.Tensor) -> torch.Tensor:
-        norm = getattr(self, f"{which}_res_norm")
-        proj = getattr(self, f"{which}_res_proj")
-        return attnres_read([*sealed, r], proj.weight, norm.weight, self.eps)
+    def site(self, which: str) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(site id, query [1, D], norm weight [D]) of this layer's pre-attention or pre-FFN AttnRes read."""
+        sid = 2 * self.layer_idx + (0 if which == "self_attention" else 1)
+        return sid, getattr(self, f"{which}_res_proj").weight, getattr(self, f"{which}_res_norm").weight
 
-    def forward(self, r, sealed, *, cu_seqlens=None, cache=None, checkpoint=False):
-        """One layer of the AttnRes walk (SPEC.md §3.3). r: live running sum [B,T,D]; sealed: list of block
-        summaries (mutated: this layer may seal). Returns the new running sum."""
+    def forward(self, r, reader, *, cu_seqlens=None, cache=None, checkpoint=False, block_sites=None):
+        """One layer of the AttnRes walk (SPEC.md §3.3). r: live running sum [B,T,D]; reader: the AttnRes reader
+        holding the sealed block summaries (this layer may seal, announcing ``block_sites``). Returns the new
+        running sum."""
         attn = lambda h: self.self_attn(self.input_layernorm(h), cu_seqlens=cu_seqlens, cache=cache)
         ffn = lambda h: self.ffn(self.post_attention_layernorm(h))
         if checkpoint and cache is None:
@@ -111,13 +112,13 @@ class DecoderLayer(nn.Module):
         if not self.use_attn_res:
             r = r + attn_fn(r)
             return r + ffn_fn(r)
-        h = self._read("self_attention", sealed, r) if sealed else r
+        h = reader.read(*self.site("self_attention"), r) if reader.num_sealed else r
         if self.seal:
-            sealed.append(r)
+            reader.seal(r, block_sites)
             r = attn_fn(h)
         else:
             r = r + attn_fn(h)
-        m = self._read("mlp", sealed, r)
+        m = reader.read(*self.site("mlp"), r)
         return r + ffn_fn(m)
 
 
@@ -133,17 +134,38 @@ class K3Model(nn.Module):
             self.output_attn_res_norm = RMSNorm(d, config.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
         self.gradient_checkpointing = False
+        self.attnres_backend: str | None = None
+
+    def output_site(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return 2 * self.config.num_hidden_layers, self.output_attn_res_proj.weight, self.output_attn_res_norm.weight
+
+    def block_sites(self, seal_layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Read sites that see the sealed set created at ``seal_layer``: its pre-FFN read, every read of the
+        following layers up to and including the next sealing layer's pre-attention read (or the final read)."""
+        bs = self.config.attn_res_block_size
+        L = self.config.num_hidden_layers
+        sites = [self.layers[seal_layer].site("mlp")]
+        for j in range(seal_layer + 1, min(seal_layer + bs, L)):
+            sites += [self.layers[j].site("self_attention"), self.layers[j].site("mlp")]
+        sites.append(self.layers[seal_layer + bs].site("self_attention") if seal_layer + bs < L else self.output_site())
+        return sites
 
     def forward(self, input_ids, *, cu_seqlens=None, cache=None, inputs_embeds=None) -> torch.Tensor:
         r = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        sealed: list[torch.Tensor] = []
+        cfg = self.config
+        reader = make_reader(cfg.rms_norm_eps, r.is_cuda, self.attnres_backend) if cfg.use_attn_res else None
         ck = self.gradient_checkpointing and self.training
         for i, layer in enumerate(self.layers):
-            r = layer(r, sealed, cu_seqlens=cu_seqlens, cache=None if cache is None else cache.layers[i], checkpoint=ck)
-        if self.config.use_attn_res:
-            r = attnres_read(
-                [*sealed, r], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight, self.config.rms_norm_eps
+            r = layer(
+                r,
+                reader,
+                cu_seqlens=cu_seqlens,
+                cache=None if cache is None else cache.layers[i],
+                checkpoint=ck,
+                block_sites=self.block_sites(i) if (cfg.use_attn_res and layer.seal) else None,
             )
+        if cfg.use_attn_res:
+            r = reader.read(*self.output_site(), r)
         return self.norm(r)
 
 
@@ -214,6 +236,8 @@ class K3ForCausalLM(nn.Module):
                 or (op == "moe" and isinstance(m, SparseMoE))
             ):
                 m.backend = name
+        if op == "attnres":
+            self.model.attnres_backend = name
 
     # ---------------------------------------------------------------------------------------------------------
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

@@ -24,3 +24,21 @@ def attnres_read(
     p = torch.softmax(scores, dim=0)
     out = (p.unsqueeze(-1) * vals).sum(0)
     return out.to(sources[-1].dtype)
+
+
+class AttnResReader:
+    """Reference reader: keeps the sealed sources, recomputes each read from scratch (see package docstring)."""
+
+    def __init__(self, eps: float):
+        self.eps = eps
+        self.sealed: list[torch.Tensor] = []
+
+    @property
+    def num_sealed(self) -> int:
+        return len(self.sealed)
+
+    def seal(self, r: torch.Tensor, sites) -> None:
+        self.sealed.append(r)
+
+    def read(self, site_id: int, query: torch.Tensor, norm_weight: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return attnres_read([*self.sealed, r], query, norm_weight, self.eps)
