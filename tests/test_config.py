@@ -1,0 +1,162 @@
+"""K3Config: presets, JSON formats in and out, validation messages."""
+
+import json
+
+import pytest
+
+from openk3 import ConfigError, K3Config, get_preset
+
+
+def _released_k3_json():
+    """The structure of the released Kimi K3 config.json (multimodal wrapper; text tower fields as in SPEC.md §7.1)."""
+    full = [4 * i for i in range(1, 24)] + [93]
+    text = {
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "architectures": ["KimiLinearForCausalLM"],
+        "attn_res_block_size": 12,
+        "bos_token_id": 163584,
+        "eos_token_id": 163586,
+        "pad_token_id": 163839,
+        "first_k_dense_replace": 1,
+        "hidden_act": "situ",
+        "hidden_size": 7168,
+        "initializer_range": 0.02,
+        "intermediate_size": 33792,
+        "kv_lora_rank": 512,
+        "latent_moe_use_norm": True,
+        "linear_attn_config": {
+            "full_attn_layers": full,
+            "gate_lower_bound": -5.0,
+            "head_dim": 128,
+            "kda_layers": [i for i in range(1, 94) if i not in full],
+            "num_heads": 96,
+            "short_conv_kernel_size": 4,
+            "use_full_rank_gate": True,
+        },
+        "max_position_embeddings": 1048576,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "model_type": "kimi_linear",
+        "moe_intermediate_size": 3072,
+        "moe_layer_freq": 1,
+        "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid",
+        "num_attention_heads": 96,
+        "num_expert_group": 1,
+        "num_experts": 896,
+        "num_experts_per_token": 16,
+        "num_hidden_layers": 93,
+        "num_key_value_heads": 96,
+        "num_nextn_predict_layers": 0,
+        "num_shared_experts": 2,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-05,
+        "routed_expert_hidden_size": 3584,
+        "routed_scaling_factor": 1.0,
+        "tie_word_embeddings": False,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "use_grouped_topk": True,
+        "v_head_dim": 128,
+        "vocab_size": 163840,
+        "quantization_config": {"format": "mxfp4-pack-quantized"},
+    }
+    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
+            "vision_config": {"vt_hidden_size": 1024}}
+
+
+def test_release_config_equals_k3_preset(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_released_k3_json()))
+    cfg = K3Config.from_pretrained(tmp_path)
+    preset = get_preset("k3")
+    assert cfg.to_dict() == preset.to_dict()
+    # flat text config works too, and save -> load round-trips
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "config.json").write_text(json.dumps(_released_k3_json()["text_config"]))
+    assert K3Config.from_pretrained(tmp_path / "flat").to_dict() == preset.to_dict()
+    cfg.save_pretrained(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["linear_attn_config"]["full_attn_layers"] == _released_k3_json()["text_config"]["linear_attn_config"]["full_attn_layers"]
+    assert K3Config.from_pretrained(tmp_path / "out").to_dict() == preset.to_dict()
+
+
+def test_kimi_linear_release_config(tmp_path):
+    d = {
+        "model_type": "kimi_linear",
+        "hidden_size": 2304,
+        "num_hidden_layers": 27,
+        "intermediate_size": 9216,
+        "vocab_size": 163840,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "mla_use_nope": True,
+        "num_experts": 256,
+        "num_experts_per_token": 8,
+        "num_shared_experts": 1,
+        "moe_intermediate_size": 1024,
+        "routed_scaling_factor": 2.446,
+        "hidden_act": "silu",
+        "first_k_dense_replace": 1,
+        "linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+                               "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+                               "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = K3Config.from_pretrained(tmp_path)
+    assert cfg.kda_gate_kind == "softplus" and not cfg.use_full_rank_gate and not cfg.use_attn_res
+    assert not cfg.use_latent_moe and not cfg.mla_use_output_gate and cfg.q_lora_rank is None
+    assert cfg.to_dict() == get_preset("kimi-linear-48b").to_dict()
+
+
+@pytest.mark.parametrize(
+    "over, msg",
+    [
+        (dict(kda_layers=[1, 2, 3], full_attn_layers=[4, 5, 6, 7]), "missing"),
+        (dict(kda_layers=[1, 2, 3, 4, 5, 6], full_attn_layers=[4, 7, 8]), "listed twice"),
+        (dict(kda_layers=[0, 1, 2, 3, 5, 6], full_attn_layers=[4, 7, 8]), "1-based"),
+        (dict(routed_expert_hidden_size=200), "must not exceed hidden_size"),
+        (dict(num_experts_per_token=9), "must not exceed num_experts"),
+        (dict(gate_lower_bound=-12.0), r"\[-10, 0\)"),
+        (dict(gate_lower_bound=0.0), r"\[-10, 0\)"),
+        (dict(num_key_value_heads=2), "must divide num_attention_heads"),
+        (dict(num_expert_group=3), "must divide num_experts"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(hidden_size=0), "positive integer"),
+        (dict(attn_res_block_size=0), "positive integer"),
+        (dict(first_k_dense_replace=99), "first_k_dense_replace"),
+    ],
+)
+def test_validation_messages(over, msg):
+    with pytest.raises(ConfigError, match=msg):
+        get_preset("tiny", **over)
+
+
+def test_unknown_preset_and_bad_file(tmp_path):
+    with pytest.raises(ConfigError, match="unknown preset"):
+        get_preset("k9")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        K3Config.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        K3Config.from_pretrained(tmp_path / "missing")
+
+
+def test_transformers_format_round_trip(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    c = transformers.KimiLinearConfig(vocab_size=100, hidden_size=32, num_hidden_layers=9, num_attention_heads=2,
+                                      num_key_value_heads=2, linear_num_heads=2, linear_head_dim=16,
+                                      moe_intermediate_size=16, intermediate_size=64, num_local_experts=4,
+                                      num_experts_per_tok=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                      v_head_dim=8, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    c.save_pretrained(tmp_path)
+    cfg = K3Config.from_pretrained(tmp_path)
+    assert cfg.full_attn_layers == [i + 1 for i, t in enumerate(c.layer_types) if t == "full_attention"]
+    assert cfg.num_experts == 4 and cfg.num_experts_per_token == 2 and cfg.hidden_act == "silu"
