@@ -1,0 +1,1 @@
+"""Operator implementations (reference PyTorch code and accelerated paths)."""
