@@ -1,0 +1,136 @@
+"""Single-token decode steps over the engine's cache layouts (see :mod:`openk3.infer.cache`), with fast-path hooks.
+
+Two steps run per decode iteration and per layer; each has a plain-PyTorch reference here and a registry that GPU
+backends fill with functions of the same signature:
+
+``FAST_KDA_DECODE[name](layer, q, k, v, z, beta_logits, gate, conv_state, state, slots) -> o``
+    Fused KDA step (SPEC.md §1.5 steps 2-5) for ``B`` sequences, one token each.
+    ``layer``: the :class:`~openk3.modules.kda.KimiDeltaAttention` module (conv weights ``layer.{q,k,v}_conv1d.weight``
+    ``[HK, 1, W]`` fp32, ``layer.A_log``, ``layer.dt_bias`` ``[HK]`` fp32, ``layer.o_norm.weight`` ``[K]`` fp32,
+    ``layer.gate_kind`` / ``layer.lower_bound`` / ``layer.eps`` / ``layer.num_heads`` / ``layer.head_dim``).
+    ``q, k, v``: ``[B, HK]`` raw projections (before the conv), model dtype; ``z``: ``[B, HK]`` raw decay logits
+    (``f_b_proj(f_a_proj(x))``); ``beta_logits``: ``[B, H]``; ``gate``: ``[B, HK]`` output-gate logits.
+    ``conv_state``: ``[S, 3, HK, W-1]`` fp32 (this layer's slice of ``PagedHybridCache.conv``), ``state``:
+    ``[S, H, K, V]`` fp32 (slice of ``PagedHybridCache.state``), both updated **in place** for rows ``slots [B]``
+    (int64; padded rows point at the scratch slot, duplicates allowed there).
+    Returns ``o [B, HK]`` in the model dtype: the gated-RMS-normed output, ready for ``o_proj``.
+
+``FAST_MLA_DECODE[name](q, kv_cache, block_table, lengths, *, scale, kv_lora_rank) -> out``
+    Absorbed (MQA 576/512) attention of one query token per sequence over the paged latent cache (SPEC.md §2.4).
+    ``q``: ``[B, H, dc + dr]`` fp32, the absorbed query ``[W_UK^T q_nope ; q_rope]``; ``kv_cache``:
+    ``[num_pages + 1, page_size, dc + dr]`` (this layer's slice of ``PagedHybridCache.kv``, cache dtype; the current
+    token is already written); ``block_table``: ``[B, max_pages]`` int32 page ids (padding = scratch page);
+    ``lengths``: ``[B]`` int32 valid tokens per row, the current one included (>= 1).
+    Returns ``out [B, H, dc]`` fp32: ``softmax_j(scale * q . kv_j) @ kv_j[:dc]`` (the engine applies ``W_UV``).
+
+The engine picks ``FAST_*_DECODE[name]`` where ``name = openk3.ops.backend.resolve(op, is_cuda, layer.backend)`` for
+``op`` "kda" / "mla" is registered there, and the reference otherwise (or when ``decode_backend="reference"``).
+Both references avoid host synchronisation, so a decode step built from them can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from openk3.ops import backend as _backend
+from openk3.ops.kda import kda_gate, l2norm
+from openk3.ops.norm import gated_rms_norm
+
+__all__ = [
+    "FAST_KDA_DECODE",
+    "FAST_MLA_DECODE",
+    "kda_decode_reference",
+    "mla_decode_reference",
+    "resolve_kda_decode",
+    "resolve_mla_decode",
+]
+
+FAST_KDA_DECODE: dict[str, Callable] = {}
+FAST_MLA_DECODE: dict[str, Callable] = {}
+
+
+def kda_decode_reference(
+    layer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    z: torch.Tensor,
+    beta_logits: torch.Tensor,
+    gate: torch.Tensor,
+    conv_state: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Reference single-token KDA step (signature and layouts in the module docstring)."""
+    B = q.shape[0]
+    H, K = layer.num_heads, layer.head_dim
+    dtype = q.dtype
+    # 1. short conv over [history, current] (fp32), SiLU; shift the history
+    w = torch.stack([layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight]).squeeze(2).float()
+    hist = conv_state.index_select(0, slots)  # [B, 3, HK, W-1]
+    cur = torch.stack([q, k, v], dim=1).float().unsqueeze(-1)  # [B, 3, HK, 1]
+    full = torch.cat([hist, cur], dim=-1)  # [B, 3, HK, W]
+    y = F.silu((full * w).sum(-1)).to(dtype)  # [B, 3, HK]
+    conv_state.index_copy_(0, slots, full[..., 1:])
+    qc, kc, vc = (y[:, i].view(B, H, K) for i in range(3))
+    # 2. gates, L2 norm, query scale (fp32)
+    g = kda_gate(
+        z.view(B, H, K), layer.A_log[:H], layer.dt_bias, kind=layer.gate_kind, lower_bound=layer.lower_bound
+    )
+    beta = torch.sigmoid(beta_logits.float())[..., None]  # [B, H, 1]
+    qn = l2norm(qc.float()) * K**-0.5
+    kn = l2norm(kc.float())
+    # 3. delta-rule update, read after the write
+    S = state.index_select(0, slots) * torch.exp(g)[..., None]  # [B, H, K, V]
+    pred = (kn[..., None] * S).sum(-2)  # [B, H, V]
+    S = S + kn[..., None] * (beta * (vc.float() - pred))[..., None, :]
+    o = (qn[..., None] * S).sum(-2)  # [B, H, V]
+    state.index_copy_(0, slots, S)
+    # 4. gated RMSNorm per head
+    o = gated_rms_norm(o.to(dtype), layer.o_norm.weight, gate.view(B, H, K), layer.eps)
+    return o.reshape(B, H * K)
+
+
+def mla_decode_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Reference paged absorbed attention (signature in the module docstring): gathers each row's pages into a
+    contiguous ``[B, max_pages * page_size, dc + dr]`` view, masks positions >= length, softmax in fp32."""
+    B, Hq, Dl = q.shape
+    P, ps, _ = kv_cache.shape
+    kv = kv_cache.index_select(0, block_table.reshape(-1).long()).view(B, -1, Dl).float()  # [B, S, Dl]
+    logits = torch.einsum("bhd,bsd->bhs", q.float(), kv) * scale
+    pos = torch.arange(kv.shape[1], device=q.device)
+    logits = logits.masked_fill((pos[None, :] >= lengths.long()[:, None])[:, None, :], float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    return torch.einsum("bhs,bsc->bhc", p, kv[..., :kv_lora_rank])
+
+
+def resolve_kda_decode(is_cuda: bool, requested: str | None = None, forced: str | None = None) -> Callable:
+    """The KDA decode step to use: ``forced="reference"`` or a name in :data:`FAST_KDA_DECODE` wins; otherwise the
+    backend that ``openk3.ops.backend.resolve("kda", ...)`` picks if it registered a decode step, else the reference."""
+    return _resolve("kda", FAST_KDA_DECODE, kda_decode_reference, is_cuda, requested, forced)
+
+
+def resolve_mla_decode(is_cuda: bool, requested: str | None = None, forced: str | None = None) -> Callable:
+    return _resolve("mla", FAST_MLA_DECODE, mla_decode_reference, is_cuda, requested, forced)
+
+
+def _resolve(op, table, ref, is_cuda, requested, forced):
+    if forced == "reference":
+        return ref
+    if forced:
+        if forced not in table:
+            raise ValueError(f"no {op} decode step named {forced!r}; registered: {sorted(table) or 'none'}")
+        return table[forced]
+    name = _backend.resolve(op, is_cuda, requested)
+    return table.get(name, ref)

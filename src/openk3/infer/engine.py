@@ -1,0 +1,960 @@
+"""Inference engine: continuous batching over the paged hybrid cache.
+
+Each :meth:`Engine.step`:
+
+1. takes new requests and aborts (thread-safe inbox), admits waiting requests while a sequence slot and pages are
+   free (restoring the longest cached prefix: KDA state snapshot + shared MLA pages);
+2. runs chunked prefill, at most ``max_prefill_tokens`` prompt tokens per step over all prefilling requests, one
+   sequence at a time through the model's own layers; chunks end at multiples of the prefix-cache interval, where
+   the KDA state is snapshotted;
+3. runs one batched decode step for every request whose cache holds all but its last token: the last token is fed,
+   its latent written into the pages, and the next token sampled.
+
+Prefill stops one token short of the known tokens, so the last prompt token always goes through the decode step:
+sampling happens in one place, and a request that was preempted (pages ran out; its cache is dropped and recomputed
+later) resumes exactly where it was. Finished or aborted requests free their pages and slot at once.
+
+The layer walk replicates ``K3Model.forward`` (AttnRes seal/read schedule) and calls the model's own submodules;
+only the attention layers read and write the engine's cache. ``Engine.start()`` runs the loop in a background
+thread; :class:`~openk3.infer.server` streams from it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from openk3.infer.cache import PagedHybridCache, PrefixCache, plan_pool
+from openk3.infer.decode import resolve_kda_decode, resolve_mla_decode
+from openk3.infer.sampling import SamplingParams, find_stop, sample, stop_holdback
+from openk3.ops import backend as _backend
+from openk3.ops.attnres import make_reader
+
+__all__ = [
+    "EngineConfig",
+    "Engine",
+    "Request",
+    "RequestOutput",
+    "IncrementalDetokenizer",
+    "default_tokenizer",
+    "load_for_inference",
+    "DEFAULT_RUN_DIR",
+]
+
+log = logging.getLogger("openk3.infer")
+
+DEFAULT_RUN_DIR = os.path.join("runs", "default", "final")
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. ``max_tokens`` is the cache pool size in tokens (``None``: from free GPU memory on CUDA,
+    32768 on CPU); ``max_model_len`` caps prompt + generated tokens (default: the model's
+    ``max_position_embeddings`` or the pool size, whichever is smaller)."""
+
+    page_size: int = 16
+    max_seqs: int = 64
+    max_tokens: int | None = None
+    max_model_len: int | None = None
+    max_prefill_tokens: int = 512
+    prefix_cache: bool = True
+    prefix_interval: int = 64
+    prefix_cache_bytes: int | None = None  # default: max(64 MiB, 16 sequences' state)
+    use_cuda_graphs: bool = False
+    cuda_graph_max_batch: int = 64
+    gpu_memory_utilization: float = 0.9
+    cache_dtype: torch.dtype | None = None  # default: the model's dtype
+    decode_backend: str | None = None  # None: auto; "reference"; or a FAST_*_DECODE name
+    record_logits: bool = False  # keep each decode step's logits on the request (tests / debugging)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding everything; holds back text while the
+    last bytes do not form a whole character yet."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        now = self.tok.decode(self.ids[self.prefix :])
+        if now.endswith("\ufffd") or len(now) < len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return now[len(before) :]
+
+    def flush(self) -> str:
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        now = self.tok.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return now[len(before) :]
+
+
+class Request:
+    """One generation request and its place in the cache (engine-internal, readable for tests)."""
+
+    _ids = itertools.count()
+
+    def __init__(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None, on_output, max_new: int
+    ):
+        self.id = request_id or f"req-{next(Request._ids)}"
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.max_new = max_new
+        self.all_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.on_output = on_output
+        self.num_computed = 0  # tokens whose cache entries are written
+        self.slot: int | None = None
+        self.pages: list[int] = []
+        self.admit_order = -1
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.aborted = False
+        self.text = ""
+        self.emitted = 0
+        self.stop_hit = False  # a stop string matched: text is final
+        self.detok = None
+        self.seen: torch.Tensor | None = None
+        self.generator: torch.Generator | None = None
+        self.logits_log: list[torch.Tensor] = []
+        self.prefix_hit = 0
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.done_event = threading.Event()
+        self._keys: list[tuple[int, bytes]] | None = None
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+
+class Engine:
+    """Continuous-batching engine over :class:`PagedHybridCache`.
+
+    >>> eng = Engine(model, tokenizer, page_size=16, max_seqs=8)
+    >>> eng.generate(["def f(x):"], SamplingParams(max_tokens=16, temperature=0))[0].text
+    """
+
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, **overrides):
+        cfg = config or EngineConfig()
+        for k, v in overrides.items():
+            if not hasattr(cfg, k):
+                raise TypeError(f"unknown engine option {k!r}")
+            setattr(cfg, k, v)
+        if cfg.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {cfg.max_prefill_tokens}")
+        self.cfg = cfg
+        self.model = model.eval()
+        self.mcfg = model.config
+        self.tokenizer = tokenizer
+        p0 = next(model.parameters())
+        self.device, self.dtype = p0.device, model.model.embed_tokens.weight.dtype
+        cache_dtype = cfg.cache_dtype or self.dtype
+        plan = plan_pool(
+            self.mcfg,
+            device=self.device,
+            dtype=cache_dtype,
+            page_size=cfg.page_size,
+            max_seqs=cfg.max_seqs,
+            max_tokens=cfg.max_tokens,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            reserve_bytes=self._reserve_bytes(),
+        )
+        self.plan = plan
+        self.pool = PagedHybridCache(
+            self.mcfg,
+            num_pages=plan.num_pages,
+            page_size=plan.page_size,
+            max_seqs=plan.max_seqs,
+            dtype=cache_dtype,
+            device=self.device,
+        )
+        cap = plan.num_pages * plan.page_size if self.pool.layout.mla_layers else 1 << 62
+        mml = min(self.mcfg.max_position_embeddings, cap)
+        if cfg.max_model_len is not None:
+            if cfg.max_model_len > mml:
+                raise ValueError(
+                    f"max_model_len {cfg.max_model_len} exceeds what the model and the cache allow ({mml}); "
+                    "raise --max-tokens or lower --max-model-len"
+                )
+            mml = cfg.max_model_len
+        self.max_model_len = mml
+        snap_bytes = cfg.prefix_cache_bytes
+        if snap_bytes is None:
+            snap_bytes = max(64 << 20, 16 * self.pool.bytes_per_sequence)
+        self.prefix = PrefixCache(self.pool, cfg.prefix_interval, snap_bytes) if cfg.prefix_cache else None
+        self.eos_ids = self._eos_ids()
+        self.tok_vocab = tokenizer.vocab_size if tokenizer is not None else self.mcfg.vocab_size
+        # scheduling state
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []  # admitted (prefilling or decoding), admission order
+        self.requests: dict[str, Request] = {}
+        self._admit_counter = itertools.count()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._lock = threading.Lock()
+        self.metrics = dict.fromkeys(
+            (
+                "requests_total",
+                "requests_finished_stop",
+                "requests_finished_length",
+                "requests_finished_abort",
+                "requests_finished_error",
+                "prompt_tokens_total",
+                "prompt_tokens_computed",
+                "generation_tokens_total",
+                "preemptions_total",
+                "steps_total",
+                "decode_steps_total",
+                "step_seconds_total",
+                "engine_errors_total",
+            ),
+            0,
+        )
+        # layer walk helpers
+        inner = model.model
+        self._seal_sites = {
+            i: inner.block_sites(i)
+            for i, layer in enumerate(inner.layers)
+            if self.mcfg.use_attn_res and layer.seal
+        }
+        self._kda_step = resolve_kda_decode(self.device.type == "cuda", None, cfg.decode_backend)
+        self._mla_step = resolve_mla_decode(self.device.type == "cuda", None, cfg.decode_backend)
+        # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
+        self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
+        if self.graphs_enabled and any(layer.is_moe for layer in inner.layers):
+            if _backend.resolve("moe", True, None) == "reference":
+                log.warning("CUDA graphs disabled: the reference MoE path synchronises with the host")
+                self.graphs_enabled = False
+        self._graphs: dict[int, tuple] = {}
+        self._graph_pool = None
+        self._max_pages_per_seq = self.pool.pages_for(self.max_model_len)
+        bmax = min(cfg.cuda_graph_max_batch, cfg.max_seqs)
+        self._buckets = sorted(
+            {b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b < bmax} | {bmax}
+        )
+
+    # ------------------------------------------------------------------------------------------------ setup helpers
+    def _reserve_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        # activations of a prefill chunk and decode batch, plus prefix snapshots: a rough, generous allowance
+        from openk3.infer.cache import CacheLayout
+
+        lay = CacheLayout.from_config(self.mcfg)
+        snaps = self.cfg.prefix_cache_bytes or max(64 << 20, 16 * lay.bytes_per_sequence())
+        return snaps + (2 << 30)
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        if self.tokenizer is not None and self.tokenizer.eos_id is not None:
+            ids.add(int(self.tokenizer.eos_id))
+        e = self.mcfg.eos_token_id
+        if self.tokenizer is None and e is not None:
+            ids.update([e] if isinstance(e, int) else list(e))
+        return ids
+
+    def memory_report(self) -> dict:
+        r = self.pool.report()
+        r["max_model_len"] = self.max_model_len
+        r["plan"] = self.plan.source
+        r["prefix_cache_bytes"] = self.prefix.max_bytes if self.prefix else 0
+        return r
+
+    # ------------------------------------------------------------------------------------------------ public API
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt, allow_special=True)
+        return [int(t) for t in prompt]
+
+    def make_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> Request:
+        """Validate and build a request (``ValueError`` with a message for the client on bad input)."""
+        params = (params or SamplingParams()).validate()
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        V = self.mcfg.vocab_size
+        if min(ids) < 0 or max(ids) >= V:
+            raise ValueError(f"prompt token ids must lie in [0, {V})")
+        n, ctx = len(ids), self.max_model_len
+        if n >= ctx:
+            raise ValueError(
+                f"the prompt has {n} tokens but the context length is {ctx}; shorten the prompt (at least one token "
+                "must be left for the answer)"
+            )
+        if params.max_tokens is None:
+            max_new = ctx - n
+        else:
+            max_new = params.max_tokens
+            if n + max_new > ctx:
+                raise ValueError(
+                    f"this model's maximum context length is {ctx} tokens; you requested {n + max_new} tokens "
+                    f"({n} in the prompt, {max_new} for the completion); lower max_tokens or shorten the prompt"
+                )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        req = Request(ids, params, request_id, on_output, max_new)
+        if self.tokenizer is not None:
+            req.detok = IncrementalDetokenizer(self.tokenizer)
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else random.getrandbits(63)
+            req.generator = torch.Generator(device=self.device).manual_seed(seed)
+        return req
+
+    def submit(
+        self, prompt, params: SamplingParams | None = None, *, request_id=None, on_output=None
+    ) -> Request:
+        """Queue a request (thread-safe). Outputs are delivered through ``on_output`` from the engine's thread."""
+        req = self.make_request(prompt, params, request_id=request_id, on_output=on_output)
+        self._inbox.put(("add", req))
+        self._wake.set()
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe); its pages and slot are freed at the next step."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def has_work(self) -> bool:
+        return bool(self.active or self.waiting or not self._inbox.empty())
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[Request]:
+        """Run ``prompts`` to completion (batched) and return the finished requests (``.output_ids``, ``.text``,
+        ``.finish_reason``). Drives :meth:`step` itself unless the background loop is running."""
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        reqs = [self.submit(p, sp, on_output=on_output) for p, sp in zip(prompts, plist)]
+        if self._thread is not None:
+            for r in reqs:
+                r.done_event.wait()
+        else:
+            while not all(r.finished for r in reqs):
+                self.step()
+        return reqs
+
+    def start(self) -> None:
+        """Run the scheduling loop in a daemon thread."""
+        if self._thread is not None:
+            return
+        self._stop = False
+        n_threads = torch.get_num_threads()  # new threads do not inherit torch's intra-op setting everywhere
+        self._thread = threading.Thread(
+            target=self._loop, args=(n_threads,), name="openk3-engine", daemon=True
+        )
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self, n_threads: int) -> None:
+        if self.device.type == "cpu":
+            torch.set_num_threads(n_threads)
+        while not self._stop:
+            self._wake.clear()
+            if not self.has_work():
+                self._wake.wait(0.05)
+                continue
+            self.step()
+
+    # ------------------------------------------------------------------------------------------------ scheduling
+    def step(self) -> None:
+        """One scheduler iteration (see the module docstring). Errors fail the running requests, not the engine."""
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                self._drain_inbox()
+                self._admit()
+                self._run_prefill()
+                self._run_decode()
+        except Exception as e:  # never let one bad step kill the server
+            log.exception("engine step failed")
+            self.metrics["engine_errors_total"] += 1
+            for r in list(self.active) + list(self.waiting):
+                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+        self.metrics["steps_total"] += 1
+        self.metrics["step_seconds_total"] += time.perf_counter() - t0
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, x = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.requests[x.id] = x
+                self.waiting.append(x)
+                self.metrics["requests_total"] += 1
+                self.metrics["prompt_tokens_total"] += x.num_prompt
+            elif kind == "abort":
+                r = self.requests.get(x)
+                if r is not None and not r.finished:
+                    self._finish(r, "abort")
+
+    def _admit(self) -> None:
+        ps = self.pool.page_size
+        while self.waiting and len(self.active) < self.cfg.max_seqs and self.pool.num_free_slots:
+            req = self.waiting[0]
+            target = len(req.all_ids) - 1
+            snap = (
+                self.prefix.lookup(req.all_ids, target, record=False)
+                if (self.prefix and target > 0)
+                else None
+            )
+            hit = snap.length if snap else 0
+            shared = hit // ps
+            need = self.pool.pages_for(len(req.all_ids)) - shared
+            if self.pool.num_reclaimable_pages - shared < need + 1 and self.active:
+                return  # wait for running requests to free pages
+            self.waiting.popleft()
+            if self.prefix is not None and target > 0:
+                self.prefix.record(hit)
+            req.slot = self.pool.alloc_slot()
+            req.admit_order = next(self._admit_counter)
+            req.pages = []
+            self.active.append(req)
+            if snap is not None:
+                for p in snap.pages[:shared]:
+                    self.pool.share_page(p)
+                    req.pages.append(p)
+                if (
+                    hit % ps
+                ):  # copy the partly used page; hold it while allocating (eviction may drop the snapshot)
+                    src = snap.pages[shared]
+                    self.pool.share_page(src)
+                    dst = self._alloc_page()
+                    if dst is None:
+                        self.pool.release_pages([src])
+                        hit = shared * ps
+                    else:
+                        self.pool.copy_page(src, dst)
+                        self.pool.release_pages([src])
+                        req.pages.append(dst)
+                if hit == snap.length:
+                    self.pool.load_slot(req.slot, snap.state, snap.conv)
+                else:  # could not copy the partial page: start over without the prefix
+                    self.pool.release_pages(req.pages)
+                    req.pages, hit = [], 0
+            if hit == 0:
+                self.pool.reset_slot(req.slot)
+            req.num_computed = hit
+            req.prefix_hit = max(req.prefix_hit, hit)
+            if req.params.repetition_penalty != 1.0:
+                req.seen = torch.zeros(self.mcfg.vocab_size, dtype=torch.bool, device=self.device)
+                req.seen[torch.tensor(req.all_ids, device=self.device)] = True
+
+    def _alloc_page(self) -> int | None:
+        while True:
+            p = self.pool.alloc_page()
+            if p is not None:
+                return p
+            if self.prefix is None or not self.prefix.evict_lru():
+                return None
+
+    def _ensure_pages(self, req: Request, tokens: int) -> bool:
+        """Make ``req`` hold pages for its first ``tokens`` tokens, preempting the newest requests if needed.
+        Returns False when ``req`` itself had to be preempted."""
+        while len(req.pages) < self.pool.pages_for(tokens):
+            p = self._alloc_page()
+            if p is None:
+                victim = max(self.active, key=lambda r: r.admit_order)
+                self._preempt(victim)
+                if victim is req:
+                    return False
+                continue
+            req.pages.append(p)
+        return True
+
+    def _release(self, req: Request) -> None:
+        if req.pages:
+            self.pool.release_pages(req.pages)
+            req.pages = []
+        if req.slot is not None:
+            self.pool.free_slot(req.slot)
+            req.slot = None
+        if req in self.active:
+            self.active.remove(req)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed = 0
+        self.waiting.appendleft(req)
+        self.metrics["preemptions_total"] += 1
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.finished:
+            return
+        self._release(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.finished, req.finish_reason, req.error = True, reason, error
+        self.metrics[f"requests_finished_{reason}"] += 1
+        tail = ""
+        if reason in ("stop", "length") and req.detok is not None and not req.stop_hit:
+            tail = self._extend_text(req, req.detok.flush(), final=True)
+        self._emit(req, [], tail)
+        self.requests.pop(req.id, None)
+        req.done_event.set()
+
+    def _emit(self, req: Request, new_ids: list[int], text: str) -> None:
+        if req.on_output is None:
+            return
+        out = RequestOutput(
+            req.id,
+            new_ids,
+            text,
+            req.finished,
+            req.finish_reason,
+            req.num_prompt,
+            len(req.output_ids),
+            req.error,
+        )
+        try:
+            req.on_output(out)
+        except Exception:  # a consumer that went away must not stop the engine
+            log.debug("output callback of %s failed", req.id, exc_info=True)
+
+    def _extend_text(self, req: Request, delta: str, final: bool = False) -> str:
+        """Append decoded text, apply stop strings; returns the text that may be sent now."""
+        if req.stop_hit:
+            return ""
+        stops = req.params.stop
+        start = len(req.text)
+        req.text += delta
+        if stops:
+            i = find_stop(req.text, stops, start)
+            if i >= 0:
+                req.text = req.text[:i]
+                final = req.stop_hit = True
+        upto = len(req.text) if final or not stops else len(req.text) - stop_holdback(req.text, stops)
+        upto = max(upto, req.emitted)
+        out = req.text[req.emitted : upto]
+        req.emitted = upto
+        return out
+
+    # ------------------------------------------------------------------------------------------------ prefill
+    def _run_prefill(self) -> None:
+        budget = self.cfg.max_prefill_tokens
+        for req in list(self.active):
+            if budget <= 0:
+                break
+            target = len(req.all_ids) - 1
+            while req.num_computed < target and budget > 0 and req.slot is not None:
+                start = req.num_computed
+                end = min(target, start + budget)
+                if self.prefix is not None:
+                    n = self.prefix.interval
+                    end = min(end, (start // n + 1) * n)
+                if not self._ensure_pages(req, end):
+                    break
+                self._prefill_chunk(req, start, end)
+                budget -= end - start
+                self.metrics["prompt_tokens_computed"] += end - start
+                req.num_computed = end
+                if self.prefix is not None and end % self.prefix.interval == 0:
+                    if req._keys is None:
+                        req._keys = dict(self.prefix.block_keys(req.all_ids, target))
+                    key = req._keys[end]
+                    self.prefix.insert(key, req.all_ids, end, req.pages, req.slot)
+
+    def _prefill_chunk(self, req: Request, start: int, end: int) -> None:
+        """Prefill tokens [start, end) of one sequence through the model's own attention modules (chunked KDA / MHA
+        MLA paths and their fast backends), with per-layer dict caches built from and written back to the pool."""
+        pool, lay, s = self.pool, self.pool.layout, req.slot
+        dc = lay.kv_lora_rank
+        caches: dict[int, dict] = {}
+        for li in lay.kda_layers:
+            j = pool.pool_index[li]
+            conv = pool.conv[j, s]
+            caches[li] = {
+                "conv_q": conv[0][None],
+                "conv_k": conv[1][None],
+                "conv_v": conv[2][None],
+                "state": pool.state[j, s][None],
+            }
+        for li in lay.mla_layers:
+            if start > 0:
+                lat = pool.gather_latent(pool.pool_index[li], req.pages, start)[None]
+                caches[li] = {"c": lat[..., :dc], "kr": lat[..., dc:]}
+            else:
+                caches[li] = {}
+        ids = torch.tensor([req.all_ids[start:end]], dtype=torch.long, device=self.device)
+        self._walk(
+            self.model.model.embed_tokens(ids), lambda i, layer, x: layer.self_attn(x, cache=caches[i])
+        )
+        for li in lay.kda_layers:
+            j, d = pool.pool_index[li], caches[li]
+            pool.conv[j, s].copy_(torch.stack([d["conv_q"][0], d["conv_k"][0], d["conv_v"][0]]))
+            pool.state[j, s].copy_(d["state"][0])
+        if lay.mla_layers:
+            rows = pool.slot_mapping(req.pages, start, end)
+            for li in lay.mla_layers:
+                d = caches[li]
+                lat = torch.cat([d["c"][0, start:end], d["kr"][0, start:end].to(d["c"].dtype)], dim=-1)
+                pool.write_latent(pool.pool_index[li], rows, lat)
+
+    # ------------------------------------------------------------------------------------------------ layer walk
+    def _walk(self, r: torch.Tensor, attn: Callable) -> torch.Tensor:
+        """``K3Model.forward`` with the attention call replaced: r [B, T, D] embeddings -> final-normed hidden."""
+        cfg, inner = self.mcfg, self.model.model
+        reader = make_reader(cfg.rms_norm_eps, r.is_cuda, inner.attnres_backend) if cfg.use_attn_res else None
+        for i, layer in enumerate(inner.layers):
+
+            def a(h, i=i, layer=layer):
+                return attn(i, layer, layer.input_layernorm(h))
+
+            def f(h, layer=layer):
+                return layer.ffn(layer.post_attention_layernorm(h))
+
+            if not layer.use_attn_res:
+                r = r + a(r)
+                r = r + f(r)
+                continue
+            h = reader.read(*layer.site("self_attention"), r) if reader.num_sealed else r
+            if layer.seal:
+                reader.seal(r, self._seal_sites[i])
+                r = a(h)
+            else:
+                r = r + a(h)
+            m = reader.read(*layer.site("mlp"), r)
+            r = r + f(m)
+        if cfg.use_attn_res:
+            r = reader.read(*inner.output_site(), r)
+        return inner.norm(r)
+
+    # ------------------------------------------------------------------------------------------------ decode
+    def _run_decode(self) -> None:
+        ready = [r for r in self.active if r.num_computed == len(r.all_ids) - 1]
+        batch = []
+        for req in sorted(ready, key=lambda r: r.admit_order):
+            if req.slot is None or req.finished:
+                continue
+            if self._ensure_pages(req, req.num_computed + 1):
+                batch.append(req)
+        batch = [
+            r for r in batch if r.slot is not None
+        ]  # a later allocation may have preempted an earlier one
+        if not batch:
+            return
+        ps = self.pool.page_size
+        pos = [r.num_computed for r in batch]
+        ids = torch.tensor([r.all_ids[-1] for r in batch], dtype=torch.long)
+        slots = torch.tensor([r.slot for r in batch], dtype=torch.long)
+        lengths = torch.tensor([p + 1 for p in pos], dtype=torch.int32)
+        rows = torch.tensor([r.pages[p // ps] * ps + p % ps for r, p in zip(batch, pos)], dtype=torch.long)
+        width = max(self.pool.pages_for(p + 1) for p in pos)
+        table = torch.full((len(batch), width), self.pool.dummy_page, dtype=torch.int32)
+        for b, (r, p) in enumerate(zip(batch, pos)):
+            n = self.pool.pages_for(p + 1)
+            table[b, :n] = torch.tensor(r.pages[:n], dtype=torch.int32)
+        logits = self._decode_logits(ids, slots, table, lengths, rows)
+        self.metrics["decode_steps_total"] += 1
+        for r in batch:
+            r.num_computed += 1
+        if self.tok_vocab < logits.shape[-1]:
+            logits[:, self.tok_vocab :] = float("-inf")
+        seen = None
+        if any(r.seen is not None for r in batch):
+            seen = torch.stack(
+                [
+                    r.seen
+                    if r.seen is not None
+                    else torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                    for r in batch
+                ]
+            )
+        toks = sample(
+            logits,
+            temperature=[r.params.temperature for r in batch],
+            top_k=[r.params.top_k for r in batch],
+            top_p=[r.params.top_p for r in batch],
+            repetition_penalty=[r.params.repetition_penalty for r in batch],
+            seen=seen,
+            generators=[r.generator for r in batch],
+        ).tolist()
+        for b, (r, t) in enumerate(zip(batch, toks)):
+            if self.cfg.record_logits:
+                r.logits_log.append(logits[b].float().cpu())
+            self._append_token(r, int(t))
+
+    def _append_token(self, req: Request, t: int) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        req.output_ids.append(t)
+        req.all_ids.append(t)
+        self.metrics["generation_tokens_total"] += 1
+        if req.seen is not None:
+            req.seen[t] = True
+        p = req.params
+        if t in p.stop_token_ids or (not p.ignore_eos and t in self.eos_ids):
+            self._finish(req, "stop")
+            return
+        text = self._extend_text(req, req.detok.push(t)) if req.detok is not None else ""
+        if req.stop_hit:
+            self._emit(req, [t], text)
+            self._finish(req, "stop")
+            return
+        if len(req.output_ids) >= req.max_new or len(req.all_ids) >= self.max_model_len:
+            self._emit(req, [t], text)
+            self._finish(req, "length")
+            return
+        self._emit(req, [t], text)
+
+    def _decode_logits(self, ids, slots, table, lengths, rows) -> torch.Tensor:
+        dev = self.device
+        B = ids.shape[0]
+        if self.graphs_enabled:
+            bucket = next((b for b in self._buckets if b >= B), None)
+            if bucket is not None:
+                try:
+                    return self._graph_decode(bucket, ids, slots, table, lengths, rows)
+                except Exception as e:  # capture failed (host sync in some op): run eagerly from now on
+                    log.warning("CUDA graph decode disabled: %s", e)
+                    self.graphs_enabled = False
+                    self._graphs.clear()
+        return self._decode_forward(ids.to(dev), slots.to(dev), table.to(dev), lengths.to(dev), rows.to(dev))
+
+    def _decode_forward(self, ids, slots, table, lengths, rows) -> torch.Tensor:
+        """One token per row: ids/slots/lengths/rows [B], table [B, W]. Pure device work (graph-capturable)."""
+        pool, lay = self.pool, self.pool.layout
+        dc = lay.kv_lora_rank
+
+        def attn(i, layer, x):
+            xx = x[:, 0]
+            B = xx.shape[0]
+            m = layer.self_attn
+            j = pool.pool_index[i]
+            if layer.attn_type == "kda":
+                z = m.f_b_proj(m.f_a_proj(xx))
+                gate = m.g_proj(xx) if m.full_rank_gate else m.g_b_proj(m.g_a_proj(xx))
+                o = self._kda_step(
+                    m,
+                    m.q_proj(xx),
+                    m.k_proj(xx),
+                    m.v_proj(xx),
+                    z,
+                    m.b_proj(xx),
+                    gate,
+                    pool.conv[j],
+                    pool.state[j],
+                    slots,
+                )
+                return m.o_proj(o)[:, None]
+            H = m.num_heads
+            q = m.project_q(xx).view(B, H, m.dn + m.dr)
+            c, kr = m.latent(xx)
+            pool.write_latent(j, rows, torch.cat([c, kr.to(c.dtype)], dim=-1))
+            w_uk, w_uv = m.absorbed_weights()
+            qa = torch.einsum("bhn,hnc->bhc", q[..., : m.dn].float(), w_uk.float())
+            ql = torch.cat([qa, q[..., m.dn :].float()], dim=-1)
+            cbar = self._mla_step(ql, pool.kv[j], table, lengths, scale=m.scale, kv_lora_rank=dc)
+            o = torch.einsum("bhc,hvc->bhv", cbar, w_uv.float()).to(xx.dtype).reshape(B, H * m.dv)
+            if m.use_gate:
+                o = torch.sigmoid(m.g_proj(xx)) * o
+            return m.o_proj(o)[:, None]
+
+        h = self._walk(self.model.model.embed_tokens(ids)[:, None], attn)
+        return F.linear(h[:, 0], self.model.output_weight).float()
+
+    def _graph_decode(self, bucket, ids, slots, table, lengths, rows) -> torch.Tensor:
+        B, W = table.shape
+        if bucket not in self._graphs:
+            self._capture(bucket)
+        g, bufs, out = self._graphs[bucket]
+        b_ids, b_slots, b_table, b_len, b_rows = bufs
+        pool = self.pool
+        b_ids.fill_(0)
+        b_slots.fill_(pool.dummy_slot)
+        b_table.fill_(pool.dummy_page)
+        b_len.fill_(1)
+        b_rows.fill_(pool.dummy_page * pool.page_size)
+        b_ids[:B].copy_(ids, non_blocking=True)
+        b_slots[:B].copy_(slots, non_blocking=True)
+        b_table[:B, :W].copy_(table, non_blocking=True)
+        b_len[:B].copy_(lengths, non_blocking=True)
+        b_rows[:B].copy_(rows, non_blocking=True)
+        g.replay()
+        return out[:B].clone()
+
+    def _capture(self, bucket: int) -> None:
+        dev, pool = self.device, self.pool
+        bufs = (
+            torch.zeros(bucket, dtype=torch.long, device=dev),
+            torch.full((bucket,), pool.dummy_slot, dtype=torch.long, device=dev),
+            torch.full((bucket, self._max_pages_per_seq), pool.dummy_page, dtype=torch.int32, device=dev),
+            torch.ones(bucket, dtype=torch.int32, device=dev),
+            torch.full((bucket,), pool.dummy_page * pool.page_size, dtype=torch.long, device=dev),
+        )
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm-up on scratch rows only
+                self._decode_forward(*bufs)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._graph_pool):
+            out = self._decode_forward(*bufs)
+        self._graph_pool = g.pool()
+        self._graphs[bucket] = (g, bufs, out)
+
+    # ------------------------------------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        m = dict(self.metrics)
+        active = list(self.active)
+        m.update(
+            {
+                "requests_running": sum(1 for r in active if r.num_computed >= len(r.all_ids) - 1),
+                "requests_prefilling": sum(1 for r in active if r.num_computed < len(r.all_ids) - 1),
+                "requests_waiting": len(self.waiting),
+                "pages_total": self.pool.num_pages,
+                "pages_free": self.pool.num_free_pages,
+                "pages_used_by_sequences": self.pool.num_seq_pages,
+                "pages_held_by_prefix_cache_only": self.pool.num_reclaimable_pages - self.pool.num_free_pages,
+                "slots_free": self.pool.num_free_slots,
+                "page_size": self.pool.page_size,
+                "bytes_per_token": self.pool.bytes_per_token,
+                "bytes_per_sequence": self.pool.bytes_per_sequence,
+                "cache_pool_bytes": self.pool.nbytes(),
+                "max_model_len": self.max_model_len,
+                "cuda_graphs": int(self.graphs_enabled),
+            }
+        )
+        if self.prefix is not None:
+            m.update(
+                {
+                    "prefix_cache_queries": self.prefix.queries,
+                    "prefix_cache_hits": self.prefix.hits,
+                    "prefix_cache_hit_tokens": self.prefix.hit_tokens,
+                    "prefix_cache_snapshots": len(self.prefix.entries),
+                    "prefix_cache_bytes": self.prefix.nbytes,
+                }
+            )
+        return m
+
+
+# =================================================================================================== model loading
+def default_tokenizer(vocab_size: int = 4096):
+    """Byte-level BPE trained on a small slice of the embedded corpus (cached under ~/.cache/openk3)."""
+    from openk3.train.data import default_corpus
+    from openk3.train.tokenizer import Tokenizer
+
+    docs = default_corpus(max_bytes=1_000_000)
+    cache = Path(os.environ.get("OPENK3_CACHE", Path.home() / ".cache" / "openk3")) / "tokenizers"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        import tempfile
+
+        cache = Path(tempfile.gettempdir()) / "openk3-tokenizers"
+        cache.mkdir(parents=True, exist_ok=True)
+    return Tokenizer.train_bpe(docs, vocab_size=vocab_size, cache_dir=cache)
+
+
+def _has_tokenizer(d: Path) -> bool:
+    return (d / "tokenizer.json").is_file() or (d / "tiktoken.model").is_file()
+
+
+def load_for_inference(
+    ckpt: str | os.PathLike | None = None,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    seed: int = 0,
+):
+    """(model, tokenizer, name, source) for the CLI and the server.
+
+    ``ckpt`` given: load that released-format checkpoint (tokenizer from ``tokenizer`` or the same directory).
+    Otherwise ``runs/default/final`` (``openk3 train``'s default output) if it exists, else a freshly initialised
+    ``tiny`` model with a small byte-level BPE tokenizer, so the commands always run."""
+    from openk3.config import get_preset
+    from openk3.model import K3ForCausalLM
+    from openk3.train.tokenizer import Tokenizer
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    path = Path(ckpt) if ckpt is not None else None
+    if path is None and (Path(DEFAULT_RUN_DIR) / "config.json").is_file():
+        path = Path(DEFAULT_RUN_DIR)
+    if path is not None:
+        if not path.exists():
+            raise FileNotFoundError(
+                f"checkpoint {str(path)!r} does not exist; pass a directory with config.json"
+            )
+        model = K3ForCausalLM.from_pretrained(path, dtype=dt, device=dev)
+        tdir = Path(tokenizer) if tokenizer is not None else (path if path.is_dir() else path.parent)
+        if tokenizer is None and not _has_tokenizer(tdir):
+            raise FileNotFoundError(
+                f"no tokenizer.json or tiktoken.model in {str(tdir)!r}; pass --tokenizer PATH"
+            )
+        tok = Tokenizer.from_file(tdir)
+        name = path.resolve().name if path.name != "final" else path.resolve().parent.name
+        source = f"checkpoint {path}"
+    else:
+        torch.manual_seed(seed)
+        model = K3ForCausalLM(get_preset("tiny")).to(device=dev)
+        if dt != torch.float32:
+            model.to_dtype(dt)
+        tok = (
+            Tokenizer.from_file(tokenizer)
+            if tokenizer is not None
+            else default_tokenizer(model.config.vocab_size)
+        )
+        name = "openk3-tiny-random"
+        source = "a freshly initialised tiny model (no checkpoint; run `openk3 train` for a trained one)"
+    if tok.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tok.vocab_size} tokens but the model only {model.config.vocab_size}; "
+            "pass the tokenizer the model was trained with (--tokenizer)"
+        )
+    model.eval()
+    return model, tok, name, source

@@ -1,0 +1,209 @@
+"""Token sampling and stop-string handling as pure functions.
+
+Order of the logit transforms (the usual one, as in HF ``generate``): repetition penalty, temperature, top-k,
+top-p, then a draw from the softmax. ``temperature == 0`` means greedy (argmax of the penalised logits).
+All functions work on a batch ``logits: [B, V]`` with per-row parameters, and never modify their inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "SamplingParams",
+    "apply_repetition_penalty",
+    "apply_temperature",
+    "top_k_filter",
+    "top_p_filter",
+    "sample",
+    "find_stop",
+    "stop_holdback",
+]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings.
+
+    ``max_tokens``: new tokens to generate at most (``None``: up to the context length). ``temperature`` 0 is
+    greedy. ``top_k`` <= 0 and ``top_p`` == 1 disable those filters. ``repetition_penalty`` > 1 discourages tokens
+    already present in the prompt or the output (HF semantics). ``seed`` makes sampling reproducible, whatever
+    else runs in the same batch. ``stop``: strings that end generation (not included in the text);
+    ``stop_token_ids``: extra ids that end generation; the end-of-sequence id does too unless ``ignore_eos``.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> SamplingParams:
+        """Raise ``ValueError`` (with the field name) for an invalid value; returns self."""
+
+        def num(name, v, lo=None, hi=None, lo_open=False):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+            if lo is not None and (v <= lo if lo_open else v < lo):
+                raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
+            if hi is not None and v > hi:
+                raise ValueError(f"{name} must be <= {hi}, got {v}")
+
+        if self.max_tokens is not None:
+            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+                raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        num("temperature", self.temperature, 0.0, 100.0)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an integer (0 or -1 = off), got {self.top_k!r}")
+        num("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        num("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be a string or a list of strings")
+        self.stop = [s for s in self.stop if s]
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _col(x: float | Sequence[float] | torch.Tensor, B: int, logits: torch.Tensor) -> torch.Tensor:
+    """Per-row parameter as a [B, 1] fp32 tensor on the logits' device."""
+    t = torch.as_tensor(x, dtype=torch.float32, device=logits.device)
+    return t.reshape(-1, 1).expand(B, 1) if t.numel() == 1 else t.reshape(B, 1)
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, seen: torch.Tensor, penalty: float | Sequence[float] | torch.Tensor
+) -> torch.Tensor:
+    """HF repetition penalty: for each token already present (``seen [B, V]`` bool), a positive logit is divided by
+    ``penalty`` and a negative one multiplied by it. ``penalty`` is a float or one per row; 1 = no change."""
+    B = logits.shape[0]
+    p = _col(penalty, B, logits)
+    x = logits.float()
+    pen = torch.where(x > 0, x / p, x * p)
+    return torch.where(seen, pen, x)
+
+
+def apply_temperature(
+    logits: torch.Tensor, temperature: float | Sequence[float] | torch.Tensor
+) -> torch.Tensor:
+    """Divide by the temperature (rows with temperature 0 are left as they are: they are taken greedily)."""
+    B = logits.shape[0]
+    t = _col(temperature, B, logits)
+    return logits.float() / torch.where(t > 0, t, torch.ones_like(t))
+
+
+def top_k_filter(logits: torch.Tensor, k: int | Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Keep each row's ``k`` largest logits (ties with the k-th are kept), set the rest to -inf. ``k <= 0`` or
+    ``k >= V`` leaves the row unchanged."""
+    B, V = logits.shape
+    kk = torch.as_tensor(k, dtype=torch.long, device=logits.device).reshape(-1)
+    kk = kk.expand(B) if kk.numel() == 1 else kk.reshape(B)
+    kk = torch.where((kk <= 0) | (kk > V), torch.full_like(kk, V), kk)
+    sorted_vals = logits.sort(dim=-1, descending=True).values
+    kth = sorted_vals.gather(1, (kk - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float | Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of most likely tokens whose probability mass reaches ``p`` (the most
+    likely token is always kept); the rest become -inf. ``p >= 1`` leaves the row unchanged."""
+    B = logits.shape[0]
+    pp = _col(p, B, logits)
+    vals, idx = logits.float().sort(dim=-1, descending=True)
+    probs = torch.softmax(vals, dim=-1)
+    before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+    drop_sorted = (before >= pp) & (pp < 1.0)
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor,
+    *,
+    temperature: Sequence[float] | float = 1.0,
+    top_k: Sequence[int] | int = 0,
+    top_p: Sequence[float] | float = 1.0,
+    repetition_penalty: Sequence[float] | float = 1.0,
+    seen: torch.Tensor | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> torch.Tensor:
+    """Next token per row. logits: [B, V]; per-row settings (scalars broadcast); ``seen [B, V]`` marks tokens for the
+    repetition penalty; ``generators``: one per row (``None`` = torch's default generator). Returns ids [B] int64.
+
+    Each sampled row draws from its own generator only, so a seeded request gets the same tokens whatever else is
+    in the batch."""
+    B, V = logits.shape
+    temps = (
+        [float(temperature)] * B if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
+    )
+    pens = (
+        [float(repetition_penalty)] * B
+        if isinstance(repetition_penalty, (int, float))
+        else [float(r) for r in repetition_penalty]
+    )
+    x = logits.float()
+    if seen is not None and any(r != 1.0 for r in pens):
+        x = apply_repetition_penalty(x, seen, pens)
+    greedy_ids = x.argmax(-1)
+    sampled_rows = [i for i, t in enumerate(temps) if t > 0]
+    if not sampled_rows:
+        return greedy_ids
+    rows = torch.tensor(sampled_rows, device=x.device)
+    xs = apply_temperature(x[rows], [temps[i] for i in sampled_rows])
+    ks = [top_k] * B if isinstance(top_k, int) else list(top_k)
+    ps = [top_p] * B if isinstance(top_p, (int, float)) else list(top_p)
+    k_rows = [int(ks[i]) for i in sampled_rows]
+    p_rows = [float(ps[i]) for i in sampled_rows]
+    if any(0 < k < V for k in k_rows):
+        xs = top_k_filter(xs, torch.tensor(k_rows, device=x.device))
+    if any(p < 1.0 for p in p_rows):
+        xs = top_p_filter(xs, p_rows)
+    probs = torch.softmax(xs, dim=-1)
+    out = greedy_ids.clone()
+    for j, i in enumerate(sampled_rows):
+        g = generators[i] if generators is not None else None
+        out[i] = torch.multinomial(probs[j], 1, generator=g)[0]
+    return out
+
+
+# --------------------------------------------------------------------------------------------- stop strings
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:
+    """Index of the earliest occurrence of any stop string in ``text`` that ends after ``start`` (search from
+    ``start - len(stop) + 1``), or -1."""
+    best = -1
+    for s in stops:
+        i = text.find(s, max(0, start - len(s) + 1))
+        if i >= 0 and (best < 0 or i < best):
+            best = i
+    return best
+
+
+def stop_holdback(text: str, stops: Sequence[str]) -> int:
+    """Number of trailing characters of ``text`` that could be the start of a stop string (so a stream must not
+    emit them yet)."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold

@@ -1,0 +1,397 @@
+"""Inference engine on CPU: paged hybrid cache, decode steps, continuous batching, prefix cache, preemption."""
+
+import pytest
+import torch
+
+from openk3.config import get_preset
+from openk3.infer.cache import CacheLayout, PagedHybridCache, plan_pool
+from openk3.infer.decode import (
+    FAST_KDA_DECODE,
+    FAST_MLA_DECODE,
+    kda_decode_reference,
+    mla_decode_reference,
+)
+from openk3.infer.engine import Engine, IncrementalDetokenizer
+from openk3.infer.sampling import SamplingParams
+from openk3.model import K3ForCausalLM
+from openk3.ops.mla import mla_absorbed_attention
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny ops: one intra-op thread is many times faster than two on a busy machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    m = K3ForCausalLM(get_preset("tiny").replace(attn_res_init="normal"))
+    with torch.no_grad():  # slow decay, so a wrong or stale KDA state would show in the logits
+        for layer in m.model.layers:
+            if layer.attn_type == "kda":
+                layer.self_attn.dt_bias.uniform_(-6.0, -1.0)
+    return m.eval()
+
+
+def _prompts(seed, lengths, vocab=4096):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _check_against_full_forward(model, reqs, tol=1e-4):
+    """Every recorded decode-step logit row equals a full re-forward of the final sequence (teacher forced)."""
+    for r in reqs:
+        assert len(r.logits_log) == len(r.output_ids)
+        seq = torch.tensor([r.all_ids[:-1]])
+        with torch.no_grad():
+            ref = model(seq).logits[0, r.num_prompt - 1 :].float()
+        got = torch.stack(r.logits_log)
+        assert got.shape == ref.shape
+        assert _rel(got, ref) < tol, (r.num_prompt, _rel(got, ref))
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-3  # argmax is well defined
+        assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+        assert r.output_ids == got.argmax(-1).tolist()  # greedy picked the engine's own argmax
+
+
+# ------------------------------------------------------------------------------------------------ decode steps
+def test_kda_decode_reference_matches_module(tiny, rel):
+    cfg = tiny.config
+    layer = tiny.model.layers[0].self_attn
+    B, T = 3, 9
+    x = torch.randn(B, T + 1, cfg.hidden_size)
+    cache = {}
+    with torch.no_grad():
+        layer(x[:, :T], cache=cache)  # module fills its own contiguous cache
+        ref_cache = {k: v.clone() for k, v in cache.items()}
+        ref = layer(x[:, T:], cache=ref_cache)[:, 0]
+        S, Wm1 = 5, cfg.short_conv_kernel_size - 1
+        HK = layer.num_heads * layer.head_dim
+        conv = torch.randn(S, 3, HK, Wm1)
+        state = torch.randn(S, layer.num_heads, layer.head_dim, layer.head_dim)
+        slots = torch.tensor([4, 0, 2])
+        conv[slots] = torch.stack([cache["conv_q"], cache["conv_k"], cache["conv_v"]], dim=1)
+        state[slots] = cache["state"]
+        untouched = conv[[1, 3]].clone(), state[[1, 3]].clone()
+        xx = x[:, T]
+        gate = layer.g_proj(xx)
+        o = kda_decode_reference(
+            layer,
+            layer.q_proj(xx),
+            layer.k_proj(xx),
+            layer.v_proj(xx),
+            layer.f_b_proj(layer.f_a_proj(xx)),
+            layer.b_proj(xx),
+            gate,
+            conv,
+            state,
+            slots,
+        )
+        got = layer.o_proj(o)
+    assert rel(got, ref) < 1e-5
+    assert rel(state[slots], ref_cache["state"]) < 1e-5
+    assert (
+        rel(conv[slots], torch.stack([ref_cache["conv_q"], ref_cache["conv_k"], ref_cache["conv_v"]], 1))
+        < 1e-6
+    )
+    assert torch.equal(conv[[1, 3]], untouched[0]) and torch.equal(state[[1, 3]], untouched[1])
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_mla_decode_reference_matches_contiguous(rel, page_size):
+    torch.manual_seed(1)
+    B, H, dn, dr, dc, dv = 3, 4, 8, 4, 16, 8
+    lengths = [1, 13, 30]
+    S = max(lengths)
+    c, kr = torch.randn(B, S, dc), torch.randn(B, S, dr)
+    q_nope, q_rope = torch.randn(B, 1, H, dn), torch.randn(B, 1, H, dr)
+    w_uk, w_uv = torch.randn(H, dn, dc), torch.randn(H, dv, dc)
+    ref = mla_absorbed_attention(q_nope, q_rope, c, kr, w_uk, w_uv, scale=0.3, lengths=torch.tensor(lengths))[
+        :, 0
+    ]
+    n_pages = 50
+    kv = torch.randn(n_pages + 1, page_size, dc + dr)  # garbage everywhere else
+    perm = torch.randperm(n_pages).tolist()
+    width = -(-S // page_size)
+    table = torch.full((B, width), n_pages, dtype=torch.int32)
+    for b, L in enumerate(lengths):
+        pages = [perm.pop() for _ in range(-(-L // page_size))]
+        table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        for t in range(L):
+            kv[pages[t // page_size], t % page_size] = torch.cat([c[b, t], kr[b, t]])
+    qa = torch.einsum("bhn,hnc->bhc", q_nope[:, 0], w_uk)
+    out = mla_decode_reference(
+        torch.cat([qa, q_rope[:, 0]], -1),
+        kv,
+        table,
+        torch.tensor(lengths, dtype=torch.int32),
+        scale=0.3,
+        kv_lora_rank=dc,
+    )
+    got = torch.einsum("bhc,hvc->bhv", out, w_uv)
+    assert rel(got, ref) < 1e-5
+
+
+def test_fast_path_hooks_are_used(tiny):
+    calls = {"kda": 0, "mla": 0}
+
+    def kda(*a, **k):
+        calls["kda"] += 1
+        return kda_decode_reference(*a, **k)
+
+    def mla(*a, **k):
+        calls["mla"] += 1
+        return mla_decode_reference(*a, **k)
+
+    FAST_KDA_DECODE["test-hook"], FAST_MLA_DECODE["test-hook"] = kda, mla
+    try:
+        eng = Engine(tiny, None, max_seqs=2, max_tokens=256, decode_backend="test-hook")
+        eng.generate([[7, 8, 9]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    finally:
+        del FAST_KDA_DECODE["test-hook"], FAST_MLA_DECODE["test-hook"]
+    lay = CacheLayout.from_config(tiny.config)
+    assert calls == {"kda": 2 * len(lay.kda_layers), "mla": 2 * len(lay.mla_layers)}
+    with pytest.raises(ValueError, match="no kda decode step"):
+        Engine(tiny, None, max_seqs=1, max_tokens=64, decode_backend="missing")
+
+
+# ------------------------------------------------------------------------------------------------ engine == model
+def test_cached_decode_equals_full_forward_64_tokens_ragged(tiny):
+    eng = Engine(
+        tiny, None, page_size=16, max_seqs=8, max_tokens=2048, record_logits=True, prefix_interval=16
+    )
+    reqs = eng.generate(
+        _prompts(1, [1, 7, 23, 40]), SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    )
+    assert [len(r.output_ids) for r in reqs] == [64] * 4
+    assert all(r.finish_reason == "length" for r in reqs)
+    _check_against_full_forward(tiny, reqs)
+    s = eng.stats()
+    assert s["pages_used_by_sequences"] == 0 and s["slots_free"] == 8  # finished requests freed everything
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 64])
+def test_paged_cache_page_sizes_and_chunked_prefill(tiny, page_size):
+    eng = Engine(
+        tiny,
+        None,
+        page_size=page_size,
+        max_seqs=4,
+        max_tokens=1024,
+        max_prefill_tokens=9,
+        prefix_cache=False,
+        record_logits=True,
+    )
+    reqs = eng.generate(
+        _prompts(2, [2, 31, 70]), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    )
+    _check_against_full_forward(tiny, reqs)
+
+
+def test_prefix_cache_hit_equals_miss(tiny):
+    base = _prompts(3, [90])[0]
+    other = _prompts(4, [30])[0]
+    p_hit = base[:50] + other  # shares 50 tokens -> snapshot at 48
+    p_near = base[:40] + other  # shares 40 tokens -> snapshot at 32, never 48
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    kw = dict(
+        page_size=5, max_seqs=4, max_tokens=1024, record_logits=True
+    )  # 48 % 5 != 0: partial page copied
+    eng = Engine(tiny, None, prefix_interval=16, **kw)
+    eng.generate([base], params)
+    (hit,) = eng.generate([p_hit], params)
+    (near,) = eng.generate([p_near], params)
+    assert hit.prefix_hit == 48 and near.prefix_hit == 32
+    fresh = Engine(tiny, None, prefix_cache=False, **kw)
+    miss_hit, miss_near = fresh.generate([p_hit, p_near], params)
+    for a, b in ((hit, miss_hit), (near, miss_near)):
+        assert a.output_ids == b.output_ids
+        assert _rel(torch.stack(a.logits_log), torch.stack(b.logits_log)) < 1e-5
+    _check_against_full_forward(tiny, [hit, near])
+    s = eng.stats()
+    assert s["prefix_cache_hits"] == 2 and s["prefix_cache_hit_tokens"] == 80
+    # the base prompt again: longest snapshot (80 of 89 known tokens), output identical to the first run
+    (again,) = eng.generate([base], params)
+    assert again.prefix_hit == 80
+    assert again.output_ids == miss_base_ids(tiny, base, params, kw)
+
+
+def miss_base_ids(model, prompt, params, kw):
+    (r,) = Engine(model, None, prefix_cache=False, **kw).generate([prompt], params)
+    return r.output_ids
+
+
+def test_prefix_cache_evicts_and_frees(tiny):
+    eng = Engine(
+        tiny, None, page_size=4, max_seqs=2, max_tokens=64, prefix_interval=8, prefix_cache_bytes=1 << 30
+    )
+    for p in _prompts(5, [40, 40, 40]):  # each prompt's snapshots pin pages until the pool needs them
+        (r,) = eng.generate([p], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert r.finish_reason == "length"
+    s = eng.stats()
+    assert s["pages_used_by_sequences"] == 0 and s["slots_free"] == 2
+    assert s["pages_free"] + s["pages_held_by_prefix_cache_only"] == s["pages_total"]
+    eng.prefix.clear()
+    assert eng.stats()["pages_free"] == s["pages_total"]
+
+
+def test_preemption_recomputes_exactly(tiny):
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompts = _prompts(6, [20, 25, 30])
+    small = Engine(tiny, None, page_size=4, max_seqs=3, max_tokens=72, prefix_cache=False, record_logits=True)
+    reqs = small.generate(prompts, params)
+    assert small.stats()["preemptions_total"] > 0
+    _check_against_full_forward(tiny, reqs)
+    big = Engine(tiny, None, page_size=4, max_seqs=3, max_tokens=1024, prefix_cache=False)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in big.generate(prompts, params)]
+    assert small.stats()["pages_free"] == small.pool.num_pages
+
+
+def test_continuous_batching_and_chunked_prefill_do_not_stall(tiny):
+    eng = Engine(
+        tiny, None, page_size=8, max_seqs=4, max_tokens=2048, max_prefill_tokens=32, prefix_cache=False
+    )
+    a = eng.submit(_prompts(7, [5])[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert len(a.output_ids) == 3
+    b = eng.submit(_prompts(8, [200])[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    steps = 0
+    while not b.output_ids:  # B needs ~7 steps of prefill; A gets a token in every one of them
+        n = len(a.output_ids)
+        eng.step()
+        steps += 1
+        assert len(a.output_ids) == n + 1
+    assert steps >= 200 // 32
+    while not (a.finished and b.finished):
+        eng.step()
+    assert eng.stats()["pages_used_by_sequences"] == 0
+
+
+def test_abort_frees_pages_and_slot(tiny):
+    eng = Engine(tiny, None, page_size=4, max_seqs=2, max_tokens=512, prefix_cache=False)
+    outs = []
+    a = eng.submit(_prompts(9, [30])[0], SamplingParams(max_tokens=100, temperature=0), on_output=outs.append)
+    b = eng.submit(_prompts(10, [10])[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng.stats()["pages_used_by_sequences"] > 0
+    eng.abort(a.id)
+    eng.step()
+    assert a.finished and a.finish_reason == "abort" and outs[-1].finished
+    assert a.slot is None and not a.pages
+    while not b.finished:
+        eng.step()
+    assert b.finish_reason == "length" and len(b.output_ids) == 5
+    s = eng.stats()
+    assert s["pages_free"] == s["pages_total"] and s["slots_free"] == 2
+
+
+def test_seeded_sampling_is_batch_independent(tiny):
+    eng = Engine(tiny, None, max_seqs=4, max_tokens=1024)
+    p = _prompts(11, [12])[0]
+    sp = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    (alone,) = eng.generate([p], sp)
+    others = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    with_others = eng.generate([_prompts(12, [7])[0], p, _prompts(13, [3])[0]], [others, sp, others])
+    assert alone.output_ids == with_others[1].output_ids
+    (other_seed,) = eng.generate(
+        [p], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)
+    )
+    assert other_seed.output_ids != alone.output_ids
+
+
+def test_stop_token_and_limits(tiny):
+    eng = Engine(tiny, None, max_seqs=2, max_tokens=256, record_logits=True)
+    p = _prompts(14, [6])[0]
+    (r,) = eng.generate([p], GREEDY)
+    t = r.output_ids[3]
+    first = r.output_ids.index(t)
+    (s,) = eng.generate([p], SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[t]))
+    assert s.finish_reason == "stop" and s.output_ids == r.output_ids[: first + 1]
+    with pytest.raises(ValueError, match="context length"):
+        eng.submit(list(range(5, 5 + eng.max_model_len)), GREEDY)
+    with pytest.raises(ValueError, match="maximum context length"):
+        eng.submit([5, 6], SamplingParams(max_tokens=eng.max_model_len))
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.submit([5, 6], SamplingParams(max_tokens=-1))
+    with pytest.raises(ValueError, match="token ids"):
+        eng.submit([5, 10**6], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        eng.submit([], GREEDY)
+
+
+def test_cuda_graph_flag_is_a_noop_on_cpu(tiny):
+    eng = Engine(tiny, None, max_seqs=2, max_tokens=128, use_cuda_graphs=True)
+    assert not eng.graphs_enabled
+    (r,) = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(r.output_ids) == 3
+
+
+def test_background_thread(tiny):
+    eng = Engine(tiny, None, max_seqs=4, max_tokens=512)
+    eng.start()
+    try:
+        reqs = eng.generate(
+            _prompts(15, [4, 9]), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        )
+        assert all(len(r.output_ids) == 5 for r in reqs)
+    finally:
+        eng.shutdown()
+    assert eng._thread is None
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def test_memory_accounting_matches_spec():
+    lay = CacheLayout.from_config(get_preset("k3"))
+    assert len(lay.mla_layers) == 24 and len(lay.kda_layers) == 69
+    assert lay.bytes_per_token(torch.bfloat16) == 27_648  # SPEC.md §2.5
+    state = 69 * 96 * 128 * 128 * 4  # SPEC.md §1.5: 434 MB fp32
+    assert lay.bytes_per_sequence() == state + 69 * 3 * 96 * 128 * 3 * 4
+    kl = CacheLayout.from_config(get_preset("kimi-linear-48b"))
+    assert kl.bytes_per_token(torch.bfloat16) == 7 * 576 * 2
+
+
+def test_pool_plan_and_allocation(tiny):
+    plan = plan_pool(tiny.config, page_size=16, max_seqs=4)
+    assert plan.max_tokens == 32768 and "CPU default" in plan.source
+    plan = plan_pool(tiny.config, page_size=16, max_seqs=4, max_tokens=100)
+    assert plan.num_pages == 7
+    pool = PagedHybridCache(tiny.config, num_pages=3, page_size=2, max_seqs=2)
+    assert (
+        pool.nbytes() == 4 * pool.bytes_per_token * 2 + 3 * pool.bytes_per_sequence
+    )  # + scratch page and slot
+    pages = [pool.alloc_page() for _ in range(3)]
+    assert pool.alloc_page() is None
+    pool.snap_ref(pages[:2])
+    pool.release_pages(pages)
+    assert pool.num_free_pages == 1 and pool.num_reclaimable_pages == 3
+    pool.share_page(pages[0])
+    assert pool.num_reclaimable_pages == 2 and pool.num_seq_pages == 1
+    pool.release_pages([pages[0]])
+    pool.snap_unref(pages[:2])
+    assert pool.num_free_pages == 3
+    with pytest.raises(RuntimeError):
+        pool.release_pages([pages[0]])
+
+
+def test_incremental_detokenizer_matches_full_decode(tmp_path):
+    from openk3.train.tokenizer import Tokenizer
+
+    tok = Tokenizer.train_bpe(
+        ["héllo wörld ünïcode 漢字 " * 20, "def f(x):\n    return x\n" * 20], vocab_size=300
+    )
+    ids = tok.encode("héllo 漢字 wörld def f(x): ünïcode")
+    d = IncrementalDetokenizer(tok)
+    text = "".join(d.push(t) for t in ids) + d.flush()
+    assert text == tok.decode(ids)

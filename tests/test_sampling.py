@@ -1,0 +1,151 @@
+"""Sampling transforms and stop-string helpers (pure functions)."""
+
+import pytest
+import torch
+
+from openk3.infer.sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    apply_temperature,
+    find_stop,
+    sample,
+    stop_holdback,
+    top_k_filter,
+    top_p_filter,
+)
+
+
+def _gens(*seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50)
+    assert torch.equal(sample(logits, temperature=0.0), logits.argmax(-1))
+    # a greedy row stays greedy next to sampled rows
+    out = sample(logits, temperature=[0.0, 1.0, 0.0, 1.0, 0.0], generators=_gens(1, 2, 3, 4, 5))
+    assert out[[0, 2, 4]].tolist() == logits.argmax(-1)[[0, 2, 4]].tolist()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 100)
+    a = sample(logits, temperature=1.0, generators=_gens(7, 8, 9, 10))
+    b = sample(logits, temperature=1.0, generators=_gens(7, 8, 9, 10))
+    assert torch.equal(a, b)
+    # row 2 alone, same generator seed: same token as inside the batch
+    alone = sample(logits[2:3], temperature=1.0, generators=_gens(9))
+    assert alone.item() == a[2].item()
+    draws = {tuple(sample(logits, temperature=1.0, generators=_gens(s, s, s, s)).tolist()) for s in range(20)}
+    assert len(draws) > 1
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None].expand(4000, 4).contiguous()
+    g = torch.Generator().manual_seed(0)
+    toks = sample(logits, temperature=1.0, generators=[g] * 4000)
+    freq = torch.bincount(toks, minlength=4).float() / 4000
+    assert (freq - probs).abs().max() < 0.03  # ~4 sigma for 4000 draws, fixed seed
+
+
+def test_temperature_scales_logits():
+    x = torch.tensor([[1.0, 2.0, -4.0], [1.0, 2.0, -4.0]])
+    y = apply_temperature(x, [2.0, 0.0])
+    assert torch.allclose(y[0], x[0] / 2) and torch.equal(y[1], x[1])
+    g = torch.Generator().manual_seed(0)
+    cold = sample(torch.tensor([[0.0, 1.0, 0.5]]).expand(200, 3), temperature=0.01, generators=[g] * 200)
+    assert (cold == 1).all()
+
+
+def test_top_k_keeps_k_largest_and_ties():
+    x = torch.tensor([[3.0, 1.0, 2.0, 5.0, 4.0], [1.0, 1.0, 1.0, 0.0, 2.0]])
+    y = top_k_filter(x, torch.tensor([2, 2]))
+    assert torch.isfinite(y[0]).tolist() == [False, False, False, True, True]
+    assert torch.isfinite(y[1]).tolist() == [True, True, True, False, True]  # ties with the k-th are kept
+    assert torch.equal(top_k_filter(x, 0), x) and torch.equal(top_k_filter(x, 99), x)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 30).expand(300, 30)
+    toks = sample(logits, temperature=1.0, top_k=3, generators=[g] * 300)
+    assert set(toks.tolist()) <= set(logits[0].topk(3).indices.tolist())
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.8, 0.95])
+def test_top_p_keeps_the_smallest_set_reaching_p(p):
+    torch.manual_seed(1)
+    x = torch.randn(6, 40) * 2
+    y = top_p_filter(x, p)
+    probs = torch.softmax(x, -1)
+    for row in range(6):
+        kept = torch.isfinite(y[row])
+        mass = probs[row][kept].sum().item()
+        assert mass >= p - 1e-6
+        # minimal: dropping the least likely kept token falls below p
+        least = probs[row][kept].min().item()
+        assert mass - least < p or kept.sum() == 1
+        # nucleus = most likely tokens: every kept token beats every dropped one
+        if (~kept).any():
+            assert probs[row][kept].min() >= probs[row][~kept].max()
+    assert torch.equal(top_p_filter(x, 1.0), x)
+    assert torch.isfinite(top_p_filter(x, 1e-9)).sum(-1).tolist() == [1] * 6  # the top token always survives
+
+
+def test_repetition_penalty_hf_semantics():
+    x = torch.tensor([[2.0, -2.0, 3.0, -1.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    y = apply_repetition_penalty(x, seen, 2.0)
+    assert y.tolist() == [[1.0, -4.0, 3.0, -1.0]]  # positive / p, negative * p, unseen unchanged
+    assert torch.equal(apply_repetition_penalty(x, seen, 1.0), x)
+    # greedy choice moves away from a seen token
+    z = torch.tensor([[3.0, 2.5]])
+    assert sample(z, temperature=0.0, repetition_penalty=1.5, seen=torch.tensor([[True, False]])).item() == 1
+
+
+def test_inputs_are_not_modified():
+    x = torch.randn(2, 10)
+    keep = x.clone()
+    top_k_filter(x, 3)
+    top_p_filter(x, 0.5)
+    apply_repetition_penalty(x, torch.ones(2, 10, dtype=torch.bool), 1.3)
+    sample(x, temperature=0.7, top_k=4, top_p=0.9, generators=_gens(1, 2))
+    assert torch.equal(x, keep)
+
+
+def test_stop_helpers():
+    assert find_stop("hello world", ["wor", "xyz"]) == 6
+    assert find_stop("hello world", ["o w", "llo"]) == 2
+    assert find_stop("hello", ["zz"]) == -1
+    assert find_stop("abcabc", ["abc"], start=4) == 3  # only matches ending after `start`
+    assert stop_holdback("the end is ne", ["near", "xyz"]) == 2
+    assert stop_holdback("abc", ["c!", "bc?"]) == 2
+    assert stop_holdback("abc", ["zz"]) == 0
+    assert stop_holdback("", ["zz"]) == 0
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"seed": "x"}, "seed"),
+        ({"stop": [1]}, "stop"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+    ],
+)
+def test_params_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw).validate()
+
+
+def test_params_defaults_and_normalisation():
+    p = SamplingParams(stop="###").validate()
+    assert p.stop == ["###"] and not p.greedy
+    assert SamplingParams(temperature=0).validate().greedy
+    assert SamplingParams(max_tokens=None).validate().max_tokens is None
