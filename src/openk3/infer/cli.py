@@ -1,0 +1,313 @@
+"""``openk3 generate``, ``openk3 chat`` and ``openk3 serve`` (registered into the main CLI by ``register``).
+
+Without ``--ckpt`` the commands use ``runs/default/final`` (``openk3 train``'s default output) when it exists, else
+a freshly initialised ``tiny`` model with a small byte-level tokenizer, so they always run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--ckpt",
+        metavar="DIR",
+        help="released-format checkpoint directory (default: runs/default/final "
+        "if present, else a freshly initialised tiny model)",
+    )
+    g.add_argument(
+        "--tokenizer", metavar="PATH", help="tokenizer file or directory (default: the checkpoint's)"
+    )
+    g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    g.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        help="weights and cache dtype (default: bf16 on CUDA, fp32 on CPU)",
+    )
+    g.add_argument("--seed-init", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per cache page (default 16)")
+    g.add_argument("--max-seqs", type=int, default=64, help="sequences decoded together at most (default 64)")
+    g.add_argument(
+        "--max-tokens",
+        dest="pool_tokens",
+        type=int,
+        default=None,
+        help="cache pool size in tokens (default: from free GPU memory; 32768 on CPU)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="fraction of free GPU memory to use"
+    )
+    g.add_argument("--max-model-len", type=int, default=None, help="context length cap (prompt + output)")
+    g.add_argument(
+        "--max-prefill-tokens", type=int, default=512, help="prompt tokens prefilled per engine step"
+    )
+    g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    g.add_argument("--prefix-interval", type=int, default=64, help="prefix-cache snapshot interval in tokens")
+    g.add_argument(
+        "--cuda-graphs", action="store_true", help="capture the decode step in CUDA graphs (CUDA only)"
+    )
+    g.add_argument(
+        "--decode-backend", default=None, help="decode steps: auto (default), reference, or a registered name"
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_new_default: int | None) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument(
+        "-n",
+        "--max-new-tokens",
+        type=int,
+        default=max_new_default,
+        help=f"tokens to generate at most (default {max_new_default or 'up to the context length'})",
+    )
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (1 = off; default 0.95)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style penalty (1 = off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _load(args):
+    import torch
+
+    from openk3.infer.engine import Engine, EngineConfig, load_for_inference
+
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+    model, tok, name, source = load_for_inference(
+        args.ckpt, device=args.device, dtype=dtype, tokenizer=args.tokenizer, seed=args.seed_init
+    )
+    cfg = EngineConfig(
+        page_size=args.page_size,
+        max_seqs=args.max_seqs,
+        max_tokens=args.pool_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        max_prefill_tokens=args.max_prefill_tokens,
+        prefix_cache=not args.no_prefix_cache,
+        prefix_interval=args.prefix_interval,
+        use_cuda_graphs=args.cuda_graphs,
+        decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
+    )
+    engine = Engine(model, tok, cfg)
+    return engine, name, source
+
+
+def _params(args):
+    from openk3.infer.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=list(args.stop),
+    ).validate()
+
+
+def _info(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _describe(engine, name: str, source: str) -> None:
+    r = engine.memory_report()
+    _info(
+        f"[openk3] model {name} from {source}; {engine.device}, {str(engine.dtype).replace('torch.', '')}; cache "
+        f"{r['max_tokens']} tokens in pages of {r['page_size']}, {r['bytes_per_token']} B/token, "
+        f"{r['bytes_per_sequence']} B/sequence, context {r['max_model_len']}"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ generate
+def cmd_generate(args) -> int:
+    engine, name, source = _load(args)
+    if not args.quiet:
+        _describe(engine, name, source)
+    params = _params(args)
+    prompts = args.prompt or ["def main():"]
+    if len(prompts) == 1:
+        sys.stdout.write(prompts[0])
+        sys.stdout.flush()
+
+        def show(out):
+            if out.new_text:
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+
+        (req,) = engine.generate(prompts, params, on_output=show)
+        sys.stdout.write("\n")
+        reqs = [req]
+    else:
+        reqs = engine.generate(prompts, params)
+        for i, (p, r) in enumerate(zip(prompts, reqs)):
+            print(f"--- [{i}] {p}{r.text}")
+    for r in reqs:
+        if r.error:
+            raise RuntimeError(f"generation failed: {r.error}")
+    if not args.quiet:
+        n = sum(len(r.output_ids) for r in reqs)
+        _info(f"[openk3] {n} tokens, finish: {', '.join(str(r.finish_reason) for r in reqs)}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ chat
+def _render(tok, messages) -> tuple[str, list[int]]:
+    """Prompt text and extra stop ids: the tokenizer's chat template when it has one (or its <|im_start|> tokens),
+    else a plain transcript."""
+    im_end = tok.token_to_id("<|im_end|>")
+    if tok.chat_template or tok.token_to_id("<|im_start|>") is not None:
+        return tok.apply_chat_template(messages, add_generation_prompt=True), [
+            im_end
+        ] if im_end is not None else []
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n".join(lines) + "\nAssistant:", []
+
+
+def cmd_chat(args) -> int:
+    engine, name, source = _load(args)
+    _describe(engine, name, source)
+    _info("[openk3] type a message; /reset clears the history, /exit or Ctrl-D quits")
+    base = _params(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        prompt, stop_ids = _render(engine.tokenizer, history)
+        params = _params(args)
+        params.stop = base.stop + (["\nUser:"] if not stop_ids else [])
+        params.stop_token_ids = stop_ids
+        ids = engine.encode(prompt)
+        if len(ids) >= engine.max_model_len - 1:
+            _info("[openk3] the conversation no longer fits in the context; /reset to start over")
+            history.pop()
+            continue
+        if params.max_tokens is not None:
+            params.max_tokens = min(params.max_tokens, engine.max_model_len - len(ids))
+        sys.stdout.write("assistant> " if interactive else "")
+        sys.stdout.flush()
+
+        def show(out):
+            if out.new_text:
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+
+        (req,) = engine.generate([ids], params, on_output=show)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if req.error:
+            raise RuntimeError(f"generation failed: {req.error}")
+        history.append({"role": "assistant", "content": req.text})
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ serve
+def cmd_serve(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise RuntimeError("serving needs fastapi and uvicorn: pip install 'openk3[serve]'") from None
+    from openk3.infer.server import serve
+
+    engine, name, source = _load(args)
+    _describe(engine, name, source)
+    key = args.api_key or os.environ.get("OPENK3_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
+        _info(f"[openk3] warning: listening on {args.host} without an API key (--api-key or OPENK3_API_KEY)")
+    model_name = args.model_name or name
+    _info(
+        f"[openk3] serving '{model_name}' at http://{args.host}:{args.port}/v1 (OpenAI API), /health, /metrics"
+    )
+    serve(
+        engine, model_name=model_name, host=args.host, port=args.port, api_key=key, log_level=args.log_level
+    )
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ registration
+def register(sub) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a prompt, streamed to the terminal",
+        description="Generate a continuation of one or more prompts with the inference engine (paged cache, "
+        "continuous batching). Text streams to stdout; model and cache information goes to stderr.",
+        formatter_class=fmt,
+        epilog="examples:\n  openk3 generate --prompt 'def fibonacci(n):' -n 64 --temperature 0\n"
+        "  openk3 generate --ckpt runs/default/final --prompt 'import os' --top-p 0.9 --seed 1",
+    )
+    p.add_argument(
+        "--prompt", action="append", help="prompt text (repeat for a batch; default 'def main():')"
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="only print the text")
+    _add_model_args(p)
+    _add_sampling_args(p, 128)
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "chat",
+        help="interactive chat in the terminal (uses the tokenizer's chat template)",
+        description="Chat with a model: each line you type is a user turn; the reply streams back. The prompt is "
+        "rendered with the tokenizer's chat template when it has one. /reset clears the history, /exit quits.",
+        formatter_class=fmt,
+        epilog="examples:\n  openk3 chat\n  openk3 chat --ckpt runs/default/final --system 'You are terse.' "
+        "--temperature 0.7",
+    )
+    p.add_argument("--system", help="system message")
+    _add_model_args(p)
+    _add_sampling_args(p, 256)
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (FastAPI + uvicorn)",
+        description="Serve a model over the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions "
+        "(streaming with server-sent events), /health and Prometheus /metrics. Binds to 127.0.0.1 by default.",
+        formatter_class=fmt,
+        epilog="examples:\n  openk3 serve --port 8000\n  openk3 serve --ckpt runs/default/final --api-key secret\n"
+        "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+        '       -d \'{"model": "openk3-tiny-random", "prompt": "def ", "max_tokens": 16}\'',
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set OPENK3_API_KEY)")
+    p.add_argument(
+        "--model-name", help="model id clients must send (default: the checkpoint's directory name)"
+    )
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_model_args(p)
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_serve)

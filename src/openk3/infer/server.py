@@ -1,0 +1,545 @@
+"""OpenAI-compatible HTTP server: FastAPI app over a background :class:`~openk3.infer.engine.Engine`.
+
+Endpoints: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (both with ``stream`` as server-sent events ending in ``data: [DONE]``, and usage
+counts). Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for bad requests;
+the server keeps serving after any of them. A streaming client that disconnects has its request aborted (pages and
+slot freed at the next engine step).
+
+Extra request fields beyond OpenAI's (as vLLM accepts them): ``top_k``, ``repetition_penalty``, ``stop_token_ids``,
+``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from openk3.infer.engine import Engine, RequestOutput
+from openk3.infer.sampling import SamplingParams
+
+__all__ = ["create_app", "serve", "ApiError"]
+
+MAX_N = 16
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, *, type_: str = "invalid_request_error", param=None, code=None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+# ------------------------------------------------------------------------------------------------ request parsing
+def _get(body: dict, name: str, types, default=None, *, allow_none=True):
+    v = body.get(name, default)
+    if v is None:
+        if not allow_none:
+            raise ApiError(400, f"'{name}' must not be null", param=name)
+        return default
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ApiError(400, f"'{name}' has the wrong type ({type(v).__name__})", param=name)
+    if not isinstance(v, types):
+        raise ApiError(400, f"'{name}' has the wrong type ({type(v).__name__})", param=name)
+    return v
+
+
+def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
+    for name, off in (("presence_penalty", 0), ("frequency_penalty", 0)):
+        v = body.get(name)
+        if v not in (None, off, 0.0):
+            raise ApiError(
+                400, f"'{name}' is not supported by this server (use repetition_penalty)", param=name
+            )
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    if body.get("echo"):
+        raise ApiError(400, "'echo' is not supported by this server", param="echo")
+    if body.get("logit_bias"):
+        raise ApiError(400, "'logit_bias' is not supported by this server", param="logit_bias")
+    if body.get("suffix"):
+        raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"'n' must lie in [1, {MAX_N}], got {n}", param="n")
+    best_of = body.get("best_of")
+    if best_of not in (None, n):
+        raise ApiError(400, "'best_of' other than n is not supported", param="best_of")
+    if chat:
+        max_tokens = _get(body, "max_completion_tokens", int, None)
+        if max_tokens is None:
+            max_tokens = _get(body, "max_tokens", int, None)
+    else:
+        max_tokens = _get(body, "max_tokens", int, 16)
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+    if len(stop) > 16:
+        raise ApiError(400, "at most 16 stop strings are allowed", param="stop")
+    stop_ids = _get(body, "stop_token_ids", list, [])
+    top_k = _get(body, "top_k", int, 0)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(_get(body, "temperature", (int, float), 1.0)),
+        top_p=float(_get(body, "top_p", (int, float), 1.0)),
+        top_k=top_k,
+        repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0)),
+        seed=_get(body, "seed", int, None),
+        stop=list(stop),
+        stop_token_ids=list(stop_ids),
+        ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    return params, n
+
+
+def _with_seed(params: SamplingParams, i: int) -> SamplingParams:
+    if i == 0:
+        return params
+    p = SamplingParams(**{k: getattr(params, k) for k in params.__dataclass_fields__})
+    if p.seed is not None:
+        p.seed += i
+    return p
+
+
+def _stream_options(body: dict) -> bool:
+    so = body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    return bool(so.get("include_usage"))
+
+
+# ------------------------------------------------------------------------------------------------ engine bridge
+class _Group:
+    """Several engine requests of one HTTP request, delivering (index, output) events into an asyncio queue."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.reqs = []
+        self.done: set[int] = set()
+
+    def _put(self, i: int, out: RequestOutput) -> None:
+        with contextlib.suppress(RuntimeError):  # loop already closed
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
+
+    def submit(self, prompt, params: SamplingParams) -> None:
+        i = len(self.reqs)
+        try:
+            req = self.engine.submit(prompt, params, on_output=lambda out, i=i: self._put(i, out))
+        except ValueError as e:
+            self.abort()
+            raise ApiError(400, str(e)) from None
+        self.reqs.append(req)
+
+    async def events(self, request=None):
+        """Yield (index, output) until every request finished; with ``request`` (non-streaming), poll for a client
+        disconnect while waiting."""
+        while len(self.done) < len(self.reqs):
+            if request is None:
+                i, out = await self.queue.get()
+            else:
+                try:
+                    i, out = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        self.abort()
+                        return
+                    continue
+            if out.finished:
+                self.done.add(i)
+            yield i, out
+
+    def abort(self) -> None:
+        for i, r in enumerate(self.reqs):
+            if i not in self.done:
+                self.engine.abort(r.id)
+                self.done.add(i)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r.num_prompt for r in self.reqs)
+
+
+# ------------------------------------------------------------------------------------------------ app
+def create_app(
+    engine: Engine, model_name: str = "openk3", *, api_key: str | None = None, start_engine: bool = True
+):
+    """The FastAPI application. ``start_engine``: start the engine's background loop with the app (and stop it at
+    shutdown)."""
+    created = int(time.time())
+    http_errors: dict[int, int] = {}
+    tok = engine.tokenizer
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if start_engine:
+            engine.start()
+        try:
+            yield
+        finally:
+            if start_engine:
+                engine.shutdown()
+
+    app = FastAPI(title="openk3", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def err_response(e: ApiError) -> JSONResponse:
+        http_errors[e.status] = http_errors.get(e.status, 0) + 1
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return err_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):
+        code = "not_found" if exc.status_code == 404 else None
+        return err_response(ApiError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc):
+        return err_response(ApiError(400, f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request, exc):
+        return err_response(
+            ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
+        )
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            got = request.headers.get("authorization", "")
+            ok = got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), api_key.encode())
+            if not ok:
+                return err_response(
+                    ApiError(
+                        401,
+                        "missing or wrong API key (Authorization: Bearer KEY)",
+                        type_="authentication_error",
+                        code="invalid_api_key",
+                    )
+                )
+        return await call_next(request)
+
+    async def body_of(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != model_name:
+            raise ApiError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+        return body
+
+    def usage(prompt: int, completion: int) -> dict:
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # -------------------------------------------------------------------------------------------- plain routes
+    @app.get("/health")
+    async def health():
+        alive = engine._thread is not None and engine._thread.is_alive()
+        if start_engine and not alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "openk3",
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        s = engine.stats()
+        lines = []
+        for k, v in s.items():
+            kind = "counter" if k.endswith("_total") else "gauge"
+            lines += [f"# TYPE openk3_{k} {kind}", f"openk3_{k} {v}"]
+        lines.append("# TYPE openk3_http_errors_total counter")
+        for code, v in sorted(http_errors.items()):
+            lines.append(f'openk3_http_errors_total{{code="{code}"}} {v}')
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    # -------------------------------------------------------------------------------------------- completions
+    def parse_prompts(body: dict) -> list:
+        p = body.get("prompt")
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p, list) and p:
+            if all(isinstance(x, str) for x in p):
+                return list(p)
+            if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+                return [p]
+            if all(
+                isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+                for x in p
+            ):
+                return list(p)
+        raise ApiError(400, "'prompt' must be a string, a list of strings, or token ids", param="prompt")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await body_of(request)
+        prompts = parse_prompts(body)
+        params, n = _sampling_params(body, chat=False)
+        if any(isinstance(p, str) for p in prompts) and tok is None:
+            raise ApiError(400, "this server has no tokenizer: send token ids")
+        if len(prompts) * n > MAX_N * 4:
+            raise ApiError(400, f"too many choices ({len(prompts) * n}); at most {MAX_N * 4} per request")
+        group = _Group(engine)
+        for p in prompts:
+            for j in range(n):
+                group.submit(p, _with_seed(params, j))
+        cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        stream = bool(body.get("stream"))
+        include_usage = _stream_options(body) if stream else False
+
+        def chunk(choices, usage_=None):
+            d = {
+                "id": cid,
+                "object": "text_completion",
+                "created": now,
+                "model": model_name,
+                "choices": choices,
+            }
+            if usage_ is not None:
+                d["usage"] = usage_
+            return d
+
+        if stream:
+
+            async def gen():
+                completion = 0
+                try:
+                    async for i, out in group.events():
+                        if out.error:
+                            yield _sse(ApiError(500, out.error, type_="server_error").body())
+                            continue
+                        completion += len(out.new_token_ids)
+                        if out.new_text or out.finished:
+                            c = {
+                                "index": i,
+                                "text": out.new_text,
+                                "logprobs": None,
+                                "finish_reason": out.finish_reason if out.finished else None,
+                            }
+                            yield _sse(chunk([c]))
+                    if include_usage:
+                        yield _sse(chunk([], usage(group.prompt_tokens, completion)))
+                    yield "data: [DONE]\n\n"
+                finally:
+                    group.abort()
+
+            return StreamingResponse(
+                gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+
+        texts = [""] * len(group.reqs)
+        reasons: list[str | None] = [None] * len(group.reqs)
+        completion = 0
+        try:
+            async for i, out in group.events(request):
+                if out.error:
+                    raise ApiError(500, out.error, type_="server_error")
+                texts[i] += out.new_text
+                completion += len(out.new_token_ids)
+                if out.finished:
+                    reasons[i] = out.finish_reason
+        finally:
+            group.abort()
+        choices = [
+            {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]}
+            for i in range(len(texts))
+        ]
+        return chunk(choices, usage(group.prompt_tokens, completion))
+
+    # -------------------------------------------------------------------------------------------- chat
+    def chat_prompt(body: dict) -> str:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+        clean = []
+        for k, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(400, f"messages[{k}] must be an object with a 'role'", param="messages")
+            c = m.get("content")
+            if c is None:
+                c = ""
+            if isinstance(c, list):
+                parts = []
+                for part in c:
+                    if not (
+                        isinstance(part, dict)
+                        and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)
+                    ):
+                        raise ApiError(
+                            400, f"messages[{k}]: only text content parts are supported", param="messages"
+                        )
+                    parts.append(part["text"])
+                c = "".join(parts)
+            if not isinstance(c, str):
+                raise ApiError(400, f"messages[{k}].content must be a string or text parts", param="messages")
+            clean.append({"role": m["role"], "content": c})
+        try:
+            return tok.apply_chat_template(clean, add_generation_prompt=True)
+        except Exception as e:
+            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+    im_end = tok.token_to_id("<|im_end|>") if tok is not None else None
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await body_of(request)
+        if tok is None:
+            raise ApiError(400, "this server has no tokenizer, so it cannot render chat messages")
+        prompt = chat_prompt(body)
+        params, n = _sampling_params(body, chat=True)
+        if im_end is not None and im_end not in params.stop_token_ids:
+            params.stop_token_ids.append(im_end)
+        group = _Group(engine)
+        for j in range(n):
+            group.submit(prompt, _with_seed(params, j))
+        cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        stream = bool(body.get("stream"))
+        include_usage = _stream_options(body) if stream else False
+
+        def chunk(choices, usage_=None, obj="chat.completion.chunk"):
+            d = {"id": cid, "object": obj, "created": now, "model": model_name, "choices": choices}
+            if usage_ is not None:
+                d["usage"] = usage_
+            return d
+
+        if stream:
+
+            async def gen():
+                completion = 0
+                try:
+                    for j in range(n):
+                        c = {
+                            "index": j,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        yield _sse(chunk([c]))
+                    async for i, out in group.events():
+                        if out.error:
+                            yield _sse(ApiError(500, out.error, type_="server_error").body())
+                            continue
+                        completion += len(out.new_token_ids)
+                        if out.new_text:
+                            c = {
+                                "index": i,
+                                "delta": {"content": out.new_text},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                            yield _sse(chunk([c]))
+                        if out.finished:
+                            c = {
+                                "index": i,
+                                "delta": {},
+                                "logprobs": None,
+                                "finish_reason": out.finish_reason,
+                            }
+                            yield _sse(chunk([c]))
+                    if include_usage:
+                        yield _sse(chunk([], usage(group.prompt_tokens, completion)))
+                    yield "data: [DONE]\n\n"
+                finally:
+                    group.abort()
+
+            return StreamingResponse(
+                gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+
+        texts = [""] * n
+        reasons: list[str | None] = [None] * n
+        completion = 0
+        try:
+            async for i, out in group.events(request):
+                if out.error:
+                    raise ApiError(500, out.error, type_="server_error")
+                texts[i] += out.new_text
+                completion += len(out.new_token_ids)
+                if out.finished:
+                    reasons[i] = out.finish_reason
+        finally:
+            group.abort()
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": texts[i]},
+                "logprobs": None,
+                "finish_reason": reasons[i],
+            }
+            for i in range(n)
+        ]
+        return chunk(choices, usage(group.prompt_tokens, completion), obj="chat.completion")
+
+    return app
+
+
+def serve(
+    engine: Engine,
+    *,
+    model_name: str = "openk3",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    log_level: str = "info",
+) -> None:
+    """Run the server in the foreground until interrupted."""
+    import uvicorn
+
+    app = create_app(engine, model_name, api_key=api_key)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)

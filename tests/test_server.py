@@ -1,0 +1,319 @@
+"""OpenAI-compatible server on 127.0.0.1, driven by the official ``openai`` client (and raw httpx for edge cases)."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from openk3.config import get_preset  # noqa: E402
+from openk3.infer.engine import Engine  # noqa: E402
+from openk3.infer.server import create_app  # noqa: E402
+from openk3.model import K3ForCausalLM  # noqa: E402
+from openk3.train.data import default_corpus  # noqa: E402
+from openk3.train.tokenizer import Tokenizer  # noqa: E402
+
+MODEL = "tiny-test"
+CTX = 384
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset("tiny")).eval()
+    tok = Tokenizer.train_bpe(
+        default_corpus(max_bytes=300_000), vocab_size=1024, cache_dir=tmp_path_factory.mktemp("tok")
+    )
+    eng = Engine(
+        model, tok, page_size=16, max_seqs=40, max_tokens=16384, max_model_len=CTX, prefix_interval=32
+    )
+    yield eng
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    app = create_app(engine, MODEL)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    )
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline and th.is_alive(), "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    th.join(15)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _healthy(server):
+    r = httpx.get(server + "/health", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def _wait_idle(engine, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s["requests_running"] + s["requests_prefilling"] + s["requests_waiting"] == 0:
+            return s
+        time.sleep(0.05)
+    raise AssertionError(f"engine still busy: {engine.stats()}")
+
+
+# ------------------------------------------------------------------------------------------------ basics
+def test_models_health_metrics(server, client, engine):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    _healthy(server)
+    text = httpx.get(server + "/metrics", timeout=10).text
+    assert "openk3_requests_total" in text and "openk3_bytes_per_token 480" in text
+    assert f"openk3_max_model_len {CTX}" in text
+
+
+def test_completion_and_usage(client, engine):
+    prompt = "def fibonacci(n):"
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.object == "text_completion" and r.model == MODEL
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    again = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert again.choices[0].text == r.choices[0].text
+    # several prompts and n > 1 in one request; token-id prompts too
+    r = client.completions.create(model=MODEL, prompt=["a = 1", "import os"], max_tokens=3, n=2, seed=5)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    r = client.completions.create(model=MODEL, prompt=[10, 11, 12], max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens == 3
+
+
+def test_chat_completion(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    assert r.object == "chat.completion"
+    c = r.choices[0]
+    assert c.message.role == "assistant" and isinstance(c.message.content, str)
+    assert c.finish_reason in ("stop", "length") and r.usage.completion_tokens <= 8
+    # text content parts
+    r2 = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert r2.usage.prompt_tokens < r.usage.prompt_tokens  # no system turn
+
+
+def test_streaming_matches_non_streaming(client, server):
+    kw = dict(model=MODEL, prompt="class Foo:", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 16
+    # chat stream: role first, content deltas, finish reason last
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True
+    )
+    events = list(stream)
+    assert events[0].choices[0].delta.role == "assistant"
+    assert events[-1].choices[0].finish_reason in ("stop", "length")
+    # raw SSE framing ends with [DONE]
+    raw = {"model": MODEL, "prompt": "class Foo:", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=raw, timeout=30) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+
+
+def test_stop_strings(client):
+    kw = dict(
+        model=MODEL, prompt="import sys\n", max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
+    full = client.completions.create(**kw).choices[0].text
+    assert len(full) >= 6
+    stop = full[3:6]
+    cut = full.index(stop)
+    r = client.completions.create(stop=[stop, "\x00never"], **kw)
+    assert r.choices[0].text == full[:cut] and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == full[:cut]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ------------------------------------------------------------------------------------------------ load
+def test_32_concurrent_streams(server, engine):
+    async def one(client, i):
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=f"x{i} = {i} * ",
+            max_tokens=6,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        text, usage, reason = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+            if chunk.usage:
+                usage = chunk.usage
+        return text, usage, reason
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(36)))
+        finally:
+            await client.close()
+
+    before = engine.stats()["generation_tokens_total"]
+    results = asyncio.run(main())
+    assert len(results) == 36
+    for _text, usage, reason in results:
+        assert reason == "length" and usage.completion_tokens == 6
+    assert engine.stats()["generation_tokens_total"] - before == 36 * 6
+    s = _wait_idle(engine)
+    assert s["pages_used_by_sequences"] == 0 and s["slots_free"] == engine.cfg.max_seqs
+
+
+def test_client_disconnect_frees_pages_and_others_continue(server, client, engine):
+    aborted_before = engine.stats()["requests_finished_abort"]
+    result = {}
+
+    def other():
+        r = client.completions.create(
+            model=MODEL, prompt="def g():", max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+        )
+        result["r"] = r
+
+    body = {
+        "model": MODEL,
+        "prompt": "while True:",
+        "max_tokens": 300,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", server + "/v1/completions", json=body) as resp:
+            got = 0
+            th = threading.Thread(target=other)
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    got += 1
+                    if got == 1:
+                        th.start()
+                    if got >= 4:
+                        break
+            assert engine.stats()["pages_used_by_sequences"] > 0
+        # leaving the block closes the connection mid-stream
+    th.join(60)
+    assert result["r"].usage.completion_tokens == 40 and result["r"].choices[0].finish_reason == "length"
+    s = _wait_idle(engine)
+    assert s["requests_finished_abort"] == aborted_before + 1
+    assert s["pages_used_by_sequences"] == 0 and s["slots_free"] == engine.cfg.max_seqs
+    assert s["generation_tokens_total"] > 0
+    _healthy(server)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def _err(r, status):
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert isinstance(e["message"], str) and e["message"]
+    return e
+
+
+def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
+    url = server + "/v1/completions"
+    with httpx.Client(timeout=30) as h:
+        _err(h.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
+        _healthy(server)
+        _err(h.post(url, content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
+        _err(h.post(url, json={"model": MODEL, "prompt": 5}), 400)
+        _err(h.post(url, json={"model": MODEL, "prompt": "x", "temperature": "hot"}), 400)
+        _err(h.post(url, json={"model": MODEL, "prompt": "x", "top_p": 0}), 400)
+        _err(h.post(url, json={"model": MODEL, "prompt": "x", "logprobs": 3}), 400)
+        _err(h.post(url, json={"model": MODEL, "prompt": [1, 10**9]}), 400)
+        _err(h.post(server + "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
+        _err(
+            h.post(server + "/v1/chat/completions", json={"model": MODEL, "messages": [{"content": "x"}]}),
+            400,
+        )
+        assert _err(h.get(server + "/v1/nothing-here"), 404)["code"] == "not_found"
+        _err(h.post(server + "/v1/models"), 405)
+        _healthy(server)
+
+    with pytest.raises(openai.NotFoundError) as ei:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert ei.value.status_code == 404 and "does not exist" in ei.value.message
+    _healthy(server)
+
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-5)
+    assert "max_tokens" in ei.value.message
+    _healthy(server)
+
+    long_prompt = list(range(10, 10 + CTX + 10))
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2)
+    assert "context length" in ei.value.message
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL, prompt=long_prompt[: CTX - 2], max_tokens=10)
+    assert "maximum context length" in ei.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x " * 3 * CTX}], stream=True
+        )
+    _healthy(server)
+
+    # still serving normally
+    r = client.completions.create(model=MODEL, prompt="ok", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    text = httpx.get(server + "/metrics", timeout=10).text
+    assert 'openk3_http_errors_total{code="400"}' in text
+
+
+def test_api_key(engine):
+    from fastapi.testclient import TestClient
+
+    app = create_app(engine, MODEL, api_key="s3cret", start_engine=False)
+    with TestClient(app) as tc:
+        e = _err(tc.get("/v1/models"), 401)
+        assert e["type"] == "authentication_error"
+        _err(tc.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        assert tc.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert tc.get("/health").status_code == 200  # health stays open for probes
+    assert json.dumps(e)  # plain JSON
