@@ -1,0 +1,67 @@
+"""PNG curves of a training run (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: is {run_dir!r} an openk3 train output directory?")
+    recs: dict[int, dict] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                r = json.loads(line)
+                recs[r["step"]] = r  # a resumed run re-logs steps: keep the newest
+    if not recs:
+        raise ValueError(f"{path} is empty")
+    return [recs[k] for k in sorted(recs)]
+
+
+def plot_run(run_dir: str, out: str | None = None) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("openk3 plot needs matplotlib: pip install matplotlib") from None
+    recs = read_metrics(run_dir)
+    out = out or run_dir
+    os.makedirs(out, exist_ok=True)
+    steps = [r["step"] for r in recs]
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["loss"] for r in recs], label="train loss")
+    val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    if val:
+        ax.plot(*zip(*val), "o-", label="val loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    p = os.path.join(out, "loss.png")
+    fig.tight_layout()
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    written.append(p)
+    if any("load_max_ratio" in r for r in recs):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        s = [r["step"] for r in recs if "load_max_ratio" in r]
+        ax.plot(s, [r["load_max_ratio"] for r in recs if "load_max_ratio" in r], label="max / mean expert load")
+        ax.plot(s, [r["load_min_ratio"] for r in recs if "load_min_ratio" in r], label="min / mean expert load")
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.set_xlabel("step")
+        ax.set_ylabel("load ratio (worst MoE layer)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        p = os.path.join(out, "load_balance.png")
+        fig.tight_layout()
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        written.append(p)
+    return written

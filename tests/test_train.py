@@ -1,0 +1,142 @@
+"""openk3 train: runs, exact resume after SIGKILL, checkpoints that fail loudly, export, plots."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from openk3 import K3ForCausalLM
+from openk3.train.plot import read_metrics
+from openk3.train.trainer import TrainConfig, Trainer, TrainError, list_checkpoints
+
+TEXT = "\n".join(
+    f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" + "class C%d:\n    pass\n" % i for i in range(300)
+)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    for i in range(20):
+        (d / f"doc{i:02d}.txt").write_text(TEXT[i * 700 : (i + 1) * 700 + 400])
+    return str(d)
+
+
+def _tc(corpus, out, **kw):
+    base = dict(data=corpus, steps=6, seq_len=32, batch_tokens=128, out=str(out), ckpt_every=3, eval_every=3,
+                eval_batches=1, sample_tokens=0, progress=False, seed=1, overrides={"vocab_size": 512})
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _cli(corpus, out, *extra):
+    return [sys.executable, "-m", "openk3", "train", "--data", corpus, "--steps", "8", "--seq-len", "32",
+            "--batch-tokens", "128", "--out", str(out), "--ckpt-every", "3", "--eval-every", "100",
+            "--sample-tokens", "0", "--progress", "false", "--set", "vocab_size=512", "--seed", "3", *extra]
+
+
+def test_loss_falls_and_balancing_moves_bias(corpus, tmp_path):
+    tr = Trainer(_tc(corpus, tmp_path, steps=12, lr=0.02, adam_lr=1e-2))
+    res = tr.run()
+    recs = read_metrics(str(tmp_path))
+    assert recs[-1]["loss"] < recs[0]["loss"] - 0.5
+    bias = torch.stack([m.gate.e_score_correction_bias for m in tr.moes])
+    assert bias.abs().sum() > 0 and bias.mean(-1).abs().max() < 1e-5  # QB moved it, mean-centred
+    assert "load_max_ratio" in recs[-1] and "val_loss" in recs[-1]
+    assert os.path.exists(os.path.join(res["final"], "model.safetensors"))
+    m = K3ForCausalLM.from_pretrained(res["final"])
+    assert torch.equal(m.model.layers[1].block_sparse_moe.gate.e_score_correction_bias, bias[0])
+
+
+def test_qk_clip_caps_logits(corpus, tmp_path):
+    tr = Trainer(_tc(corpus, tmp_path, steps=2, qk_clip_tau=0.05, ckpt_every=100))
+    tr.run()
+    recs = read_metrics(str(tmp_path))
+    assert recs[0]["qk_clipped_heads"] > 0
+    # after clipping, a fresh forward on the same batch has max logits at most tau (up to float error)
+    b = tr.val_batches[0]
+    ids, _, cu = tr._micro_slice(b)
+    with torch.no_grad():
+        tr.model(ids, cu_seqlens=cu)
+    assert max(float(m.max_logit.max()) for m in tr.mlas) < recs[-1]["max_logit"] * 10  # sane, finite
+    assert all(torch.isfinite(m.max_logit).all() for m in tr.mlas)
+
+
+def test_sigkill_then_resume_reproduces_losses(corpus, tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    ref = tmp_path / "ref"
+    subprocess.run(_cli(corpus, ref), check=True, env=env, capture_output=True, timeout=600)
+    run = tmp_path / "run"
+    p = subprocess.Popen(_cli(corpus, run), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline and not os.path.isdir(run / "checkpoints" / "step_0000003"):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert os.path.isdir(run / "checkpoints" / "step_0000003")
+    done = {r["step"] for r in read_metrics(str(run))}
+    assert max(done) < 8, "the run finished before it could be killed"
+    subprocess.run(_cli(corpus, run, "--resume"), check=True, env=env, capture_output=True, timeout=600)
+    a = {r["step"]: r["loss"] for r in read_metrics(str(ref))}
+    b = {r["step"]: r["loss"] for r in read_metrics(str(run))}
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    assert [a[s] for s in range(1, 9)] == [b[s] for s in range(1, 9)]  # bit-exact trajectory
+
+
+def test_bad_checkpoints_fail_loudly_and_change_nothing(corpus, tmp_path):
+    Trainer(_tc(corpus, tmp_path, steps=3)).run()
+    ck = list_checkpoints(str(tmp_path))[-1]
+    before = {f: os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck)}
+    # corrupted trainer state
+    st = os.path.join(ck, "trainer_state.pt")
+    data = open(st, "rb").read()
+    open(st, "wb").write(data[: len(data) // 3])
+    with pytest.raises(TrainError, match="corrupted"):
+        Trainer(_tc(corpus, tmp_path, steps=5, resume=True)).run()
+    open(st, "wb").write(data)
+    # a config that does not match the checkpoint
+    with pytest.raises(TrainError, match="different model config"):
+        Trainer(_tc(corpus, tmp_path, steps=5, resume=True, overrides={"vocab_size": 512, "hidden_size": 64})).run()
+    assert {f: os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck)} == before
+    with pytest.raises(TrainError, match="no checkpoint"):
+        Trainer(_tc(corpus, tmp_path / "fresh", resume=True)).run()
+
+
+def test_bad_data_and_options(corpus, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    with pytest.raises((TrainError, ValueError), match="empty"):
+        Trainer(_tc(str(tmp_path / "empty"), tmp_path / "o"))
+    with pytest.raises(FileNotFoundError):
+        Trainer(_tc(str(tmp_path / "missing.txt"), tmp_path / "o"))
+    with pytest.raises(TrainError, match="multiple"):
+        Trainer(_tc(corpus, tmp_path / "o", batch_tokens=100))
+    r = subprocess.run([sys.executable, "-m", "openk3", "train", "--data", str(tmp_path / "missing.txt")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "error" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_run_file_export_and_plot(corpus, tmp_path):
+    rf = tmp_path / "run.toml"
+    rf.write_text(f'data = "{corpus}"\nsteps = 2\nseq_len = 32\nbatch_tokens = 64\nsample_tokens = 0\n'
+                  f'progress = false\nout = "{tmp_path / "r"}"\nbalance = "sign"\n')
+    r = subprocess.run([sys.executable, "-m", "openk3", "train", "--run-file", str(rf), "--set", "vocab_size=512"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-m", "openk3", "export", str(tmp_path / "r"), str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    m = K3ForCausalLM.from_pretrained(tmp_path / "x")
+    assert os.path.exists(tmp_path / "x" / "tokenizer.json")
+    assert m.config.vocab_size <= 512
+    pl = subprocess.run([sys.executable, "-m", "openk3", "plot", str(tmp_path / "r")], capture_output=True,
+                        text=True, timeout=300)
+    assert pl.returncode == 0, pl.stderr
+    assert os.path.getsize(tmp_path / "r" / "loss.png") > 1000
+    cfg = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert cfg["train"]["balance"] == "sign"
