@@ -64,8 +64,12 @@ def _released_k3_json():
         "vocab_size": 163840,
         "quantization_config": {"format": "mxfp4-pack-quantized"},
     }
-    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
-            "vision_config": {"vt_hidden_size": 1024}}
+    return {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "text_config": text,
+        "vision_config": {"vt_hidden_size": 1024},
+    }
 
 
 def test_release_config_equals_k3_preset(tmp_path):
@@ -79,7 +83,10 @@ def test_release_config_equals_k3_preset(tmp_path):
     assert K3Config.from_pretrained(tmp_path / "flat").to_dict() == preset.to_dict()
     cfg.save_pretrained(tmp_path / "out")
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert saved["linear_attn_config"]["full_attn_layers"] == _released_k3_json()["text_config"]["linear_attn_config"]["full_attn_layers"]
+    assert (
+        saved["linear_attn_config"]["full_attn_layers"]
+        == _released_k3_json()["text_config"]["linear_attn_config"]["full_attn_layers"]
+    )
     assert K3Config.from_pretrained(tmp_path / "out").to_dict() == preset.to_dict()
 
 
@@ -105,9 +112,13 @@ def test_kimi_linear_release_config(tmp_path):
         "routed_scaling_factor": 2.446,
         "hidden_act": "silu",
         "first_k_dense_replace": 1,
-        "linear_attn_config": {"full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
-                               "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
-                               "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4},
+        "linear_attn_config": {
+            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+            "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+            "num_heads": 32,
+            "head_dim": 128,
+            "short_conv_kernel_size": 4,
+        },
     }
     (tmp_path / "config.json").write_text(json.dumps(d))
     cfg = K3Config.from_pretrained(tmp_path)
@@ -151,11 +162,26 @@ def test_unknown_preset_and_bad_file(tmp_path):
 
 def test_transformers_format_round_trip(tmp_path):
     transformers = pytest.importorskip("transformers")
-    c = transformers.KimiLinearConfig(vocab_size=100, hidden_size=32, num_hidden_layers=9, num_attention_heads=2,
-                                      num_key_value_heads=2, linear_num_heads=2, linear_head_dim=16,
-                                      moe_intermediate_size=16, intermediate_size=64, num_local_experts=4,
-                                      num_experts_per_tok=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                                      v_head_dim=8, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    c = transformers.KimiLinearConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=9,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        linear_num_heads=2,
+        linear_head_dim=16,
+        moe_intermediate_size=16,
+        intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     c.save_pretrained(tmp_path)
     cfg = K3Config.from_pretrained(tmp_path)
     assert cfg.full_attn_layers == [i + 1 for i, t in enumerate(c.layer_types) if t == "full_attention"]

@@ -5,7 +5,9 @@ import torch
 
 from openk3 import K3Config, K3ForCausalLM
 
-transformers = pytest.importorskip("transformers", reason="transformers is a test dependency (pip install -e .[test])")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is a test dependency (pip install -e .[test])"
+)
 
 
 def _hf_model(tmp_path, **over):

@@ -94,8 +94,13 @@ def test_gradients_reach_every_parameter():
     ids = torch.randint(0, m.config.vocab_size, (2, 24))
     m(ids, labels=ids).loss.backward()
     # layer 0's pre-attention read has no sealed block yet (it reads the embedding alone): unused by design
-    unused = {"model.layers.0.self_attention_res_norm.weight", "model.layers.0.self_attention_res_proj.weight"}
-    dead = [n for n, p in m.named_parameters() if n not in unused and (p.grad is None or p.grad.abs().sum() == 0)]
+    unused = {
+        "model.layers.0.self_attention_res_norm.weight",
+        "model.layers.0.self_attention_res_proj.weight",
+    }
+    dead = [
+        n for n, p in m.named_parameters() if n not in unused and (p.grad is None or p.grad.abs().sum() == 0)
+    ]
     assert not dead, dead
 
 
@@ -127,9 +132,15 @@ def test_tiny_preset_covers_everything():
         (lambda m: m(torch.full((1, 4), -1)), "vocab_size"),
         (lambda m: m(torch.rand(1, 4)), "integer"),
         (lambda m: m(torch.zeros(1, 6, dtype=torch.long) + 1, cu_seqlens=torch.tensor([1, 6])), "start at 0"),
-        (lambda m: m(torch.zeros(1, 6, dtype=torch.long) + 1, cu_seqlens=torch.tensor([0, 4, 3, 6])), "increasing"),
+        (
+            lambda m: m(torch.zeros(1, 6, dtype=torch.long) + 1, cu_seqlens=torch.tensor([0, 4, 3, 6])),
+            "increasing",
+        ),
         (lambda m: m(torch.zeros(1, 6, dtype=torch.long) + 1, cu_seqlens=torch.tensor([0, 5])), "end at"),
-        (lambda m: m(torch.zeros(2, 6, dtype=torch.long) + 1, cu_seqlens=torch.tensor([0, 6])), "batch size 1"),
+        (
+            lambda m: m(torch.zeros(2, 6, dtype=torch.long) + 1, cu_seqlens=torch.tensor([0, 6])),
+            "batch size 1",
+        ),
         (lambda m: m(torch.zeros(1, 6, dtype=torch.long) + 1, cu_seqlens=torch.tensor([[0, 6]])), "1-D"),
     ],
 )

@@ -62,7 +62,16 @@ def _walk_reference(model, ids):
     r = model.model.embed_tokens(ids)
     sealed = []
     for i, layer in enumerate(model.model.layers):
-        h = attnres_read(sealed + [r], layer.self_attention_res_proj.weight, layer.self_attention_res_norm.weight, cfg.rms_norm_eps) if sealed else r
+        h = (
+            attnres_read(
+                sealed + [r],
+                layer.self_attention_res_proj.weight,
+                layer.self_attention_res_norm.weight,
+                cfg.rms_norm_eps,
+            )
+            if sealed
+            else r
+        )
         if i % cfg.attn_res_block_size == 0:
             sealed.append(r)
             r = layer.self_attn(layer.input_layernorm(h))
@@ -70,7 +79,12 @@ def _walk_reference(model, ids):
             r = r + layer.self_attn(layer.input_layernorm(h))
         m = attnres_read(sealed + [r], layer.mlp_res_proj.weight, layer.mlp_res_norm.weight, cfg.rms_norm_eps)
         r = r + layer.ffn(layer.post_attention_layernorm(m))
-    r = attnres_read(sealed + [r], model.model.output_attn_res_proj.weight, model.model.output_attn_res_norm.weight, cfg.rms_norm_eps)
+    r = attnres_read(
+        sealed + [r],
+        model.model.output_attn_res_proj.weight,
+        model.model.output_attn_res_norm.weight,
+        cfg.rms_norm_eps,
+    )
     return torch.nn.functional.linear(model.model.norm(r), model.lm_head.weight), len(sealed)
 
 
@@ -149,8 +163,14 @@ def test_latent_moe_structure(rel):
     x = torch.randn(1, 10, m.config.hidden_size)
     with torch.no_grad():
         idx, w, _ = moe.gate(x[0])
-        u = experts_reference(moe.routed_expert_down_proj(x[0]), idx, w, moe.experts.w1, moe.experts.w2, moe.experts.w3)
-        u = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + m.config.rms_norm_eps) * moe.routed_expert_norm.weight
+        u = experts_reference(
+            moe.routed_expert_down_proj(x[0]), idx, w, moe.experts.w1, moe.experts.w2, moe.experts.w3
+        )
+        u = (
+            u
+            * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + m.config.rms_norm_eps)
+            * moe.routed_expert_norm.weight
+        )
         ref = moe.routed_expert_up_proj(u) + moe.shared_experts(x[0])
         assert rel(moe(x)[0], ref) < 1e-5
 

@@ -15,7 +15,8 @@ from openk3.train.plot import read_metrics
 from openk3.train.trainer import TrainConfig, Trainer, TrainError, list_checkpoints
 
 TEXT = "\n".join(
-    f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" + "class C%d:\n    pass\n" % i for i in range(300)
+    f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" + f"class C{i}:\n    pass\n"
+    for i in range(300)
 )
 
 
@@ -28,16 +29,54 @@ def corpus(tmp_path_factory):
 
 
 def _tc(corpus, out, **kw):
-    base = dict(data=corpus, steps=6, seq_len=32, batch_tokens=128, out=str(out), ckpt_every=3, eval_every=3,
-                eval_batches=1, sample_tokens=0, progress=False, seed=1, overrides={"vocab_size": 512})
+    base = dict(
+        data=corpus,
+        steps=6,
+        seq_len=32,
+        batch_tokens=128,
+        out=str(out),
+        ckpt_every=3,
+        eval_every=3,
+        eval_batches=1,
+        sample_tokens=0,
+        progress=False,
+        seed=1,
+        overrides={"vocab_size": 512},
+    )
     base.update(kw)
     return TrainConfig(**base)
 
 
 def _cli(corpus, out, *extra):
-    return [sys.executable, "-m", "openk3", "train", "--data", corpus, "--steps", "8", "--seq-len", "32",
-            "--batch-tokens", "128", "--out", str(out), "--ckpt-every", "3", "--eval-every", "100",
-            "--sample-tokens", "0", "--progress", "false", "--set", "vocab_size=512", "--seed", "3", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "openk3",
+        "train",
+        "--data",
+        corpus,
+        "--steps",
+        "8",
+        "--seq-len",
+        "32",
+        "--batch-tokens",
+        "128",
+        "--out",
+        str(out),
+        "--ckpt-every",
+        "3",
+        "--eval-every",
+        "100",
+        "--sample-tokens",
+        "0",
+        "--progress",
+        "false",
+        "--set",
+        "vocab_size=512",
+        "--seed",
+        "3",
+        *extra,
+    ]
 
 
 def test_loss_falls_and_balancing_moves_bias(corpus, tmp_path):
@@ -101,7 +140,9 @@ def test_bad_checkpoints_fail_loudly_and_change_nothing(corpus, tmp_path):
     open(st, "wb").write(data)
     # a config that does not match the checkpoint
     with pytest.raises(TrainError, match="different model config"):
-        Trainer(_tc(corpus, tmp_path, steps=5, resume=True, overrides={"vocab_size": 512, "hidden_size": 64})).run()
+        Trainer(
+            _tc(corpus, tmp_path, steps=5, resume=True, overrides={"vocab_size": 512, "hidden_size": 64})
+        ).run()
     assert {f: os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck)} == before
     with pytest.raises(TrainError, match="no checkpoint"):
         Trainer(_tc(corpus, tmp_path / "fresh", resume=True)).run()
@@ -116,26 +157,44 @@ def test_bad_data_and_options(corpus, tmp_path):
         Trainer(_tc(str(tmp_path / "missing.txt"), tmp_path / "o"))
     with pytest.raises(TrainError, match="multiple"):
         Trainer(_tc(corpus, tmp_path / "o", batch_tokens=100))
-    r = subprocess.run([sys.executable, "-m", "openk3", "train", "--data", str(tmp_path / "missing.txt")],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "openk3", "train", "--data", str(tmp_path / "missing.txt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and "error" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_run_file_export_and_plot(corpus, tmp_path):
     rf = tmp_path / "run.toml"
-    rf.write_text(f'data = "{corpus}"\nsteps = 2\nseq_len = 32\nbatch_tokens = 64\nsample_tokens = 0\n'
-                  f'progress = false\nout = "{tmp_path / "r"}"\nbalance = "sign"\n')
-    r = subprocess.run([sys.executable, "-m", "openk3", "train", "--run-file", str(rf), "--set", "vocab_size=512"],
-                       capture_output=True, text=True, timeout=600)
+    rf.write_text(
+        f'data = "{corpus}"\nsteps = 2\nseq_len = 32\nbatch_tokens = 64\nsample_tokens = 0\n'
+        f'progress = false\nout = "{tmp_path / "r"}"\nbalance = "sign"\n'
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "openk3", "train", "--run-file", str(rf), "--set", "vocab_size=512"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    out = subprocess.run([sys.executable, "-m", "openk3", "export", str(tmp_path / "r"), str(tmp_path / "x")],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "openk3", "export", str(tmp_path / "r"), str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     m = K3ForCausalLM.from_pretrained(tmp_path / "x")
     assert os.path.exists(tmp_path / "x" / "tokenizer.json")
     assert m.config.vocab_size <= 512
-    pl = subprocess.run([sys.executable, "-m", "openk3", "plot", str(tmp_path / "r")], capture_output=True,
-                        text=True, timeout=300)
+    pl = subprocess.run(
+        [sys.executable, "-m", "openk3", "plot", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert pl.returncode == 0, pl.stderr
     assert os.path.getsize(tmp_path / "r" / "loss.png") > 1000
     cfg = json.loads((tmp_path / "r" / "run.json").read_text())

@@ -4,7 +4,16 @@ from openk3.config import PRESETS, ConfigError, K3Config, get_preset
 
 __version__ = "0.1.0"
 
-__all__ = ["K3Config", "ConfigError", "PRESETS", "get_preset", "K3ForCausalLM", "K3Model", "K3Cache", "__version__"]
+__all__ = [
+    "K3Config",
+    "ConfigError",
+    "PRESETS",
+    "get_preset",
+    "K3ForCausalLM",
+    "K3Model",
+    "K3Cache",
+    "__version__",
+]
 
 
 def __getattr__(name):  # lazy: importing the config must not import the model

@@ -21,7 +21,12 @@ import torch
 
 from openk3.config import K3Config
 
-SKIP_PREFIXES = ("vision_tower.", "mm_projector.", "language_model.vision_tower.", "language_model.mm_projector.")
+SKIP_PREFIXES = (
+    "vision_tower.",
+    "mm_projector.",
+    "language_model.vision_tower.",
+    "language_model.mm_projector.",
+)
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight$")
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -59,7 +64,11 @@ def checkpoint_files(path: str) -> list[str]:
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         others = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
-        hint = f" (found {others}: pickled weights are not loaded, convert them to safetensors)" if others else ""
+        hint = (
+            f" (found {others}: pickled weights are not loaded, convert them to safetensors)"
+            if others
+            else ""
+        )
         raise CheckpointError(f"no .safetensors files in {path}{hint}")
     return [os.path.join(path, f) for f in files]
 
@@ -88,7 +97,7 @@ def to_internal(config: K3Config, tensors: Iterator[tuple[str, torch.Tensor]]) -
     """Map released / transformers key names and layouts to openk3's state_dict."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    H, K = config.kda_num_heads, config.kda_head_dim
+    H = config.kda_num_heads
     for k0, t in tensors:
         k = _strip_prefix(k0)
         if k is None:
@@ -131,7 +140,9 @@ def to_internal(config: K3Config, tensors: Iterator[tuple[str, torch.Tensor]]) -
         n = config.num_experts
         missing = sorted(set(range(n)) - set(per))
         if missing:
-            raise CheckpointError(f"{base}: missing experts {missing[:10]}{'...' if len(missing) > 10 else ''} for {w}")
+            raise CheckpointError(
+                f"{base}: missing experts {missing[:10]}{'...' if len(missing) > 10 else ''} for {w}"
+            )
         out[f"{base}.{w}"] = torch.stack([per[e] for e in range(n)], dim=0)
     return out
 
@@ -159,7 +170,9 @@ def load_state_dict_into(model, sd: dict[str, torch.Tensor], *, strict: bool = T
         if wrong:
             parts.append(f"wrong shapes ({len(wrong)}): {fmt(wrong)}")
         raise CheckpointError(
-            "checkpoint does not match the config; " + "; ".join(parts) + " -- is config.json the one these weights belong to?"
+            "checkpoint does not match the config; "
+            + "; ".join(parts)
+            + " -- is config.json the one these weights belong to?"
         )
     model.load_state_dict(sd, strict=strict, assign=True)
 
@@ -177,7 +190,9 @@ def load_pretrained(path, *, dtype: torch.dtype | None = None, device="cpu", con
     for k, t in list(sd.items()):
         if k in own:
             p = own[k]
-            keep32 = getattr(_param_of(model, k), "_keep_fp32", False) or k.endswith("e_score_correction_bias")
+            keep32 = getattr(_param_of(model, k), "_keep_fp32", False) or k.endswith(
+                "e_score_correction_bias"
+            )
             tdt = torch.float32 if keep32 else (dtype or (t.dtype if t.is_floating_point() else p.dtype))
             sd[k] = t.to(device=device, dtype=tdt)
     load_state_dict_into(model, sd)
@@ -201,7 +216,14 @@ def _restore_fp32_flags(model) -> None:
 
     for m in model.modules():
         if isinstance(m, KimiDeltaAttention):
-            for p in (m.dt_bias, m.A_log, m.o_norm.weight, m.q_conv1d.weight, m.k_conv1d.weight, m.v_conv1d.weight):
+            for p in (
+                m.dt_bias,
+                m.A_log,
+                m.o_norm.weight,
+                m.q_conv1d.weight,
+                m.k_conv1d.weight,
+                m.v_conv1d.weight,
+            ):
                 p._keep_fp32 = True
 
 

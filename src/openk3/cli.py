@@ -48,8 +48,10 @@ def cmd_params(args) -> int:
     if args.json:
         print(json.dumps({"config": args.config, "total": total, "active": active}))
     else:
-        print(f"{args.config}: total {_fmt(total)} parameters ({total:,}); "
-              f"active per token {_fmt(active)} ({active:,}; excludes the input embedding)")
+        print(
+            f"{args.config}: total {_fmt(total)} parameters ({total:,}); "
+            f"active per token {_fmt(active)} ({active:,}; excludes the input embedding)"
+        )
     return 0
 
 
@@ -63,19 +65,27 @@ def cmd_demo(args) -> int:
     torch.manual_seed(args.seed)
     cfg = get_preset(args.preset)
     m = K3ForCausalLM(cfg)
-    print(f"preset {args.preset}: {m.num_parameters():,} parameters, {m.num_active_parameters():,} active per token")
-    print(f"layers: {''.join('K' if t == 'kda' else 'M' for t in cfg.layer_types)} (K = KDA, M = MLA), "
-          f"AttnRes block {cfg.attn_res_block_size}, {cfg.num_experts} experts top-{cfg.num_experts_per_token}")
+    print(
+        f"preset {args.preset}: {m.num_parameters():,} parameters, {m.num_active_parameters():,} active per token"
+    )
+    print(
+        f"layers: {''.join('K' if t == 'kda' else 'M' for t in cfg.layer_types)} (K = KDA, M = MLA), "
+        f"AttnRes block {cfg.attn_res_block_size}, {cfg.num_experts} experts top-{cfg.num_experts_per_token}"
+    )
     ids = torch.randint(0, cfg.vocab_size, (2, 64))
     t0 = time.perf_counter()
     out = m(ids, labels=ids)
     out.loss.backward()
-    print(f"forward+backward on [2, 64]: loss {out.loss.item():.4f} (ln V = {torch.log(torch.tensor(float(cfg.vocab_size))):.4f})"
-          f" in {time.perf_counter() - t0:.2f}s")
+    print(
+        f"forward+backward on [2, 64]: loss {out.loss.item():.4f} (ln V = {torch.log(torch.tensor(float(cfg.vocab_size))):.4f})"
+        f" in {time.perf_counter() - t0:.2f}s"
+    )
     m.eval()
     t0 = time.perf_counter()
     gen = m.generate(ids[:1, :8], max_new_tokens=16)
-    print(f"greedy generation (16 tokens, cached decode) in {time.perf_counter() - t0:.2f}s: {gen[0, 8:].tolist()}")
+    print(
+        f"greedy generation (16 tokens, cached decode) in {time.perf_counter() - t0:.2f}s: {gen[0, 8:].tolist()}"
+    )
     return 0
 
 
@@ -107,7 +117,10 @@ def cmd_env(args) -> int:
             print(f"{k:14s} {v if v is not None else '-'}")
     print("op backends (chosen for this machine; OPENK3_BACKEND_<OP>=name overrides):")
     for op, d in info["backends"].items():
-        avail = ", ".join(f"{n}{'' if a['available'] else ' (unavailable: ' + a['why'] + ')'}" for n, a in d["backends"].items())
+        avail = ", ".join(
+            f"{n}{'' if a['available'] else ' (unavailable: ' + a['why'] + ')'}"
+            for n, a in d["backends"].items()
+        )
         print(f"  {op:8s} -> {d['chosen']:12s} [{avail}]")
     return 0
 
@@ -134,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Count parameters of a preset or config.json on the meta device.",
         epilog="example: openk3 params k3   |   openk3 params path/to/config.json",
     )
-    sp.add_argument("config", help="preset name (k3, kimi-linear-48b, k2-like, tiny, small, medium) or config path")
+    sp.add_argument(
+        "config", help="preset name (k3, kimi-linear-48b, k2-like, tiny, small, medium) or config path"
+    )
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_params)
     sp = sub.add_parser(
@@ -145,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--preset", default="tiny")
     sp.add_argument("--seed", type=int, default=0)
     sp.set_defaults(func=cmd_demo)
-    sp = sub.add_parser("env", help="versions and the backend each op uses", epilog="example: openk3 env --json")
+    sp = sub.add_parser(
+        "env", help="versions and the backend each op uses", epilog="example: openk3 env --json"
+    )
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_env)
     for name in _PLUGINS:

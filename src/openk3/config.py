@@ -76,7 +76,9 @@ class K3Config:
     v_head_dim: int = 128
     mla_use_nope: bool = True
     mla_use_output_gate: bool = True
-    mla_latent_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm eps (upstream default, not rms_norm_eps)
+    mla_latent_norm_eps: float = (
+        1e-6  # q_a_layernorm / kv_a_layernorm eps (upstream default, not rms_norm_eps)
+    )
     # --- MoE ---------------------------------------------------------------------------------------------------
     num_experts: int = 896
     num_experts_per_token: int = 16
@@ -189,7 +191,9 @@ class K3Config:
                 f"num_expert_group ({self.num_expert_group}) must divide num_experts ({self.num_experts})"
             )
         if self.topk_group > self.num_expert_group:
-            raise ConfigError(f"topk_group ({self.topk_group}) must be <= num_expert_group ({self.num_expert_group})")
+            raise ConfigError(
+                f"topk_group ({self.topk_group}) must be <= num_expert_group ({self.num_expert_group})"
+            )
         if self.num_expert_group > 1:
             per_group = self.num_experts // self.num_expert_group
             if self.topk_group * per_group < self.num_experts_per_token:
@@ -209,7 +213,9 @@ class K3Config:
             )
         if self.hidden_act not in _ACTS:
             raise ConfigError(f"hidden_act must be one of {_ACTS}, got {self.hidden_act!r}")
-        if self.hidden_act == "situ" and (self.activation_situ_beta <= 0 or self.activation_situ_linear_beta <= 0):
+        if self.hidden_act == "situ" and (
+            self.activation_situ_beta <= 0 or self.activation_situ_linear_beta <= 0
+        ):
             raise ConfigError("activation_situ_beta and activation_situ_linear_beta must be > 0")
         if self.moe_router_activation_func not in ("sigmoid", "softmax"):
             raise ConfigError(
@@ -251,7 +257,9 @@ class K3Config:
 
     @property
     def use_latent_moe(self) -> bool:
-        return self.routed_expert_hidden_size is not None and self.routed_expert_hidden_size != self.hidden_size
+        return (
+            self.routed_expert_hidden_size is not None and self.routed_expert_hidden_size != self.hidden_size
+        )
 
     @property
     def qk_head_dim(self) -> int:
@@ -386,7 +394,11 @@ class K3Config:
     def replace(self, **changes: Any) -> K3Config:
         d = asdict(self)
         d.update(changes)
-        if "num_hidden_layers" in changes and "kda_layers" not in changes and "full_attn_layers" not in changes:
+        if (
+            "num_hidden_layers" in changes
+            and "kda_layers" not in changes
+            and "full_attn_layers" not in changes
+        ):
             d["kda_layers"], d["full_attn_layers"] = [], []
         return K3Config(**d)
 

@@ -36,11 +36,15 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, T: int) -> torch.Tens
     if not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.as_tensor(cu_seqlens)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}"
+        )
     if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
         raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
     if batch != 1:
-        raise ValueError(f"packed input (cu_seqlens) needs batch size 1 (all documents in one row), got {batch}")
+        raise ValueError(
+            f"packed input (cu_seqlens) needs batch size 1 (all documents in one row), got {batch}"
+        )
     cu = cu_seqlens.long()
     vals = cu.tolist()
     if vals[0] != 0:
@@ -66,7 +70,9 @@ class DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         self.attn_type = config.layer_types[layer_idx]
         self.self_attn = (
-            KimiDeltaAttention(config, layer_idx) if self.attn_type == "kda" else MLAttention(config, layer_idx)
+            KimiDeltaAttention(config, layer_idx)
+            if self.attn_type == "kda"
+            else MLAttention(config, layer_idx)
         )
         self.is_moe = config.is_moe_layer(layer_idx)
         if self.is_moe:
@@ -137,7 +143,11 @@ class K3Model(nn.Module):
         self.attnres_backend: str | None = None
 
     def output_site(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        return 2 * self.config.num_hidden_layers, self.output_attn_res_proj.weight, self.output_attn_res_norm.weight
+        return (
+            2 * self.config.num_hidden_layers,
+            self.output_attn_res_proj.weight,
+            self.output_attn_res_norm.weight,
+        )
 
     def block_sites(self, seal_layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Read sites that see the sealed set created at ``seal_layer``: its pre-FFN read, every read of the
@@ -147,7 +157,9 @@ class K3Model(nn.Module):
         sites = [self.layers[seal_layer].site("mlp")]
         for j in range(seal_layer + 1, min(seal_layer + bs, L)):
             sites += [self.layers[j].site("self_attention"), self.layers[j].site("mlp")]
-        sites.append(self.layers[seal_layer + bs].site("self_attention") if seal_layer + bs < L else self.output_site())
+        sites.append(
+            self.layers[seal_layer + bs].site("self_attention") if seal_layer + bs < L else self.output_site()
+        )
         return sites
 
     def forward(self, input_ids, *, cu_seqlens=None, cache=None, inputs_embeds=None) -> torch.Tensor:
@@ -296,7 +308,9 @@ class K3ForCausalLM(nn.Module):
         if cu_seqlens is not None:
             cu_seqlens = check_cu_seqlens(cu_seqlens, B, T).to(input_ids.device)
             if cache is not None:
-                raise ValueError("cache and cu_seqlens cannot be combined: decode packed documents separately")
+                raise ValueError(
+                    "cache and cu_seqlens cannot be combined: decode packed documents separately"
+                )
         if cache is not None:
             bs = cache.batch_size
             if bs is not None and bs != B:
@@ -305,7 +319,11 @@ class K3ForCausalLM(nn.Module):
         if cache is not None:
             cache.seq_len += T
         hk = h[:, -logits_to_keep:] if logits_to_keep else h
-        logits = F.linear(hk, self.output_weight) if (return_logits or labels is not None or targets is not None) else None
+        logits = (
+            F.linear(hk, self.output_weight)
+            if (return_logits or labels is not None or targets is not None)
+            else None
+        )
         loss = None
         if labels is not None:
             if labels.shape != input_ids.shape:
@@ -368,7 +386,9 @@ class K3ForCausalLM(nn.Module):
 
         return load_pretrained(path, dtype=dtype, device=device)
 
-    def save_pretrained(self, path: str | os.PathLike, *, max_shard_size: int | None = None, prefix: str = "") -> None:
+    def save_pretrained(
+        self, path: str | os.PathLike, *, max_shard_size: int | None = None, prefix: str = ""
+    ) -> None:
         from openk3.checkpoint import save_pretrained
 
         save_pretrained(self, path, max_shard_size=max_shard_size, prefix=prefix)

@@ -20,7 +20,9 @@ FAST_KDA: dict[str, callable] = {}
 def _kda_core_reference(layer, q, k, v, z, beta_logits, *, initial_state, output_final_state, cu_seqlens):
     """Reference KDA core: gate activation in fp32, then chunked or token recurrence.
     q,k,v,z: [B,T,H,K] (after conv/SiLU for q,k,v; raw decay logits z); beta_logits: [B,T,H]."""
-    g = kda_gate(z, layer.A_log[: layer.num_heads], layer.dt_bias, kind=layer.gate_kind, lower_bound=layer.lower_bound)
+    g = kda_gate(
+        z, layer.A_log[: layer.num_heads], layer.dt_bias, kind=layer.gate_kind, lower_bound=layer.lower_bound
+    )
     beta = torch.sigmoid(beta_logits.float())
     T = q.shape[1]
     fn = kda_recurrent if T <= layer.recurrent_max_len else kda_chunk
@@ -74,8 +76,14 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(K))
         self.o_proj = nn.Linear(HK, d, bias=False)
-        for p in (self.dt_bias, self.A_log, self.o_norm.weight, self.q_conv1d.weight, self.k_conv1d.weight,
-                  self.v_conv1d.weight):
+        for p in (
+            self.dt_bias,
+            self.A_log,
+            self.o_norm.weight,
+            self.q_conv1d.weight,
+            self.k_conv1d.weight,
+            self.v_conv1d.weight,
+        ):
             p._keep_fp32 = True
 
     @torch.no_grad()

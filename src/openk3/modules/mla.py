@@ -81,10 +81,23 @@ class MLAttention(nn.Module):
             cache["c"], cache["kr"] = c, kr
         S = c.shape[1]
         be = _backend.resolve("mla", x.is_cuda, self.backend)
-        if cache is not None and T <= self.absorbed_max_len and self.decode_form == "absorbed" and not self.record_max_logit:
+        if (
+            cache is not None
+            and T <= self.absorbed_max_len
+            and self.decode_form == "absorbed"
+            and not self.record_max_logit
+        ):
             w_uk, w_uv = self.absorbed_weights()
             fn = mla_absorbed_attention if be == "reference" or be not in FAST_ABSORBED else FAST_ABSORBED[be]
-            o = fn(q[..., : self.dn], q[..., self.dn :], c.to(x.dtype), kr.to(x.dtype), w_uk, w_uv, scale=self.scale)
+            o = fn(
+                q[..., : self.dn],
+                q[..., self.dn :],
+                c.to(x.dtype),
+                kr.to(x.dtype),
+                w_uk,
+                w_uv,
+                scale=self.scale,
+            )
         else:
             kv = self.kv_b_proj(c.to(x.dtype)).view(B, S, H, self.dn + self.dv)
             k_nope, v = kv.split([self.dn, self.dv], dim=-1)

@@ -76,7 +76,9 @@ class SparseMoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(W, d, bias=False)
             self.routed_expert_norm = RMSNorm(W, config.rms_norm_eps) if config.latent_moe_use_norm else None
         self.backend: str | None = None
-        self.record_router = False  # when True, ``last_router`` keeps (scores [N,E], topk_idx [N,k]) for balancing
+        self.record_router = (
+            False  # when True, ``last_router`` keeps (scores [N,E], topk_idx [N,k]) for balancing
+        )
         self.last_router: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +91,17 @@ class SparseMoE(nn.Module):
         h = self.routed_expert_down_proj(xf) if self.latent else xf
         be = _backend.resolve("moe", x.is_cuda, self.backend)
         fn = experts_reference if be == "reference" else FAST_EXPERTS[be]
-        u = fn(h, idx, w, self.experts.w1, self.experts.w2, self.experts.w3, act=self.act, beta1=self.beta1,
-               beta2=self.beta2)
+        u = fn(
+            h,
+            idx,
+            w,
+            self.experts.w1,
+            self.experts.w2,
+            self.experts.w3,
+            act=self.act,
+            beta1=self.beta1,
+            beta2=self.beta2,
+        )
         if self.latent:
             if self.routed_expert_norm is not None:
                 u = self.routed_expert_norm(u)

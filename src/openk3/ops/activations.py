@@ -21,7 +21,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def glu_act(gate: torch.Tensor, up: torch.Tensor, kind: str, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+def glu_act(
+    gate: torch.Tensor, up: torch.Tensor, kind: str, beta1: float = 4.0, beta2: float = 25.0
+) -> torch.Tensor:
     if kind == "situ":
         return situ_glu(gate, up, beta1, beta2)
     if kind in ("silu", "swiglu"):

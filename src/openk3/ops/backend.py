@@ -21,7 +21,9 @@ class Backend:
     cuda_only: bool = True
 
 
-_REGISTRY: dict[str, list[Backend]] = {op: [Backend("reference", lambda: (True, "plain PyTorch"), False)] for op in OPS}
+_REGISTRY: dict[str, list[Backend]] = {
+    op: [Backend("reference", lambda: (True, "plain PyTorch"), False)] for op in OPS
+}
 
 
 def register(op: str, backend: Backend) -> None:
@@ -64,5 +66,8 @@ def describe(is_cuda: bool) -> dict[str, dict]:
             chosen = resolve(op, is_cuda)
         except (RuntimeError, ValueError) as e:
             chosen = f"error: {e}"
-        out[op] = {"chosen": chosen, "backends": {k: {"available": v[0], "why": v[1]} for k, v in rows.items()}}
+        out[op] = {
+            "chosen": chosen,
+            "backends": {k: {"available": v[0], "why": v[1]} for k, v in rows.items()},
+        }
     return out

@@ -55,9 +55,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         if typ is bool:
             p.add_argument(flag, type=_bool, nargs="?", const=True, default=None, help=helps.get(f.name))
         else:
-            p.add_argument(flag, type=typ, default=None, help=(helps.get(f.name, "") + f" (default {default})").strip())
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a model config field, e.g. --set attn_res_block_size=2 (JSON values)")
+            p.add_argument(
+                flag, type=typ, default=None, help=(helps.get(f.name, "") + f" (default {default})").strip()
+            )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a model config field, e.g. --set attn_res_block_size=2 (JSON values)",
+    )
     p.add_argument("--run-file", default=None, help="TOML/YAML file with the same keys as these options")
 
 
@@ -119,7 +126,9 @@ def run_export(args) -> int:
     from openk3.train.trainer import export_run
 
     out = export_run(args.run_dir, args.out_dir)
-    print(f"wrote released-format checkpoint to {out} (load with K3ForCausalLM.from_pretrained or vLLM/SGLang)")
+    print(
+        f"wrote released-format checkpoint to {out} (load with K3ForCausalLM.from_pretrained or vLLM/SGLang)"
+    )
     return 0
 
 
@@ -132,18 +141,28 @@ def run_plot(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="train a K3-family model (default: tiny on the embedded corpus, CPU)",
-                       description="Train with Per-Head Muon + QK-Clip + Quantile Balancing on packed documents.",
-                       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "train",
+        help="train a K3-family model (default: tiny on the embedded corpus, CPU)",
+        description="Train with Per-Head Muon + QK-Clip + Quantile Balancing on packed documents.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_train_arguments(p)
     p.set_defaults(func=run_train)
-    p = sub.add_parser("export", help="write a released-format checkpoint from a run directory",
-                       epilog="example: openk3 export runs/default out/k3-tiny")
+    p = sub.add_parser(
+        "export",
+        help="write a released-format checkpoint from a run directory",
+        epilog="example: openk3 export runs/default out/k3-tiny",
+    )
     p.add_argument("run_dir")
     p.add_argument("out_dir")
     p.set_defaults(func=run_export)
-    p = sub.add_parser("plot", help="PNG loss and load-balance curves of a run",
-                       epilog="example: openk3 plot runs/default   (writes runs/default/*.png)")
+    p = sub.add_parser(
+        "plot",
+        help="PNG loss and load-balance curves of a run",
+        epilog="example: openk3 plot runs/default   (writes runs/default/*.png)",
+    )
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="output directory (default: the run directory)")
     p.set_defaults(func=run_plot)

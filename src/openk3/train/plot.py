@@ -52,8 +52,12 @@ def plot_run(run_dir: str, out: str | None = None) -> list[str]:
     if any("load_max_ratio" in r for r in recs):
         fig, ax = plt.subplots(figsize=(7, 4))
         s = [r["step"] for r in recs if "load_max_ratio" in r]
-        ax.plot(s, [r["load_max_ratio"] for r in recs if "load_max_ratio" in r], label="max / mean expert load")
-        ax.plot(s, [r["load_min_ratio"] for r in recs if "load_min_ratio" in r], label="min / mean expert load")
+        ax.plot(
+            s, [r["load_max_ratio"] for r in recs if "load_max_ratio" in r], label="max / mean expert load"
+        )
+        ax.plot(
+            s, [r["load_min_ratio"] for r in recs if "load_min_ratio" in r], label="min / mean expert load"
+        )
         ax.axhline(1.0, color="k", lw=0.5)
         ax.set_xlabel("step")
         ax.set_ylabel("load ratio (worst MoE layer)")

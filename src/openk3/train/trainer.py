@@ -100,7 +100,9 @@ class TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(k.replace("-", "_") for k in d if k.replace("-", "_") not in known)
         if bad:
-            raise TrainError(f"{path}: unknown keys {bad}; valid keys are the train options ({sorted(known)})")
+            raise TrainError(
+                f"{path}: unknown keys {bad}; valid keys are the train options ({sorted(known)})"
+            )
         return {k.replace("-", "_"): v for k, v in d.items()}
 
 
@@ -120,7 +122,12 @@ def _device(spec: str) -> torch.device:
 def _dtype(spec: str, dev: torch.device) -> torch.dtype:
     if spec == "auto":
         return torch.bfloat16 if dev.type == "cuda" else torch.float32
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    table = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+    }
     if spec not in table:
         raise TrainError(f"--dtype must be auto, fp32 or bf16, got {spec!r}")
     return table[spec]
@@ -186,7 +193,15 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------- setup
     def _validate(self) -> None:
         tc = self.tc
-        for name in ("steps", "seq_len", "batch_tokens", "grad_accum", "ckpt_every", "eval_every", "log_every"):
+        for name in (
+            "steps",
+            "seq_len",
+            "batch_tokens",
+            "grad_accum",
+            "ckpt_every",
+            "eval_every",
+            "log_every",
+        ):
             v = getattr(tc, name)
             if not isinstance(v, int) or v < 1:
                 raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -221,7 +236,9 @@ class Trainer:
                 "meaningful; pass --tokenizer PATH or override vocab_size (e.g. --set vocab_size=32768)"
             )
         docs = self._documents(load_documents)
-        cache = os.path.join(os.path.expanduser(os.environ.get("OPENK3_CACHE", "~/.cache/openk3")), "tokenizers")
+        cache = os.path.join(
+            os.path.expanduser(os.environ.get("OPENK3_CACHE", "~/.cache/openk3")), "tokenizers"
+        )
         return Tokenizer.train_bpe(docs, vocab_size=vocab, cache_dir=cache)
 
     def _documents(self, load_documents):
@@ -240,7 +257,9 @@ class Trainer:
         for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
             over[k] = getattr(self.tokenizer, k.replace("_token_id", "_id"), None)
         if over.get("vocab_size", cfg.vocab_size) < cfg.vocab_size and tc.tokenizer:
-            over["vocab_size"] = cfg.vocab_size  # keep a real checkpoint's vocab when the tokenizer is smaller
+            over["vocab_size"] = (
+                cfg.vocab_size
+            )  # keep a real checkpoint's vocab when the tokenizer is smaller
         return cfg.replace(**over)
 
     def _data(self) -> None:
@@ -261,8 +280,14 @@ class Trainer:
         self.rows_per_micro = rows // tc.grad_accum  # global rows of one micro-batch (all ranks)
         eos = tok.eos_id if tok.eos_id is not None else 0
         self.batcher = Batcher(enc_train, tc.seq_len, self.rows_per_micro, eos_id=eos, seed=tc.seed)
-        vb = Batcher(enc_val or enc_train, tc.seq_len, max(1, self.rows_per_micro), eos_id=eos, seed=tc.seed + 1,
-                     shuffle=False)
+        vb = Batcher(
+            enc_val or enc_train,
+            tc.seq_len,
+            max(1, self.rows_per_micro),
+            eos_id=eos,
+            seed=tc.seed + 1,
+            shuffle=False,
+        )
         self.val_batches = [next(vb) for _ in range(tc.eval_batches)]
         self.train_tokens = sum(len(d) + 1 for d in enc_train)
 
@@ -287,8 +312,13 @@ class Trainer:
             D.apply_fsdp(model, self.mesh, param_dtype=self.dtype, reduce_dtype=torch.float32)
         self.fwd = torch.compile(model) if tc.compile else model
         self.optimizer = build_optimizer(
-            model, lr=tc.lr, muon_lr=tc.lr, adam_lr=tc.adam_lr, weight_decay=tc.weight_decay,
-            per_head=tc.per_head_muon, config=cfg,
+            model,
+            lr=tc.lr,
+            muon_lr=tc.lr,
+            adam_lr=tc.adam_lr,
+            weight_decay=tc.weight_decay,
+            per_head=tc.per_head_muon,
+            config=cfg,
         )
         sched = warmup_cosine if tc.schedule == "cosine" else wsd
         kw = {"min_lr_ratio": tc.min_lr_ratio} if tc.schedule == "cosine" else {}
@@ -300,11 +330,19 @@ class Trainer:
         for m in self.mlas:
             m.record_max_logit = tc.qk_clip_tau is not None
         self.balancer = (
-            QuantileBalancer(cfg.num_experts, cfg.num_experts_per_token, num_layers=len(self.moes),
-                             num_bins=tc.balance_bins, device=self.device)
-            if self.moes and tc.balance == "qb" else None
+            QuantileBalancer(
+                cfg.num_experts,
+                cfg.num_experts_per_token,
+                num_layers=len(self.moes),
+                num_bins=tc.balance_bins,
+                device=self.device,
+            )
+            if self.moes and tc.balance == "qb"
+            else None
         )
-        self.load_counts = torch.zeros(max(1, len(self.moes)), cfg.num_experts, dtype=torch.long, device=self.device)
+        self.load_counts = torch.zeros(
+            max(1, len(self.moes)), cfg.num_experts, dtype=torch.long, device=self.device
+        )
         with torch.device("meta"):
             meta = K3ForCausalLM(cfg)
         self.n_params, self.n_active = meta.num_parameters(), meta.num_active_parameters()
@@ -383,8 +421,9 @@ class Trainer:
             sd = to_internal(saved, iter_tensors(checkpoint_files(path)))
             st = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True)
         except (CheckpointError, OSError, RuntimeError, EOFError) as e:
-            raise TrainError(f"checkpoint {path} is corrupted or incomplete ({e}); delete it to resume from an "
-                             "earlier one") from None
+            raise TrainError(
+                f"checkpoint {path} is corrupted or incomplete ({e}); delete it to resume from an earlier one"
+            ) from None
         own = self.model.state_dict()
         missing = sorted(set(own) - set(sd))
         if missing:
@@ -392,7 +431,9 @@ class Trainer:
         with torch.no_grad():
             for k, v in own.items():
                 if tuple(v.shape) != tuple(sd[k].shape):
-                    raise TrainError(f"checkpoint {path}: {k} has shape {tuple(sd[k].shape)}, model {tuple(v.shape)}")
+                    raise TrainError(
+                        f"checkpoint {path}: {k} has shape {tuple(sd[k].shape)}, model {tuple(v.shape)}"
+                    )
             for k, v in own.items():
                 v.copy_(sd[k].to(v.dtype))
         self.optimizer.load_state_dict(st["optimizer"])
@@ -451,7 +492,9 @@ class Trainer:
             torch.distributed.all_reduce(total_loss)
             if max_logits is not None:
                 torch.distributed.all_reduce(max_logits, op=torch.distributed.ReduceOp.MAX)
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip) if tc.grad_clip else None
+        gnorm = (
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip) if tc.grad_clip else None
+        )
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -459,8 +502,14 @@ class Trainer:
         ratios = self._rebalance()
         clipped = self._qk_clip(max_logits)
         self.step += 1
-        m = {"step": self.step, "loss": float(total_loss / n_tgt.double()), "lr": lr,
-             "grad_norm": float(gnorm) if gnorm is not None else None, **ratios, **clipped}
+        m = {
+            "step": self.step,
+            "loss": float(total_loss / n_tgt.double()),
+            "lr": lr,
+            "grad_norm": float(gnorm) if gnorm is not None else None,
+            **ratios,
+            **clipped,
+        }
         return m
 
     def _observe_router(self) -> None:
@@ -510,9 +559,16 @@ class Trainer:
         n_clipped = 0
         for attn, ml in zip(self.mlas, max_logits):
             qw = attn.q_proj.weight if attn.q_lora_rank is None else attn.q_b_proj.weight
-            gamma = qk_clip_(qw, attn.kv_b_proj.weight, ml, tau=self.tc.qk_clip_tau, num_heads=c.num_attention_heads,
-                             qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
-                             v_head_dim=c.v_head_dim)
+            gamma = qk_clip_(
+                qw,
+                attn.kv_b_proj.weight,
+                ml,
+                tau=self.tc.qk_clip_tau,
+                num_heads=c.num_attention_heads,
+                qk_nope_head_dim=c.qk_nope_head_dim,
+                qk_rope_head_dim=c.qk_rope_head_dim,
+                v_head_dim=c.v_head_dim,
+            )
             n_clipped += int((gamma < 1).sum())
         return {"max_logit": float(max_logits.max()), "qk_clipped_heads": n_clipped}
 
@@ -526,9 +582,14 @@ class Trainer:
             ids, labels, cu = self._micro_slice(b)
             out = self.fwd(ids.to(self.device), cu_seqlens=cu.to(self.device))
             logits = out.logits.float()
-            tot += float(torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), labels.to(self.device).reshape(-1), ignore_index=-100,
-                reduction="sum"))
+            tot += float(
+                torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]),
+                    labels.to(self.device).reshape(-1),
+                    ignore_index=-100,
+                    reduction="sum",
+                )
+            )
             n += int((labels != -100).sum())
         for m in self.mlas:
             m.record_max_logit = self.tc.qk_clip_tau is not None
@@ -544,7 +605,9 @@ class Trainer:
             m.record_max_logit = False
         for moe in self.moes:
             moe.record_router = False
-        ids = self.tokenizer.encode(prompt if prompt is not None else self.tc.sample_prompt, allow_special=False)
+        ids = self.tokenizer.encode(
+            prompt if prompt is not None else self.tc.sample_prompt, allow_special=False
+        )
         x = torch.tensor([ids or [0]], device=self.device)
         out = self.model.generate(x, max_new_tokens=n if n is not None else self.tc.sample_tokens)
         for moe in self.moes:
@@ -577,8 +640,16 @@ class Trainer:
             os.remove(self.metrics_path)
         if self.is_main:
             with open(os.path.join(tc.out, "run.json"), "w", encoding="utf-8") as f:
-                json.dump({"train": dataclasses.asdict(tc), "model": self.model_config.to_dict(),
-                           "params": self.n_params, "active_params": self.n_active}, f, indent=2)
+                json.dump(
+                    {
+                        "train": dataclasses.asdict(tc),
+                        "model": self.model_config.to_dict(),
+                        "params": self.n_params,
+                        "active_params": self.n_active,
+                    },
+                    f,
+                    indent=2,
+                )
             if tc.tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
@@ -586,9 +657,11 @@ class Trainer:
                     self.tb = SummaryWriter(os.path.join(tc.out, "tb"))
                 except ImportError:
                     print("tensorboard is not installed; pip install tensorboard (continuing without it)")
-            print(f"model: {self.model_config.name or 'custom'} {self.n_params:,} params ({self.n_active:,} active); "
-                  f"data: {self.train_tokens:,} tokens; {tc.steps} steps x {tc.batch_tokens} tokens on "
-                  f"{self.device} ({str(self.dtype).replace('torch.', '')}, world {self.world})")
+            print(
+                f"model: {self.model_config.name or 'custom'} {self.n_params:,} params ({self.n_active:,} active); "
+                f"data: {self.train_tokens:,} tokens; {tc.steps} steps x {tc.batch_tokens} tokens on "
+                f"{self.device} ({str(self.dtype).replace('torch.', '')}, world {self.world})"
+            )
         peak = _peak_flops(self.device)
         bar = None
         if tc.progress and self.is_main:

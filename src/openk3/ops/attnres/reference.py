@@ -17,7 +17,7 @@ def attnres_read(
     """
     if len(sources) == 1:
         return sources[0]
-    w = (norm_weight.float() * query.float().reshape(-1))  # folded query [D]
+    w = norm_weight.float() * query.float().reshape(-1)  # folded query [D]
     vals = torch.stack([s.float() for s in sources], dim=0)  # [S, ..., D]
     inv_rms = torch.rsqrt(vals.pow(2).mean(-1, keepdim=True) + eps)
     scores = ((vals * inv_rms) * w).sum(-1)  # [S, ...]
@@ -40,5 +40,7 @@ class AttnResReader:
     def seal(self, r: torch.Tensor, sites) -> None:
         self.sealed.append(r)
 
-    def read(self, site_id: int, query: torch.Tensor, norm_weight: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    def read(
+        self, site_id: int, query: torch.Tensor, norm_weight: torch.Tensor, r: torch.Tensor
+    ) -> torch.Tensor:
         return attnres_read([*self.sealed, r], query, norm_weight, self.eps)

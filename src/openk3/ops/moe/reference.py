@@ -67,7 +67,7 @@ def experts_reference(
     flat_e = idx.reshape(-1)
     order = torch.argsort(flat_e, stable=True)
     counts = torch.bincount(flat_e, minlength=w1.shape[0]).tolist()
-    tok = (order // idx.shape[1])
+    tok = order // idx.shape[1]
     wsel = weights.reshape(-1)[order]
     start = 0
     for e, c in enumerate(counts):
