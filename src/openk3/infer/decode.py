@@ -23,9 +23,11 @@ backends fill with functions of the same signature:
     ``lengths``: ``[B]`` int32 valid tokens per row, the current one included (>= 1).
     Returns ``out [B, H, dc]`` fp32: ``softmax_j(scale * q . kv_j) @ kv_j[:dc]`` (the engine applies ``W_UV``).
 
-The engine picks ``FAST_*_DECODE[name]`` where ``name = openk3.ops.backend.resolve(op, is_cuda, layer.backend)`` for
-``op`` "kda" / "mla" is registered there, and the reference otherwise (or when ``decode_backend="reference"``).
-Both references avoid host synchronisation, so a decode step built from them can be captured in a CUDA graph.
+Resolution (:func:`resolve_kda_decode`, :func:`resolve_mla_decode`): ``decode_backend="reference"`` or a registered
+name forces that step; otherwise, on CUDA, ``FAST_*_DECODE[name]`` with ``name = openk3.ops.backend.resolve(op, True)``
+if registered under that name, else the most recently registered entry, else the reference; off CUDA the reference.
+Register only kernels that can run here (check Triton / the GPU first). Both references avoid host synchronisation,
+so a decode step built from them can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -132,5 +134,7 @@ def _resolve(op, table, ref, is_cuda, requested, forced):
         if forced not in table:
             raise ValueError(f"no {op} decode step named {forced!r}; registered: {sorted(table) or 'none'}")
         return table[forced]
+    if not is_cuda or not table:
+        return ref
     name = _backend.resolve(op, is_cuda, requested)
-    return table.get(name, ref)
+    return table[name] if name in table else table[list(table)[-1]]

@@ -180,6 +180,8 @@ class Engine:
         self.tokenizer = tokenizer
         p0 = next(model.parameters())
         self.device, self.dtype = p0.device, model.model.embed_tokens.weight.dtype
+        if self.device.type == "cuda":
+            _import_fast_paths()
         cache_dtype = cfg.cache_dtype or self.dtype
         plan = plan_pool(
             self.mcfg,
@@ -879,6 +881,14 @@ class Engine:
                 }
             )
         return m
+
+
+def _import_fast_paths() -> None:
+    """Register the GPU fast paths (``openk3.fast``) when they can be imported."""
+    try:
+        import openk3.fast  # noqa: F401
+    except Exception as e:  # optional: the reference paths still work
+        log.info("GPU fast paths not loaded (%s); using the reference ops", e)
 
 
 # =================================================================================================== model loading
