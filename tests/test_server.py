@@ -91,6 +91,11 @@ def test_models_health_metrics(server, client, engine):
     text = httpx.get(server + "/metrics", timeout=10).text
     assert "openk3_requests_total" in text and "openk3_bytes_per_token 480" in text
     assert f"openk3_max_model_len {CTX}" in text
+    assert 'openk3_requests_finished_total{reason="length"}' in text
+    assert (
+        "# TYPE openk3_pages_capacity gauge" in text
+        and "# TYPE openk3_prompt_tokens_computed_total counter" in text
+    )
 
 
 def test_completion_and_usage(client, engine):

@@ -299,10 +299,21 @@ def create_app(
     @app.get("/metrics")
     async def metrics():
         s = engine.stats()
-        lines = []
+        counters = set(engine.metrics)
+        lines = ["# TYPE openk3_requests_finished_total counter"]
         for k, v in s.items():
-            kind = "counter" if k.endswith("_total") else "gauge"
-            lines += [f"# TYPE openk3_{k} {kind}", f"openk3_{k} {v}"]
+            if k.startswith("requests_finished_"):
+                lines.append(
+                    f'openk3_requests_finished_total{{reason="{k[len("requests_finished_") :]}"}} {v}'
+                )
+        for k, v in s.items():
+            if k.startswith("requests_finished_"):
+                continue
+            if k in counters:
+                name, kind = (k if k.endswith("_total") else k + "_total"), "counter"
+            else:
+                name, kind = (k[: -len("_total")] + "_capacity" if k.endswith("_total") else k), "gauge"
+            lines += [f"# TYPE openk3_{name} {kind}", f"openk3_{name} {v}"]
         lines.append("# TYPE openk3_http_errors_total counter")
         for code, v in sorted(http_errors.items()):
             lines.append(f'openk3_http_errors_total{{code="{code}"}} {v}')
