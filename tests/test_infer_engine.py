@@ -395,3 +395,20 @@ def test_incremental_detokenizer_matches_full_decode(tmp_path):
     d = IncrementalDetokenizer(tok)
     text = "".join(d.push(t) for t in ids) + d.flush()
     assert text == tok.decode(ids)
+
+
+def test_step_error_fails_requests_but_engine_survives(tiny, monkeypatch):
+    eng = Engine(tiny, None, max_seqs=2, max_tokens=256)
+    outs = []
+    r = eng.submit([5, 6, 7], SamplingParams(max_tokens=4, temperature=0), on_output=outs.append)
+
+    def boom(*a, **k):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(eng, "_decode_forward", boom)
+    eng.step()
+    assert r.finished and r.finish_reason == "error" and "injected failure" in outs[-1].error
+    assert eng.stats()["engine_errors_total"] == 1 and eng.stats()["pages_used_by_sequences"] == 0
+    monkeypatch.undo()
+    (ok,) = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert ok.finish_reason == "length" and len(ok.output_ids) == 4

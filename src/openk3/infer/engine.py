@@ -406,7 +406,11 @@ class Engine:
             if not self.has_work():
                 self._wake.wait(0.05)
                 continue
-            self.step()
+            try:
+                self.step()
+            except Exception:  # step() handles its own errors; this is the last line of defence
+                log.exception("engine loop error")
+                time.sleep(0.01)
 
     # ------------------------------------------------------------------------------------------------ scheduling
     def step(self) -> None:
@@ -422,7 +426,14 @@ class Engine:
             log.exception("engine step failed")
             self.metrics["engine_errors_total"] += 1
             for r in list(self.active) + list(self.waiting):
-                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+                try:
+                    self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+                except Exception:  # keep failing the others; the request is dropped either way
+                    log.exception("could not release %s", r.id)
+                    r.finished, r.finish_reason = True, "error"
+                    r.done_event.set()
+            self.active = [r for r in self.active if not r.finished]
+            self.waiting = deque(r for r in self.waiting if not r.finished)
         self.metrics["steps_total"] += 1
         self.metrics["step_seconds_total"] += time.perf_counter() - t0
 
