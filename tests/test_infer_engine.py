@@ -412,3 +412,27 @@ def test_step_error_fails_requests_but_engine_survives(tiny, monkeypatch):
     monkeypatch.undo()
     (ok,) = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert ok.finish_reason == "length" and len(ok.output_ids) == 4
+
+
+def test_cli_generate_chat_help_and_errors(tmp_path, monkeypatch, capsys):
+    import io
+
+    from openk3.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no runs/default here: the embedded tiny model is used
+    monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
+    common = ["-n", "4", "--temperature", "0", "--max-tokens", "512"]
+    assert main(["generate", "--prompt", "def f(x):", "-q", *common]) == 0
+    assert capsys.readouterr().out.startswith("def f(x):")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\nagain\n/exit\n"))
+    assert main(["chat", *common]) == 0
+    assert capsys.readouterr().out.strip()  # replies were printed
+    for cmd in ("generate", "chat", "serve"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0 and "example" in capsys.readouterr().out
+    assert main(["generate", "--ckpt", str(tmp_path / "missing"), "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0]
+    assert main(["generate", "-q", "--top-p", "0", *common]) == 2
+    assert "top_p" in capsys.readouterr().err
