@@ -346,9 +346,12 @@ def test_background_thread(tiny):
             _prompts(15, [4, 9]), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
         )
         assert all(len(r.output_ids) == 5 for r in reqs)
+        pending = eng.submit([5, 6], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
     finally:
         eng.shutdown()
     assert eng._thread is None
+    assert pending.done_event.is_set() and pending.finish_reason in ("abort", "length")
+    assert eng.stats()["pages_used_by_sequences"] == 0
 
 
 # ------------------------------------------------------------------------------------------------ memory

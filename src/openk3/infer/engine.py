@@ -396,7 +396,13 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                return
             self._thread = None
+        with torch.no_grad():  # nobody will step these any more: finish them so that waiters return
+            self._drain_inbox()
+            for r in list(self.active) + list(self.waiting):
+                self._finish(r, "abort")
 
     def _loop(self, n_threads: int) -> None:
         if self.device.type == "cpu":
