@@ -42,7 +42,7 @@ class TrainConfig:
     text_field: str = "text"
     corpus_bytes: int = 2_000_000  # cap of the embedded corpus for the default run
     tokenizer: str | None = None  # tokenizer.json / tiktoken file / dir; None -> train a byte-level BPE
-    steps: int = 200
+    steps: int = 150
     seq_len: int = 128
     batch_tokens: int = 1024  # tokens per optimizer step (all ranks, all micro-batches)
     grad_accum: int = 1
