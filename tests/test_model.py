@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from conftest import rel_err
 from openk3 import K3Config, K3ForCausalLM, get_preset
 from openk3.checkpoint import CheckpointError
 
@@ -192,3 +193,44 @@ def test_generate_greedy_matches_argmax(tiny):
     with torch.no_grad():
         logits = tiny(out[:, :-1]).logits
     assert torch.equal(logits[:, 4:].argmax(-1), out[:, 5:])
+
+
+def _quantize_mxfp4(w: torch.Tensor):
+    """Independent MXFP4 encoder for the test: per 32 inputs a power-of-two scale, values rounded to E2M1."""
+    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    out, n = w.shape
+    blocks = w.view(out, n // 32, 32)
+    amax = blocks.abs().amax(-1).clamp_min(1e-30)
+    e = torch.floor(torch.log2(amax)) - 2  # 6 * 2^e covers amax
+    x = blocks / torch.exp2(e).unsqueeze(-1)
+    idx = (x.abs().unsqueeze(-1) - mags).abs().argmin(-1)
+    code = (idx | ((x < 0).long() << 3)).view(out, n).to(torch.uint8)
+    packed = code[:, 0::2] | (code[:, 1::2] << 4)
+    deq = (mags[idx] * torch.where(x < 0, -1.0, 1.0) * torch.exp2(e).unsqueeze(-1)).view(out, n)
+    return packed, (e + 127).to(torch.uint8), deq
+
+
+def test_mxfp4_expert_weights_dequantised_on_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tiny = _model(moe_intermediate_size=64, routed_expert_hidden_size=64)  # group-32 friendly widths
+    tiny.save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    expect = {}
+    for k in [k for k in sd if ".experts." in k]:
+        packed, scale, deq = _quantize_mxfp4(sd.pop(k).float())
+        base = k[: -len(".weight")]
+        sd[base + ".weight_packed"], sd[base + ".weight_scale"] = packed, scale
+        expect[k] = deq
+    save_file(sd, tmp_path / "model.safetensors")
+    m = K3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    w1 = m.model.layers[1].block_sparse_moe.experts.w1
+    assert torch.equal(w1[3], expect["model.layers.1.block_sparse_moe.experts.3.w1.weight"])
+    assert rel_err(w1[3], tiny.model.layers[1].block_sparse_moe.experts.w1[3]) < 0.2  # 4-bit rounding only
+    ids = torch.randint(0, tiny.config.vocab_size, (1, 8))
+    assert torch.isfinite(m(ids).logits).all()
+    # a packed tensor without its scale is reported
+    sd.pop("model.layers.2.block_sparse_moe.experts.0.w2.weight_scale")
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="without their pair"):
+        K3ForCausalLM.from_pretrained(tmp_path)

@@ -7,7 +7,12 @@ Accepted on load:
 * files written by ``transformers``' ``KimiLinearForCausalLM.save_pretrained`` (which stores layer 0's dense MLP under
   ``block_sparse_moe.``) and transformers' in-memory fused layout (``conv1d`` of q|k|v, ``forget_gate.*``,
   ``experts.gate_up_proj`` / ``experts.down_proj``);
-* ``A_log`` as [H], zero-padded 1-D, or [1, 1, H, 1].
+* ``A_log`` as [H], zero-padded 1-D, or [1, 1, H, 1];
+* MXFP4 weights in the ``compressed-tensors`` ``mxfp4-pack-quantized`` layout of the K3 release (routed experts):
+  ``<name>.weight_packed`` uint8 [out, in/2] holding two E2M1 codes per byte (even column in the low nibble, odd
+  column in the high nibble; code = sign bit 3 | magnitude index into {0, .5, 1, 1.5, 2, 3, 4, 6}) and
+  ``<name>.weight_scale`` uint8 [out, in/32] E8M0 exponents (scale = 2^(e - 127)); they are dequantised on load to
+  ``<name>.weight`` (bf16 unless a dtype is given). ``<name>.weight_shape`` entries are ignored.
 """
 
 from __future__ import annotations
@@ -83,6 +88,50 @@ def iter_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                     yield k, f.get_tensor(k)
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"cannot read {fn}: {e} (truncated or not a safetensors file?)") from None
+
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """MXFP4 (E2M1 values, one E8M0 scale per 32 inputs) -> dense ``[out, in]``. See the module docstring."""
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise CheckpointError(f"MXFP4 tensors must be uint8, got {packed.dtype} / {scale.dtype}")
+    out, half = packed.shape
+    n_in = 2 * half
+    if scale.shape != (out, n_in // 32) or n_in % 32:
+        raise CheckpointError(
+            f"MXFP4 scale shape {tuple(scale.shape)} does not fit packed weight {tuple(packed.shape)} "
+            f"(expected [{out}, {n_in // 32}])"
+        )
+    table = torch.tensor(_E2M1, dtype=torch.float32)
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(out, n_in)
+    vals = table[codes.long()].view(out, n_in // 32, 32)
+    w = vals * torch.exp2(scale.float() - 127.0).unsqueeze(-1)
+    return w.view(out, n_in).to(dtype)
+
+
+def _dequantize_stream(tensors, dtype):
+    """Turn ``.weight_packed`` + ``.weight_scale`` pairs into ``.weight`` tensors; pass everything else through."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for k, t in tensors:
+        for suf in (".weight_packed", ".weight_scale"):
+            if k.endswith(suf):
+                base = k[: -len(suf)]
+                d = pending.setdefault(base, {})
+                d[suf] = t
+                if len(d) == 2:
+                    del pending[base]
+                    yield base + ".weight", dequantize_mxfp4(d[".weight_packed"], d[".weight_scale"], dtype)
+                break
+        else:
+            if k.endswith(".weight_shape"):
+                continue
+            yield k, t
+    if pending:
+        raise CheckpointError(f"quantized tensors without their pair (packed/scale): {sorted(pending)[:5]}")
 
 
 def _strip_prefix(k: str) -> str | None:
@@ -185,7 +234,7 @@ def load_pretrained(path, *, dtype: torch.dtype | None = None, device="cpu", con
     files = checkpoint_files(path)
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
-    sd = to_internal(cfg, iter_tensors(files))
+    sd = to_internal(cfg, _dequantize_stream(iter_tensors(files), dtype or torch.bfloat16))
     own = model.state_dict()
     for k, t in list(sd.items()):
         if k in own:
