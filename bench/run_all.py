@@ -1,0 +1,706 @@
+# ruff: noqa: B023
+"""All GPU benchmarks in one process: ceilings, KDA, MLA, MoE, AttnRes, a `medium` training step, decode.
+
+    python bench/run_all.py [--out DIR] [--sections ceil,kda,mla,moe,attnres,model,decode] [--tests]
+                            [--budget-s 540]
+
+Prints ONE table at the end (ours, the peer on the same inputs in the same run, ratio, roofline floor) and writes
+``bench.json`` (and ``errors.json`` / ``profile.txt`` when produced) to ``--out`` (default ``$OUT`` or
+``bench/out``). Ceilings (bf16 matmul rate, device copy bandwidth) are measured first in the same run and the
+floors use them: floor = max(FLOPs / matmul rate, bytes / copy bandwidth). ``--tests`` runs ``tests/gpu`` first in
+the same process (shared compile caches). Each section is independent: a failure is recorded and the next runs;
+no new section starts once ``--budget-s`` seconds have passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+ROWS: list[dict] = []
+INFO: dict = {}
+CEIL = {"mm": 790e12, "bw": 4.2e12, "measured": False}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# timing
+
+
+def timeit(fn, warmup: int = 2, rep: int = 10, setup=None) -> float:
+    """Median seconds of ``fn()`` over ``rep`` runs (CUDA events), after ``warmup`` runs."""
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(rep):
+        if setup:
+            setup()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(ts)
+
+
+def floor_s(flops: float = 0.0, nbytes: float = 0.0) -> float:
+    return max(flops / CEIL["mm"], nbytes / CEIL["bw"])
+
+
+def row(section, name, shape, ours, peer=None, peer_name="", flops=0.0, nbytes=0.0, note="", **extra):
+    r = {
+        "section": section,
+        "name": name,
+        "shape": shape,
+        "ours_ms": ours * 1e3 if ours is not None else None,
+        "peer": peer_name,
+        "peer_ms": peer * 1e3 if peer is not None else None,
+        "ratio": (ours / peer) if (ours and peer) else None,
+        "floor_ms": floor_s(flops, nbytes) * 1e3 if (flops or nbytes) else None,
+        "tflops": flops / ours / 1e12 if (flops and ours) else None,
+        "flops": flops,
+        "bytes": nbytes,
+        "note": note,
+    }
+    r.update(extra)
+    ROWS.append(r)
+    print(
+        f"  {name:44s} {shape:34s} ours {fmt(r['ours_ms'])} ms  peer {fmt(r['peer_ms'])} ms  "
+        f"floor {fmt(r['floor_ms'])} ms  {note}",
+        flush=True,
+    )
+    return r
+
+
+def fmt(v, d=3):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v != 0 and (abs(v) >= 1e4 or abs(v) < 1e-2):
+            return f"{v:.2e}"
+        return f"{v:.{d}f}"
+    return str(v)
+
+
+def free():
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# sections
+
+
+def sec_ceil():
+    n = 1 << 30  # 1 Gi bf16 elements = 2 GiB per buffer
+    a = torch.randn(n // 2, device="cuda", dtype=torch.float32).view(torch.bfloat16)
+    b = torch.empty_like(a)
+    t_c = timeit(lambda: b.copy_(a), rep=20)
+    CEIL["bw"] = 2 * a.numel() * a.element_size() / t_c
+    a = b = None
+    free()
+    N = 8192
+    x = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
+    t = timeit(lambda: x @ y, rep=20)
+    CEIL["mm"] = 2 * N**3 / t
+    CEIL["measured"] = True
+    row(
+        "ceil",
+        "device copy (bytes read+written)",
+        "2 GiB -> 2 GiB bf16",
+        t_c,
+        note=f"{CEIL['bw'] / 1e12:.2f} TB/s",
+    )
+    row("ceil", "bf16 matmul 8192^3 (random)", "8192x8192x8192", t, note=f"{CEIL['mm'] / 1e12:.0f} TFLOP/s")
+    x = y = None
+    free()
+
+
+class _KDALayer(torch.nn.Module):
+    def __init__(self, H, K):
+        super().__init__()
+        self.num_heads, self.head_dim = H, K
+        self.gate_kind, self.lower_bound = "lowerbound", -5.0
+        self.A_log = torch.nn.Parameter(torch.empty(H, device="cuda").uniform_(1, 16).log())
+        self.dt_bias = torch.nn.Parameter(torch.randn(H * K, device="cuda") * 0.5)
+
+
+def sec_kda():
+    from fla.ops.kda import chunk_kda
+
+    from openk3.cost import _kda_state_flops_chunk
+    from openk3.fast.kda import kda_core_fla
+
+    cases = [(4, 8192, 16, None), (1, 16384, 16, "varlen")]
+    if os.environ.get("BENCH_KDA_H64", "1") == "1":  # another head count = another full set of fla compiles
+        cases.insert(0, (2, 8192, 64, None))
+    for B, T, H, var in cases:
+        K = 128
+        layer = _KDALayer(H, K)
+        mk = lambda: torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16).requires_grad_()  # noqa: E731
+        q, k, v, z = mk(), mk(), mk(), mk()
+        beta = torch.randn(B, T, H, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        cu = None
+        if var:
+            cuts = sorted(torch.randperm(T - 2)[:6].add(2).tolist())
+            cu = torch.tensor([0, 1, *cuts, T], device="cuda")
+        do = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+
+        def ours():
+            return kda_core_fla(
+                layer, q, k, v, z, beta, initial_state=None, output_final_state=False, cu_seqlens=cu
+            )[0]
+
+        def peer():
+            return chunk_kda(
+                q,
+                k,
+                v,
+                z,
+                beta,
+                A_log=layer.A_log,
+                dt_bias=layer.dt_bias,
+                use_gate_in_kernel=True,
+                safe_gate=True,
+                lower_bound=-5.0,
+                use_qk_l2norm_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True,
+                cu_seqlens=cu,
+            )[0]
+
+        fl = _kda_state_flops_chunk(K, K, 64) * B * T * H
+        by = B * T * H * (4 * K * 2 + 2 + K * 2)
+        shape = f"B{B} T{T} H{H} D{K}{' varlen' + str(len(cu) - 1) if var else ''} bf16"
+        with torch.no_grad():
+            t_o, t_p = timeit(ours), timeit(peer)
+        row("kda", "KDA chunk fwd (ours core vs chunk_kda)", shape, t_o, t_p, "fla chunk_kda", fl, by)
+
+        def fb(f):
+            return lambda: f().backward(do)
+
+        t_o, t_p = timeit(fb(ours)), timeit(fb(peer))
+        row("kda", "KDA chunk fwd+bwd", shape, t_o, t_p, "fla chunk_kda", 3 * fl, 3 * by)
+        q = k = v = z = beta = do = None
+        free()
+
+
+def sec_mla():
+    from openk3.fast import mla
+
+    H_T = [(16, 4096), (96, 4096), (16, 16384), (96, 16384)]
+    for H, T in H_T:
+        B = 1
+        q = torch.randn(B, T, H, 192, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        k = torch.randn(B, T, H, 192, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        v = torch.randn(B, T, H, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        do = torch.randn(B, T, H, 128, device="cuda", dtype=torch.bfloat16)
+        sc = 192**-0.5
+        fl = 2 * B * H * (T * (T + 1) / 2) * (192 + 128)  # causal fwd
+        by = B * T * H * (192 * 2 + 128 * 2) * 2
+        shape = f"B{B} T{T} H{H} 192/128 causal bf16"
+        variants = {
+            m: (lambda m=m: mla.mha_sdpa(q, k, v, scale=sc, mode=m)) for m in ("pad", "cudnn", "efficient")
+        }
+        if T == 4096 and H == 16 and os.environ.get("BENCH_FLEX", "1") == "1":
+            variants["flex"] = lambda: mla.mha_flex(q, k, v, scale=sc)
+        res = {}
+        for m, f in variants.items():
+            try:
+                with torch.no_grad():
+                    tf = timeit(f)
+                tb = timeit(lambda f=f: f().backward(do))
+                res[m] = (tf, tb)
+            except Exception as e:  # a kernel that does not support these shapes
+                res[m] = None
+                print(f"    mla {m} failed: {type(e).__name__}: {str(e)[:200]}")
+        ours_mode = mla.SDPA_MODE
+        for m, tt in res.items():
+            if tt is None:
+                continue
+            row(
+                "mla",
+                f"MLA prefill fwd [{m}]",
+                shape,
+                tt[0],
+                res["pad"][0] if res.get("pad") else None,
+                "SDPA flash, V padded",
+                fl,
+                by,
+                note="ours" if m == ours_mode else "",
+            )
+            row(
+                "mla",
+                f"MLA prefill fwd+bwd [{m}]",
+                shape,
+                tt[1],
+                res["pad"][1] if res.get("pad") else None,
+                "SDPA flash, V padded",
+                3 * fl,
+                3 * by,
+                note="ours" if m == ours_mode else "",
+            )
+        q = k = v = do = None
+        free()
+    # packed documents
+    T, H = 16384, 16
+    q = torch.randn(1, T, H, 192, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    k = torch.randn(1, T, H, 192, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    v = torch.randn(1, T, H, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    do = torch.randn(1, T, H, 128, device="cuda", dtype=torch.bfloat16)
+    cuts = sorted(torch.randperm(T - 2)[:6].add(2).tolist())
+    bounds = [0, 1, *cuts, T]
+    cu = torch.tensor(bounds, device="cuda")
+    fl = sum(2 * H * ((b - a) * (b - a + 1) / 2) * 320 for a, b in zip(bounds, bounds[1:]))
+    res = {}
+    for vm in ("varlen", "loop", "flex") if os.environ.get("BENCH_FLEX", "1") == "1" else ("varlen", "loop"):
+        mla.VARLEN_MODE = vm
+        try:
+            f = lambda: mla.mha_sdpa(q, k, v, scale=192**-0.5, cu_seqlens=cu)  # noqa: E731
+            tb = timeit(lambda f=f: f().backward(do))
+            res[vm] = tb
+        except Exception as e:
+            print(f"    mla varlen {vm} failed: {type(e).__name__}: {str(e)[:200]}")
+    mla.VARLEN_MODE = os.environ.get("OPENK3_MLA_VARLEN", "varlen")
+    for vm, t in res.items():
+        row(
+            "mla",
+            f"MLA packed fwd+bwd [{vm}]",
+            f"T{T} H{H} {len(bounds) - 1} docs bf16",
+            t,
+            res.get("loop"),
+            "one SDPA per document",
+            3 * fl,
+            0,
+        )
+    free()
+
+
+def sec_moe():
+    from openk3.config import K3Config
+    from openk3.fast.moe import experts_grouped
+    from openk3.ops.moe import experts_reference
+
+    def bench_experts(E, K, W, I, N, with_ref, tag):
+        dt = torch.bfloat16
+        x = torch.randn(N, W, device="cuda", dtype=dt).requires_grad_()
+        logits = torch.randn(N, E, device="cuda")
+        idx = logits.topk(K, dim=-1).indices
+        w = torch.softmax(logits.gather(1, idx), -1).requires_grad_()
+        ws = [
+            (torch.randn(E, I, W, device="cuda", dtype=dt) * W**-0.5).requires_grad_(),
+            (torch.randn(E, W, I, device="cuda", dtype=dt) * I**-0.5).requires_grad_(),
+            (torch.randn(E, I, W, device="cuda", dtype=dt) * W**-0.5).requires_grad_(),
+        ]
+        dy = torch.randn(N, W, device="cuda", dtype=dt)
+        fl = 2 * N * K * 3 * W * I
+        wbytes = 3 * E * I * W * 2
+        by_fwd = wbytes + N * W * 2 * 2 + N * K * (W + I) * 2 * 2
+        f_fwd = lambda: experts_grouped(x, idx, w, *ws)  # noqa: E731
+        with torch.no_grad():
+            t_f = timeit(f_fwd, rep=10)
+        t_fb = timeit(lambda: f_fwd().backward(dy), rep=10)
+        # dense GEMMs of the same FLOPs: all N*k rows through one [W, I] / [I, W] weight
+        xr = torch.randn(N * K, W, device="cuda", dtype=dt).requires_grad_()
+        d1 = (torch.randn(W, I, device="cuda", dtype=dt) * W**-0.5).requires_grad_()
+        d3 = (torch.randn(W, I, device="cuda", dtype=dt) * W**-0.5).requires_grad_()
+        d2 = (torch.randn(I, W, device="cuda", dtype=dt) * I**-0.5).requires_grad_()
+        dyr = torch.randn(N * K, W, device="cuda", dtype=dt)
+        dense = lambda: ((xr @ d1) * (xr @ d3)) @ d2  # noqa: E731
+        with torch.no_grad():
+            t_df = timeit(dense)
+        t_dfb = timeit(lambda: dense().backward(dyr))
+        shape = f"E{E} top{K} W{W} I{I} N{N} bf16"
+        row(
+            "moe",
+            f"{tag} experts fwd",
+            shape,
+            t_f,
+            t_df,
+            "dense GEMMs same FLOPs",
+            fl,
+            by_fwd,
+            note=f"{t_df / t_f * 100:.0f}% of dense rate",
+        )
+        row(
+            "moe",
+            f"{tag} experts fwd+bwd",
+            shape,
+            t_fb,
+            t_dfb,
+            "dense GEMMs same FLOPs",
+            3 * fl,
+            3 * wbytes + 3 * (by_fwd - wbytes),
+            note=f"{t_dfb / t_fb * 100:.0f}% of dense rate",
+        )
+        if with_ref:
+            t_r = timeit(lambda: experts_reference(x, idx, w, *ws, act="situ").backward(dy), warmup=1, rep=3)
+            row(
+                "moe",
+                f"{tag} experts fwd+bwd vs reference loop",
+                shape,
+                t_fb,
+                t_r,
+                "experts_reference",
+                3 * fl,
+                0,
+            )
+        x = w = ws = dy = xr = d1 = d2 = d3 = dyr = None
+
+    bench_experts(64, 8, 1024, 640, 16384, True, "medium")
+    free()
+    # whole SparseMoE layer of the medium preset (router, latent down/up, norm, shared experts, routed experts)
+    from openk3.modules.moe import SparseMoE
+
+    cfg = K3Config.from_preset("medium")
+    layer = SparseMoE(cfg, 1).cuda()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, 0, 0.02)
+    layer.to(torch.bfloat16)
+    layer.gate.weight.data = layer.gate.weight.data.float()
+    N = 16384
+    x = torch.randn(1, N, cfg.hidden_size, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn_like(x)
+    d, Wl = cfg.hidden_size, cfg.moe_width
+    fl = (
+        2
+        * N
+        * (
+            cfg.num_experts * d
+            + 2 * d * Wl
+            + 3 * d * cfg.moe_intermediate_size * cfg.num_shared_experts
+            + cfg.num_experts_per_token * 3 * Wl * cfg.moe_intermediate_size
+        )
+    )
+    res = {}
+    for be in ("grouped_mm", "reference"):
+        layer.backend = be
+        res[be] = timeit(lambda: layer(x).backward(dy), warmup=1, rep=5 if be == "reference" else 10)
+    row(
+        "moe",
+        "medium SparseMoE layer fwd+bwd",
+        f"N{N} D{d} E64 top8",
+        res["grouped_mm"],
+        res["reference"],
+        "reference experts",
+        3 * fl,
+        0,
+    )
+    layer = x = dy = None
+    free()
+    # K3 expert shapes, few tokens: weights (59 GB bf16) + gradients do not leave room for more
+    try:
+        bench_experts(896, 16, 3584, 3072, 4096, False, "K3")
+    except torch.OutOfMemoryError as e:
+        print("    K3 MoE shape OOM:", str(e)[:200])
+    free()
+
+
+def sec_attnres():
+    from openk3.fast.attnres import TritonAttnResReader
+    from openk3.ops.attnres import AttnResReader
+
+    try:
+        from flash_attn_res import phase_1_batched_attention_triton_op, phase_2_online_softmax_merge_triton_op
+    except Exception:
+        phase_1_batched_attention_triton_op = None
+
+    def block(B, T, D, S, Q, dt=torch.bfloat16):
+        srcs = [torch.randn(B, T, D, device="cuda", dtype=dt).requires_grad_() for _ in range(S)]
+        lives = [torch.randn(B, T, D, device="cuda", dtype=dt).requires_grad_() for _ in range(Q)]
+        qs = [(torch.randn(1, D, device="cuda") * 0.05).requires_grad_() for _ in range(Q)]
+        nws = [torch.ones(D, device="cuda").requires_grad_() for _ in range(Q)]
+        douts = [torch.randn(B, T, D, device="cuda", dtype=dt) for _ in range(Q)]
+        return srcs, lives, qs, nws, douts
+
+    def run_reader(cls, srcs, lives, qs, nws, douts, grad=True):
+        rd = cls(1e-5)
+        for s in srcs[:-1]:
+            rd.sealed.append(s)
+        rd.seal(srcs[-1], [(j, qs[j], nws[j]) for j in range(len(qs))])
+        outs = [rd.read(j, qs[j], nws[j], lives[j]) for j in range(len(qs))]
+        if grad:
+            torch.autograd.backward(outs, douts)
+        return outs
+
+    def run_far(srcs, lives, qs, nws, douts, grad=True):
+        V = torch.stack(srcs)
+        W = torch.stack([(nw * q.reshape(-1)) for q, nw in zip(qs, nws)])
+        pn, lse = phase_1_batched_attention_triton_op(V, W, 1e-5)
+        outs = [
+            phase_2_online_softmax_merge_triton_op(lives[j], W[j], pn[j], lse[j], 1e-5)
+            for j in range(len(qs))
+        ]
+        if grad:
+            torch.autograd.backward(outs, douts)
+        return outs
+
+    def plain(srcs, lives, qs, nws, douts, grad=True):  # plain residual: each site's input is r itself
+        outs = [lv + 0 for lv in lives]
+        if grad:
+            torch.autograd.backward(outs, douts)
+        return outs
+
+    for B, T, D, S, Q in [(4, 4096, 2048, 4, 8), (1, 4096, 7168, 8, 24)]:
+        data = block(B, T, D, S, Q)
+        N = B * T
+        shape = f"N{N} D{D} S{S} sealed Q{Q} sites bf16"
+        # bytes: phase 1 reads S sources, writes Q fp32 partials; each read reads r + partial, writes out
+        by_f = N * D * (2 * S + Q * (4 + 4 + 2 + 2))
+        res = {}
+        cands = {
+            "ours": lambda g: run_reader(TritonAttnResReader, *data, grad=g),
+            "reference": lambda g: run_reader(AttnResReader, *data, grad=g),
+            "plain": lambda g: plain(*data, grad=g),
+        }
+        if phase_1_batched_attention_triton_op is not None and D & (D - 1) == 0:
+            cands["flash-attn-res"] = lambda g: run_far(*data, grad=g)
+        for name, f in cands.items():
+            try:
+                with torch.no_grad():
+                    tf = timeit(lambda f=f: f(False))
+                tb = timeit(lambda f=f: f(True))
+                res[name] = (tf, tb)
+            except Exception as e:
+                print(f"    attnres {name} failed: {type(e).__name__}: {str(e)[:300]}")
+        for name, (tf, tb) in res.items():
+            if name == "ours":
+                continue
+            row("attnres", f"AttnRes block fwd [ours vs {name}]", shape, res["ours"][0], tf, name, 0, by_f)
+            row(
+                "attnres",
+                f"AttnRes block fwd+bwd [ours vs {name}]",
+                shape,
+                res["ours"][1],
+                tb,
+                name,
+                0,
+                3 * by_f,
+            )
+        INFO.setdefault("attnres", {})[shape] = {k: [v[0] * 1e3, v[1] * 1e3] for k, v in res.items()}
+        data = None
+        free()
+
+
+def _medium_model(ckpt: bool):
+    from openk3 import K3Config, K3ForCausalLM
+
+    cfg = K3Config.from_preset("medium")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = K3ForCausalLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("_res_proj.weight"):
+                p.normal_(0.0, 0.02)
+    model.to_dtype(torch.bfloat16)
+    model.model.gradient_checkpointing = ckpt
+    model.train()
+    return cfg, model
+
+
+def sec_model(out_dir):
+    import openk3.fast  # noqa: F401
+    from openk3.cost import train_flops_per_token
+    from openk3.ops import backend
+
+    INFO["backends"] = {op: backend.resolve(op, True) for op in backend.OPS}
+    for B, T, ckpt in [(4, 4096, False), (8, 4096, True)]:
+        cfg, model = _medium_model(ckpt)
+        ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
+        tg = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(ids, targets=tg, return_logits=False).loss.backward()
+
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            t = timeit(step, warmup=2, rep=5)
+        except torch.OutOfMemoryError as e:
+            print("    medium step OOM:", str(e)[:200])
+            model = None
+            free()
+            continue
+        fl = train_flops_per_token(cfg, T) * B * T
+        mfu = fl / t / CEIL["mm"]
+        mem = torch.cuda.max_memory_allocated() / 2**30
+        row(
+            "model",
+            f"medium train step (fwd+bwd){' ckpt' if ckpt else ''}",
+            f"B{B} T{T} bf16",
+            t,
+            None,
+            "",
+            fl,
+            0,
+            note=f"{B * T / t:,.0f} tok/s MFU {mfu * 100:.1f}% peak {mem:.0f} GiB",
+            mfu=mfu,
+            tokens_per_s=B * T / t,
+        )
+        if not ckpt:
+            _profile(step, out_dir)
+            per_layer = t / cfg.num_hidden_layers
+            INFO["medium_layer_fwd_bwd_ms"] = per_layer * 1e3
+        model = ids = tg = None
+        free()
+
+
+def _profile(step, out_dir):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    with open(os.path.join(out_dir, "profile.txt"), "w") as f:
+        f.write(table)
+    print("\n".join(table.splitlines()[:19]))
+
+
+def sec_decode():
+    from openk3.cost import Hardware, predict_decode_time
+
+    hw = Hardware("h200-run", CEIL["mm"], CEIL["bw"], 141e9, 450e9)
+    cfg, model = _medium_model(False)
+    model.eval()
+    ctx = 1024
+    for b in (1, 16, 64):
+        ids = torch.randint(0, cfg.vocab_size, (b, ctx), device="cuda")
+        with torch.inference_mode():
+            cache = model.new_cache()
+            out = model(ids, cache=cache, logits_to_keep=1)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(3):
+                model(nxt, cache=cache, logits_to_keep=1)
+            torch.cuda.synchronize()
+            steps = 10
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                model(nxt, cache=cache, logits_to_keep=1)
+            torch.cuda.synchronize()
+            t = (time.perf_counter() - t0) / steps
+        pred = predict_decode_time(cfg, b, ctx + 3 + steps // 2, hw)
+        row(
+            "decode",
+            "medium decode step (contiguous cache)",
+            f"batch {b} ctx {ctx} bf16",
+            t,
+            pred,
+            "cost-model roofline",
+            note=f"measured/predicted {t / pred:.1f}x",
+        )
+        cache = out = None
+        free()
+    model = None
+    free()
+
+
+SECTIONS = {
+    "ceil": sec_ceil,
+    "kda": sec_kda,
+    "mla": sec_mla,
+    "moe": sec_moe,
+    "attnres": sec_attnres,
+    "model": None,
+    "decode": sec_decode,
+}
+
+
+def print_table():
+    print("\n" + "=" * 150)
+    hdr = (
+        f"{'section':8s} {'benchmark':46s} {'shape':36s} {'ours ms':>9s} {'peer ms':>9s} {'ratio':>6s} "
+        f"{'floor ms':>9s} {'TFLOP/s':>8s}  note"
+    )
+    print(hdr)
+    for r in ROWS:
+        print(
+            f"{r['section']:8s} {r['name'][:46]:46s} {r['shape'][:36]:36s} {fmt(r['ours_ms']):>9s} "
+            f"{fmt(r['peer_ms']):>9s} {fmt(r['ratio'], 2):>6s} {fmt(r['floor_ms']):>9s} "
+            f"{fmt(r['tflops'], 1):>8s}  {r['peer']}{' | ' if r['peer'] and r['note'] else ''}{r['note']}"
+        )
+    print(
+        f"ceilings: matmul {CEIL['mm'] / 1e12:.0f} TFLOP/s, copy {CEIL['bw'] / 1e12:.2f} TB/s "
+        f"({'measured this run' if CEIL['measured'] else 'defaults'}); device {INFO.get('device')}"
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "bench", "out"))
+    ap.add_argument("--sections", default="ceil,kda,mla,moe,attnres,model,decode")
+    ap.add_argument("--tests", action="store_true", help="run tests/gpu first in this process")
+    ap.add_argument("--test-paths", default="tests/gpu", help="pytest paths / node ids, run in this order")
+    ap.add_argument("--test-args", default="", help="extra pytest arguments, space separated")
+    ap.add_argument("--budget-s", type=float, default=540.0)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+    INFO.update(device=torch.cuda.get_device_name(0), torch=torch.__version__)
+    try:
+        import triton
+
+        INFO["triton"] = triton.__version__
+    except Exception:
+        pass
+    import openk3.fast  # noqa: F401
+
+    if args.tests:
+        import pytest
+
+        os.environ["OPENK3_ERRLOG"] = os.path.join(args.out, "errors.json")
+        t0 = time.time()
+        rc = pytest.main(
+            [
+                "-q",
+                "-rf",
+                "-p",
+                "no:cacheprovider",
+                *[os.path.join(ROOT, t) for t in args.test_paths.split()],
+                *shlex.split(args.test_args),
+            ]
+        )
+        INFO["tests"] = {"exit": int(rc), "seconds": time.time() - t0}
+        print(f"tests/gpu exit {int(rc)} in {time.time() - t0:.0f} s", flush=True)
+    SECTIONS["model"] = lambda: sec_model(args.out)
+    for name in [s for s in args.sections.split(",") if s]:
+        if time.time() - t_start > args.budget_s:
+            print(f"[skip {name}: budget]")
+            INFO.setdefault("skipped", []).append(name)
+            continue
+        print(f"[{name}] t={time.time() - t_start:.0f}s", flush=True)
+        t0 = time.time()
+        try:
+            SECTIONS[name]()
+        except Exception as e:
+            traceback.print_exc()
+            INFO.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
+            free()
+        INFO.setdefault("section_s", {})[name] = time.time() - t0
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump({"ceilings": CEIL, "info": INFO, "rows": ROWS}, f, indent=1, default=str)
+    print_table()
+    if INFO.get("errors"):
+        print("errors:", json.dumps(INFO["errors"], indent=1)[:3000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""GPU fast paths, registered with the backend registry on import.
+
+========  ==============  ==========================================================================
+op        backend name    what
+========  ==============  ==========================================================================
+kda       ``fla``         fla-core ``chunk_kda`` / ``fused_recurrent_kda`` (gate, beta, L2 norm in-kernel)
+mla       ``sdpa``        ``scaled_dot_product_attention`` (+ ``varlen_attn`` for packed documents)
+mla       ``flex``        FlexAttention with causal / document block masks
+moe       ``grouped_mm``  token permutation + ``torch._grouped_mm`` forward/backward, Triton SiTU-GLU
+attnres   ``triton``      two-phase Block AttnRes reader (Triton, exact fp32 mixing, forward/backward)
+========  ==============  ==========================================================================
+
+``auto`` (the default) takes the first available fast backend on CUDA inputs and the reference elsewhere;
+``OPENK3_BACKEND_<OP>=name`` or ``model.set_backend(op, name)`` forces one. Importing this package is enough:
+``import openk3.fast  # noqa: F401``.
+"""
+
+from __future__ import annotations
+
+from openk3.fast import attnres, kda, mla, moe
+from openk3.ops import backend as _backend
+from openk3.ops.backend import Backend
+
+__all__ = ["attnres", "kda", "mla", "moe", "register_all"]
+
+
+def register_all() -> None:
+    """(Re-)register every fast backend; the last registered per op is the one ``auto`` prefers."""
+    from openk3.modules.kda import FAST_KDA
+    from openk3.modules.mla import FAST_MHA
+    from openk3.modules.moe import FAST_EXPERTS
+    from openk3.ops.attnres import FAST_READERS
+
+    FAST_KDA["fla"] = kda.kda_core_fla
+    _backend.register("kda", Backend("fla", kda.available))
+
+    FAST_MHA["flex"] = mla.mha_flex
+    _backend.register("mla", Backend("flex", mla.flex_available))
+    FAST_MHA["sdpa"] = mla.mha_sdpa
+    _backend.register("mla", Backend("sdpa", mla.sdpa_available))
+
+    FAST_EXPERTS["grouped_mm"] = moe.experts_grouped
+    _backend.register("moe", Backend("grouped_mm", moe.available))
+
+    FAST_READERS["triton"] = attnres.TritonAttnResReader
+    _backend.register("attnres", Backend("triton", attnres.available))
+
+
+register_all()

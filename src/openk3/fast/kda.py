@@ -1,0 +1,146 @@
+"""KDA core on fla-core's Triton kernels (``chunk_kda`` for training / prefill, ``fused_recurrent_kda`` for short
+inference calls), with the decay gate, the beta sigmoid and the q/k L2 normalisation done inside the kernels.
+
+Plugs into :data:`openk3.modules.kda.FAST_KDA` under the name ``"fla"`` with the signature of
+``openk3.modules.kda._kda_core_reference``. fla-core is optional: :func:`available` says why it cannot be used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def limit_autotune(n: int) -> None:
+    """Make every Triton autotuner (fla's included) try at most ``n`` configs -- the ones closest to
+    ``num_warps=4, num_stages=3``. Compile time over kernel speed, for short-lived GPU sessions; set
+    ``OPENK3_AUTOTUNE_MAX=n`` before importing openk3.fast."""
+    from triton.runtime.autotuner import Autotuner
+
+    if getattr(Autotuner, "_openk3_limit", None) is not None:
+        Autotuner._openk3_limit = n
+        return
+    orig = Autotuner.prune_configs
+
+    def prune_configs(self, kwargs):
+        cfgs = orig(self, kwargs)
+        lim = Autotuner._openk3_limit
+        if lim and len(cfgs) > lim:
+            cfgs = sorted(cfgs, key=lambda c: (abs(c.num_warps - 4), abs(c.num_stages - 3)))[:lim]
+        return cfgs
+
+    Autotuner.prune_configs = prune_configs
+    Autotuner._openk3_limit = n
+
+
+if os.environ.get("OPENK3_AUTOTUNE_MAX"):
+    try:
+        limit_autotune(int(os.environ["OPENK3_AUTOTUNE_MAX"]))
+    except ImportError:
+        pass
+
+_fla = None
+_why = ""
+try:  # fla-core is an optional dependency
+    from fla.ops.kda import chunk_kda as _chunk_kda
+    from fla.ops.kda import fused_recurrent_kda as _fused_recurrent_kda
+
+    _fla = True
+except Exception as e:  # ImportError, or a Triton/driver problem at import time
+    _chunk_kda = _fused_recurrent_kda = None
+    _why = (
+        f"fla-core not installed ({type(e).__name__}: {e})"
+        if not isinstance(e, ImportError)
+        else ("fla-core not installed")
+    )
+
+# Inference calls (no autograd) up to this many tokens per sequence use the token-recurrent kernel.
+RECURRENT_MAX_LEN = 64
+# fla's M=16 tensor-core path ("safe gate") is valid for lower bounds in [-5, 0).
+SAFE_GATE_MIN = -5.0
+
+
+def available() -> tuple[bool, str]:
+    if not _fla:
+        return False, _why or "fla-core not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    return True, "fla-core chunk_kda / fused_recurrent_kda"
+
+
+def gate_kwargs(layer) -> dict:
+    """In-kernel gate arguments for ``layer`` (``gate_kind`` "lowerbound" = K3, "softplus" = Kimi Linear)."""
+    H = layer.num_heads
+    kw = {
+        "use_gate_in_kernel": True,
+        "A_log": layer.A_log.reshape(-1)[:H],
+        "dt_bias": layer.dt_bias.reshape(-1),
+    }
+    if layer.gate_kind == "lowerbound":
+        lb = float(layer.lower_bound)
+        kw["lower_bound"] = lb
+        kw["safe_gate"] = SAFE_GATE_MIN <= lb < 0.0
+    elif layer.gate_kind != "softplus":
+        raise ValueError(f"fla KDA backend: unknown gate kind {layer.gate_kind!r}")
+    return kw
+
+
+def kda_core_fla(layer, q, k, v, z, beta_logits, *, initial_state, output_final_state, cu_seqlens):
+    """q, k, v: [B, T, H, K] (post conv/SiLU, model dtype); z: [B, T, H, K] raw decay logits (no dt_bias);
+    beta_logits: [B, T, H]; initial_state: [N, H, K, V] or None. Returns (o [B, T, H, V], final_state fp32 or None).
+    """
+    if q.dtype == torch.float64:  # fla's kernels have no fp64 path: keep exactness checks exact
+        from openk3.modules.kda import _kda_core_reference
+
+        return _kda_core_reference(
+            layer,
+            q,
+            k,
+            v,
+            z,
+            beta_logits,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+        )
+    kw = gate_kwargs(layer)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
+    if initial_state is not None:
+        initial_state = initial_state.float().contiguous()
+    T = q.shape[1]
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, z, beta_logits, kw["A_log"], kw["dt_bias"])
+    )
+    if not needs_grad and T <= RECURRENT_MAX_LEN:
+        # token recurrence: exact fp32 state update, no chunk padding; forward only (fla has no backward for it)
+        kw.pop("safe_gate", None)
+        o, state = _fused_recurrent_kda(
+            q,
+            k,
+            v,
+            z,
+            beta_logits,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            cu_seqlens=cu_seqlens,
+            **kw,
+        )
+        return o, state
+    o, state = _chunk_kda(
+        q,
+        k,
+        v,
+        z,
+        beta_logits,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        cu_seqlens=cu_seqlens,
+        **kw,
+    )
+    return o, state

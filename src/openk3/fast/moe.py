@@ -1,0 +1,382 @@
+"""Routed-expert compute with token permutation + ``torch._grouped_mm`` (forward and backward), SiTU-GLU in Triton.
+
+Plugs into :data:`openk3.modules.moe.FAST_EXPERTS` as ``"grouped_mm"`` with the signature of
+``openk3.ops.moe.experts_reference``: ``fn(x [N,W], idx [N,k], weights [N,k] fp32, w1 [E,I,W], w2 [E,W,I],
+w3 [E,I,W], *, act, beta1, beta2) -> [N,W]``.
+
+Layout: the N*k (token, expert) pairs are sorted by expert into a padded buffer of ``P`` rows in which each expert
+owns a group of rows padded to a multiple of :data:`ALIGN` (at least ``ALIGN`` rows, so no group is empty); padding
+rows are zeros. ``P = N*k + E*ALIGN`` is a static bound, so planning needs no host synchronisation; rows past the
+last group are never read. Per layer, forward: gather x rows -> two grouped GEMMs (gate, up) -> SiTU-GLU (Triton) ->
+grouped GEMM (down) -> weighted combine (Triton, fp32 accumulation, like the reference). Backward: the same GEMMs
+transposed plus three 2-D x 2-D grouped GEMMs for the weight gradients (grouped over the token dimension).
+
+``torch._grouped_mm`` runs bf16 on sm90+. Other dtypes (fp32 tests) or GPUs use the same permuted layout with one
+``mm`` per expert (host sync for the group offsets) -- slower, same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openk3.fast._triton import HAS_TRITON, tanh_f32, tl, triton, triton_ok
+
+ALIGN = 16
+
+
+def grouped_mm_ok(dtype=torch.bfloat16) -> bool:
+    if not hasattr(torch, "_grouped_mm") or not torch.cuda.is_available():
+        return False
+    if dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+def available() -> tuple[bool, str]:
+    ok, why = triton_ok()
+    if not ok:
+        return False, why
+    if grouped_mm_ok():
+        return True, "torch._grouped_mm (bf16, sm90+) + Triton SiTU/combine"
+    return True, "per-expert mm fallback (torch._grouped_mm needs bf16 on sm90+) + Triton SiTU/combine"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _glu_fwd_kernel(g_ptr, u_ptr, o_ptr, n, b1, b2, SITU: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        sg = tl.sigmoid(g)
+        if SITU:
+            a = (b1 * tanh_f32(g / b1)) * sg * (b2 * tanh_f32(u / b2))
+        else:
+            a = g * sg * u
+        tl.store(o_ptr + offs, a.to(o_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _glu_bwd_kernel(
+        g_ptr, u_ptr, da_ptr, dg_ptr, du_ptr, n, b1, b2, SITU: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        da = tl.load(da_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        sg = tl.sigmoid(g)
+        if SITU:
+            t1 = tanh_f32(g / b1)
+            t2 = tanh_f32(u / b2)
+            left = b1 * t1 * sg
+            right = b2 * t2
+            dleft = (1.0 - t1 * t1) * sg + b1 * t1 * sg * (1.0 - sg)
+            dright = 1.0 - t2 * t2
+        else:
+            left = g * sg
+            right = u
+            dleft = sg * (1.0 + g * (1.0 - sg))
+            dright = 1.0
+        tl.store(dg_ptr + offs, (da * right * dleft).to(dg_ptr.dtype.element_ty), mask=m)
+        tl.store(du_ptr + offs, (da * left * dright).to(du_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _gather_rows_kernel(
+        src_ptr, idx_ptr, scale_ptr, out_ptr, n_src, W, HAS_SCALE: tl.constexpr, BLOCK_W: tl.constexpr
+    ):
+        """out[r] = src[idx[r]] * scale[r] (zero where idx[r] >= n_src)."""
+        r = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        cm = cols < W
+        t = tl.load(idx_ptr + r).to(tl.int64)
+        valid = t < n_src
+        v = tl.load(src_ptr + t * W + cols, mask=cm & valid, other=0.0)
+        if HAS_SCALE:
+            v = v.to(tl.float32) * tl.load(scale_ptr + r)
+        tl.store(out_ptr + r * W + cols, v.to(out_ptr.dtype.element_ty), mask=cm)
+
+    @triton.jit
+    def _combine_kernel(
+        y_ptr,
+        rows_ptr,
+        w_ptr,
+        out_ptr,
+        W,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        HAS_W: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+    ):
+        """out[n] = sum_j w[n, j] * y[rows[n, j]] accumulated in fp32."""
+        n = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        cm = cols < W
+        j = tl.arange(0, KP)
+        jm = j < K
+        rows = tl.load(rows_ptr + n * K + j, mask=jm, other=0).to(tl.int64)
+        y = tl.load(y_ptr + rows[:, None] * W + cols[None, :], mask=jm[:, None] & cm[None, :], other=0.0)
+        y = y.to(tl.float32)
+        if HAS_W:
+            wt = tl.load(w_ptr + n * K + j, mask=jm, other=0.0).to(tl.float32)
+            y = y * wt[:, None]
+        tl.store(out_ptr + n * W + cols, tl.sum(y, axis=0).to(out_ptr.dtype.element_ty), mask=cm)
+
+    @triton.jit
+    def _combine_dw_kernel(
+        dout_ptr,
+        y_ptr,
+        rows_ptr,
+        dw_ptr,
+        W: tl.constexpr,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+    ):
+        """dw[n, j] = <dout[n], y[rows[n, j]]> in fp32."""
+        n = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, KP)
+        jm = j < K
+        rows = tl.load(rows_ptr + n * K + j, mask=jm, other=0).to(tl.int64)
+        acc = tl.zeros([KP], dtype=tl.float32)
+        for c0 in range(0, W, BLOCK_W):
+            cols = c0 + tl.arange(0, BLOCK_W)
+            cm = cols < W
+            d = tl.load(dout_ptr + n * W + cols, mask=cm, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + rows[:, None] * W + cols[None, :], mask=jm[:, None] & cm[None, :], other=0.0)
+            acc += tl.sum(y.to(tl.float32) * d[None, :], axis=1)
+        tl.store(dw_ptr + n * K + j, acc, mask=jm)
+
+
+_BLOCK = 1024
+
+
+def _bw(W: int) -> int:
+    return min(1024, triton.next_power_of_2(W))
+
+
+def glu_fwd(g: torch.Tensor, u: torch.Tensor, act: str, b1: float, b2: float) -> torch.Tensor:
+    out = torch.empty_like(g)
+    n = g.numel()
+    _glu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](
+        g, u, out, n, float(b1), float(b2), SITU=act == "situ", BLOCK=_BLOCK
+    )
+    return out
+
+
+def glu_bwd(g, u, da, act, b1, b2):
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    n = g.numel()
+    _glu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](
+        g, u, da.contiguous(), dg, du, n, float(b1), float(b2), SITU=act == "situ", BLOCK=_BLOCK
+    )
+    return dg, du
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    P, W = idx.shape[0], src.shape[1]
+    out = torch.empty(P, W, dtype=src.dtype, device=src.device)
+    BW = _bw(W)
+    _gather_rows_kernel[(P, triton.cdiv(W, BW))](
+        src.contiguous(),
+        idx,
+        scale if scale is not None else idx,
+        out,
+        src.shape[0],
+        W,
+        HAS_SCALE=scale is not None,
+        BLOCK_W=BW,
+    )
+    return out
+
+
+def combine(y: torch.Tensor, rows: torch.Tensor, w: torch.Tensor | None, dtype) -> torch.Tensor:
+    N, K = rows.shape
+    W = y.shape[1]
+    out = torch.empty(N, W, dtype=dtype, device=y.device)
+    BW = min(_bw(W), 512)
+    _combine_kernel[(N, triton.cdiv(W, BW))](
+        y,
+        rows,
+        w if w is not None else rows,
+        out,
+        W,
+        K=K,
+        KP=triton.next_power_of_2(K),
+        HAS_W=w is not None,
+        BLOCK_W=BW,
+    )
+    return out
+
+
+def combine_dw(dout: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    N, K = rows.shape
+    W = y.shape[1]
+    dw = torch.empty(N, K, dtype=torch.float32, device=y.device)
+    _combine_dw_kernel[(N,)](
+        dout.contiguous(), y, rows, dw, W, K=K, KP=triton.next_power_of_2(K), BLOCK_W=min(_bw(W), 256)
+    )
+    return dw
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# planning and grouped GEMMs
+
+
+class Plan:
+    """Permutation of the N*k (token, expert) pairs into expert-sorted, padded rows."""
+
+    def __init__(self, idx: torch.Tensor, num_experts: int, align: int = ALIGN):
+        N, K = idx.shape
+        E = num_experts
+        dev = idx.device
+        flat = idx.reshape(-1)
+        counts = torch.bincount(flat, minlength=E)
+        padded = torch.clamp((counts + align - 1) // align * align, min=align)
+        ends = torch.cumsum(padded, 0)
+        pstart = ends - padded
+        cstart = torch.cumsum(counts, 0) - counts
+        order = torch.argsort(flat, stable=True)
+        e_sorted = flat[order]
+        nk = N * K
+        row_sorted = pstart[e_sorted] + (torch.arange(nk, device=dev) - cstart[e_sorted])
+        rows = torch.empty(nk, dtype=torch.long, device=dev)
+        rows[order] = row_sorted
+        self.P = nk + E * align
+        tok = torch.full((self.P,), N, dtype=torch.long, device=dev)
+        tok[rows] = torch.arange(nk, device=dev) // K
+        self.rows = rows.view(N, K)  # [N, k] padded row of each (token, slot)
+        self.tok_of_row = tok  # [P] source token of each padded row (N = padding)
+        self.offs = ends.to(torch.int32)  # [E] cumulative group ends
+        self.N, self.K, self.E = N, K, E
+
+    def row_scale(self, weights: torch.Tensor) -> torch.Tensor:
+        """[P] fp32: the mixture weight of each padded row (0 on padding)."""
+        s = torch.zeros(self.P, dtype=torch.float32, device=weights.device)
+        s[self.rows.reshape(-1)] = weights.reshape(-1).float()
+        return s
+
+
+_LAYOUTS: dict = {}
+
+
+def _variants(t: torch.Tensor):
+    yield "as_is", t
+    yield "row", t.contiguous()
+    if t.dim() == 3:
+        yield "col", t.mT.contiguous().mT
+
+
+def _apply(t, how):
+    if how == "as_is":
+        return t
+    if how == "row":
+        return t.contiguous()
+    return t.mT.contiguous().mT
+
+
+def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, key: str) -> torch.Tensor:
+    """torch._grouped_mm with a layout fix-up remembered per call site ``key`` (the first layout pair that the
+    installed PyTorch accepts)."""
+    fix = _LAYOUTS.get(key)
+    if fix is not None:
+        return torch._grouped_mm(_apply(a, fix[0]), _apply(b, fix[1]), offs=offs)
+    err = None
+    for ha, aa in _variants(a):
+        for hb, bb in _variants(b):
+            try:
+                out = torch._grouped_mm(aa, bb, offs=offs)
+            except RuntimeError as e:
+                err = e
+                continue
+            _LAYOUTS[key] = (ha, hb)
+            return out
+    raise err
+
+
+def _loop_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Reference semantics of torch._grouped_mm (2-D x 3-D and 2-D x 2-D), one mm per group."""
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    if b.dim() == 3:  # a [P, K] x b [E, K, N] -> [P, N]
+        out = torch.zeros(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
+        for e, (s, t) in enumerate(zip(starts, ends)):
+            if t > s:
+                out[s:t] = a[s:t] @ b[e]
+        return out
+    # a [M, P] x b [P, N] -> [E, M, N], grouped over P
+    out = torch.zeros(len(ends), a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    for e, (s, t) in enumerate(zip(starts, ends)):
+        if t > s:
+            out[e] = a[:, s:t] @ b[s:t]
+    return out
+
+
+def _mm(a, b, offs, key):
+    if a.dtype == torch.bfloat16 and grouped_mm_ok(a.dtype) and a.is_cuda:
+        return gmm(a, b, offs, key)
+    return _loop_mm(a, b, offs)
+
+
+class _Experts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights, w1, w2, w3, idx, act, b1, b2):
+        plan = Plan(idx, w1.shape[0])
+        xs = gather_rows(x, plan.tok_of_row)  # [P, W]
+        h1 = _mm(xs, w1.mT, plan.offs, "x_w1")  # [P, I]
+        h3 = _mm(xs, w3.mT, plan.offs, "x_w1")
+        a = glu_fwd(h1, h3, act, b1, b2)
+        y = _mm(a, w2.mT, plan.offs, "a_w2")  # [P, W]
+        out = combine(y, plan.rows, weights, x.dtype)
+        ctx.save_for_backward(x, weights, w1, w2, w3, h1, h3, y, plan.rows, plan.tok_of_row, plan.offs)
+        ctx.cfg = (act, b1, b2)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weights, w1, w2, w3, h1, h3, y, rows, tok_of_row, offs = ctx.saved_tensors
+        act, b1, b2 = ctx.cfg
+        dout = dout.contiguous()
+        P = tok_of_row.shape[0]
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_w1, need_w2, need_w3 = ctx.needs_input_grad[2:5]
+        dweights = combine_dw(dout, y, rows) if need_w else None
+        scale = torch.zeros(P, dtype=torch.float32, device=x.device)
+        scale[rows.reshape(-1)] = weights.reshape(-1).float()
+        dy = gather_rows(dout, tok_of_row, scale)  # [P, W]: dout[token] * weight, zero on padding
+        da = _mm(dy, w2, offs, "dy_w2")  # [P, I]
+        a = glu_fwd(h1, h3, act, b1, b2) if need_w2 else None
+        dw2 = _mm(dy.t(), a, offs, "dyT_a") if need_w2 else None  # [E, W, I]
+        dh1, dh3 = glu_bwd(h1, h3, da, act, b1, b2)
+        dx = dw1 = dw3 = None
+        if need_w1 or need_w3:
+            xs = gather_rows(x, tok_of_row)
+            dw1 = _mm(dh1.t(), xs, offs, "dhT_x") if need_w1 else None  # [E, I, W]
+            dw3 = _mm(dh3.t(), xs, offs, "dhT_x") if need_w3 else None
+        if need_x:
+            dxs = _mm(dh1, w1, offs, "dh_w1")
+            dxs += _mm(dh3, w3, offs, "dh_w1")
+            dx = combine(dxs, rows, None, x.dtype)
+        return dx, dweights, dw1, dw2, dw3, None, None, None, None
+
+
+def experts_grouped(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=25.0):
+    """Drop-in for ``openk3.ops.moe.experts_reference`` (see module docstring). x: [N, W] -> [N, W] (x.dtype)."""
+    if act not in ("situ", "silu", "swiglu"):
+        raise ValueError(f"unknown activation {act!r}; expected 'situ' or 'silu'")
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    return _Experts.apply(
+        x.contiguous(),
+        weights.float().contiguous(),
+        w1,
+        w2,
+        w3,
+        idx.contiguous(),
+        act,
+        float(beta1),
+        float(beta2),
+    )

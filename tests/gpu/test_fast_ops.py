@@ -1,0 +1,292 @@
+"""Fast backends (openk3.fast) vs the plain-PyTorch references, on fresh random inputs, awkward shapes, bf16/fp32.
+
+Tolerances are relative errors ||fast - ref|| / ||ref|| per tensor, set from measurements on an H200 (bench/NOTES.md).
+fla's chunk kernel computes its intra-chunk products in reduced precision, so its fp32 tolerances are wide; the
+token-recurrent kernel and our own kernels are held to fp32 rounding.
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def _fresh(seed=None):
+    g = torch.Generator(device=DEV)
+    g.manual_seed(seed if seed is not None else torch.seed() % (2**31))
+    return g
+
+
+def _rand(*shape, dtype=torch.float32, scale=1.0, g=None):
+    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# KDA
+
+
+class _KDALayer(torch.nn.Module):
+    def __init__(self, H, K, gate_kind, g):
+        super().__init__()
+        self.num_heads, self.head_dim = H, K
+        self.gate_kind = gate_kind
+        self.lower_bound = -5.0
+        self.recurrent_max_len, self.chunk_size = 16, 64
+        self.A_log = torch.nn.Parameter(torch.empty(H, device=DEV).uniform_(1.0, 16.0, generator=g).log())
+        self.dt_bias = torch.nn.Parameter(torch.randn(H * K, device=DEV, generator=g) * 0.5)
+
+    def as_fp64(self):
+        other = _KDALayer.__new__(_KDALayer)
+        torch.nn.Module.__init__(other)
+        for k in ("num_heads", "head_dim", "gate_kind", "lower_bound", "recurrent_max_len", "chunk_size"):
+            setattr(other, k, getattr(self, k))
+        other.A_log = torch.nn.Parameter(self.A_log.detach().double().clone())
+        other.dt_bias = torch.nn.Parameter(self.dt_bias.detach().double().clone())
+        return other
+
+
+def _kda_inputs(B, T, H, K, dtype, g, N=None):
+    q = _rand(B, T, H, K, dtype=dtype, g=g)
+    k = _rand(B, T, H, K, dtype=dtype, g=g)
+    v = _rand(B, T, H, K, dtype=dtype, g=g)
+    z = _rand(B, T, H, K, dtype=dtype, g=g)
+    beta = _rand(B, T, H, dtype=dtype, g=g)
+    h0 = _rand(N or B, H, K, K, scale=0.1, g=g)
+    return [q, k, v, z, beta, h0]
+
+
+def _run_kda(core, layer, ins, cu, grad, dtype_ref=None):
+    ins = [t.detach().to(dtype_ref or t.dtype).requires_grad_(grad) for t in ins]
+    q, k, v, z, beta, h0 = ins
+    o, st = core(layer, q, k, v, z, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    if not grad:
+        return o, st, None
+    # by shape, not randn_like: the two implementations return different strides
+    go = torch.randn(o.shape, device=DEV, generator=_fresh(7)).to(o.dtype)
+    gs = torch.randn(st.shape, device=DEV, generator=_fresh(8))
+    ((o * go).sum() + (st * gs).sum()).backward()
+    grads = [t.grad for t in ins] + [layer.A_log.grad, layer.dt_bias.grad]
+    return o, st, grads
+
+
+KDA_TOL = {  # (out/state, grads)
+    ("chunk", torch.float32): (2e-2, 5e-2),
+    ("chunk", torch.bfloat16): (3e-2, 8e-2),
+    ("recurrent", torch.float32): (1e-4, None),
+    ("recurrent", torch.bfloat16): (1e-2, None),
+}
+GRAD_NAMES = ["dq", "dk", "dv", "dz", "dbeta", "dh0", "dA_log", "ddt_bias"]
+
+
+@pytest.mark.parametrize(
+    "dtype,gate,T,cu",
+    [
+        pytest.param(torch.float32, "lowerbound", 200, None, id="fp32chunk-lb"),
+        pytest.param(torch.bfloat16, "lowerbound", 200, None, id="bf16-lb"),
+        pytest.param(torch.bfloat16, "softplus", 130, None, id="bf16-softplus"),
+        pytest.param(torch.bfloat16, "lowerbound", 333, [0, 1, 77, 200, 333], id="bf16-lb-varlen"),
+        pytest.param(torch.float32, "lowerbound", 333, [0, 1, 77, 200, 333], id="fp32chunk-lb-varlen"),
+    ],
+)
+def test_kda_chunk_vs_fp64(dtype, gate, T, cu, check):
+    from openk3.fast.kda import kda_core_fla
+    from openk3.modules.kda import _kda_core_reference
+
+    g = _fresh()
+    H, K = 16, 128
+    B = 1 if cu else 2
+    cu_t = torch.tensor(cu, device=DEV) if cu else None
+    layer = _KDALayer(H, K, gate, g)
+    ins = _kda_inputs(B, T, H, K, dtype, g, N=len(cu) - 1 if cu else None)
+    o, st, grads = _run_kda(kda_core_fla, layer, ins, cu_t, True)
+    ref = layer.as_fp64()
+    o_r, st_r, grads_r = _run_kda(_kda_core_reference, ref, ins, cu_t, True, torch.float64)
+    tol_o, tol_g = KDA_TOL[("chunk", dtype)]
+    tag = f"kda.chunk.{gate}.{str(dtype)[6:]}.T{T}{'.varlen' if cu else ''}"
+    check(f"{tag}.o", o, o_r, tol_o)
+    check(f"{tag}.state", st, st_r, tol_o)
+    for name, a, b in zip(GRAD_NAMES, grads, grads_r):
+        check(f"{tag}.{name}", a, b, tol_g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,cu", [(15, None), (1, None), (40, [0, 1, 3, 40])])
+def test_kda_recurrent_inference(dtype, T, cu, check):
+    from openk3.fast.kda import kda_core_fla
+    from openk3.modules.kda import _kda_core_reference
+
+    g = _fresh()
+    H, K = 16, 128
+    B = 1 if cu else 3
+    cu_t = torch.tensor(cu, device=DEV) if cu else None
+    layer = _KDALayer(H, K, "lowerbound", g)
+    ins = _kda_inputs(B, T, H, K, dtype, g, N=len(cu) - 1 if cu else None)
+    with torch.no_grad():
+        o, st, _ = _run_kda(kda_core_fla, layer, ins, cu_t, False)
+        o_r, st_r, _ = _run_kda(_kda_core_reference, layer.as_fp64(), ins, cu_t, False, torch.float64)
+    tol = KDA_TOL[("recurrent", dtype)][0]
+    tag = f"kda.recurrent.{str(dtype)[6:]}.T{T}{'.varlen' if cu else ''}"
+    check(f"{tag}.o", o, o_r, tol)
+    check(f"{tag}.state", st, st_r, tol)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MLA
+
+
+MLA_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
+
+
+def _mla_case(fn, dtype, T, S, cu, check, tag):
+    from openk3.ops.mla import mla_mha_attention
+
+    g = _fresh()
+    B = 1 if cu else 2
+    H = 8
+    q = _rand(B, T, H, 192, dtype=dtype, g=g)
+    k = _rand(B, S, H, 192, dtype=dtype, g=g)
+    v = _rand(B, S, H, 128, dtype=dtype, g=g)
+    cu_t = torch.tensor(cu, device=DEV) if cu else None
+    scale = 192**-0.5
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = fn(*ins, scale=scale, cu_seqlens=cu_t)
+    go = torch.randn_like(o, generator=g)
+    (o * go).sum().backward()
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    o_r = mla_mha_attention(*ref_in, scale=scale, cu_seqlens=cu_t)
+    (o_r * go.float()).sum().backward()
+    tol = MLA_TOL[dtype]
+    check(f"{tag}.o", o, o_r, tol)
+    for n, a, b in zip(("dq", "dk", "dv"), ins, ref_in):
+        check(f"{tag}.{n}", a.grad, b.grad, 2 * tol)
+
+
+@pytest.mark.parametrize("mode", ["pad", "cudnn", "efficient", "auto", "flex"])
+@pytest.mark.parametrize("T,S", [(300, 300), (50, 300)])
+def test_mla_dense(mode, T, S, check):
+    from openk3.fast import mla
+
+    fn = mla.mha_flex if mode == "flex" else (lambda *a, **kw: mla.mha_sdpa(*a, mode=mode, **kw))
+    _mla_case(fn, torch.bfloat16, T, S, None, check, f"mla.{mode}.T{T}.S{S}")
+
+
+def test_mla_fp32_default(check):
+    from openk3.fast import mla
+
+    _mla_case(mla.mha_sdpa, torch.float32, 200, 200, None, check, "mla.default.fp32")
+
+
+@pytest.mark.parametrize("varlen", ["varlen", "loop", "flex"])
+def test_mla_varlen(varlen, check, monkeypatch):
+    from openk3.fast import mla
+
+    monkeypatch.setattr(mla, "VARLEN_MODE", varlen)
+    _mla_case(mla.mha_sdpa, torch.bfloat16, 300, 300, [0, 1, 100, 300], check, f"mla.varlen.{varlen}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MoE
+
+
+MOE_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize(
+    "dtype,N,W,I,E,K,act",
+    [
+        (torch.bfloat16, 300, 256, 128, 8, 3, "situ"),
+        (torch.bfloat16, 1000, 1024, 640, 64, 8, "situ"),
+        (torch.bfloat16, 77, 128, 64, 8, 2, "silu"),
+        (torch.float32, 300, 256, 128, 8, 3, "situ"),
+    ],
+)
+def test_moe_experts(dtype, N, W, I, E, K, act, check):
+    from openk3.fast.moe import experts_grouped
+    from openk3.ops.moe import experts_reference
+
+    g = _fresh()
+    x = _rand(N, W, dtype=dtype, g=g)
+    # expert E-1 gets no token: its weight gradients must be exact zeros
+    idx = torch.stack([torch.randperm(E - 1, device=DEV, generator=g)[:K] for _ in range(N)])
+    w = torch.rand(N, K, device=DEV, generator=g)
+    ws = [
+        _rand(E, I, W, dtype=dtype, scale=W**-0.5, g=g),
+        _rand(E, W, I, dtype=dtype, scale=I**-0.5, g=g),
+        _rand(E, I, W, dtype=dtype, scale=W**-0.5, g=g),
+    ]
+    fast_in = [t.clone().requires_grad_() for t in [x, w, *ws]]
+    ref_in = [t.detach().float().requires_grad_() for t in [x, w, *ws]]
+    y = experts_grouped(fast_in[0], idx, fast_in[1], *fast_in[2:], act=act)
+    y_r = experts_reference(ref_in[0], idx, ref_in[1], *ref_in[2:], act=act)
+    gy = torch.randn_like(y_r, generator=g)
+    (y.float() * gy).sum().backward()
+    (y_r * gy).sum().backward()
+    tol = MOE_TOL[dtype]
+    tag = f"moe.{str(dtype)[6:]}.N{N}.E{E}.k{K}.{act}"
+    check(f"{tag}.y", y, y_r, tol)
+    for n, a, b in zip(("dx", "dweights", "dw1", "dw2", "dw3"), fast_in, ref_in):
+        check(f"{tag}.{n}", a.grad, b.grad, 2 * tol)
+    for wt in fast_in[2:]:
+        assert torch.all(wt.grad[E - 1] == 0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# AttnRes
+
+
+AR_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _attnres_walk(cls, srcs, qs, nws, live, eps=1e-5):
+    """Seal srcs[:-1] one by one (announcing every site at the last seal), then read every second site."""
+    rd = cls(eps)
+    for s in srcs[:-1]:
+        rd.seal(s, None)
+    sites = [(j, qs[j], nws[j]) for j in range(len(qs))]
+    rd.seal(srcs[-1], sites)
+    outs = [rd.read(j, qs[j], nws[j], live * (1 + 0.1 * j)) for j in range(0, len(qs), 2)]
+    outs.append(rd.read(999, qs[0], nws[0], live))  # a site that was not announced -> reference path
+    return outs
+
+
+@pytest.mark.parametrize(
+    "dtype,S,Q,D,T",
+    [
+        (torch.float32, 3, 8, 2048, 100),
+        (torch.bfloat16, 5, 8, 2048, 257),
+        (torch.bfloat16, 9, 24, 1000, 64),
+        (torch.float32, 1, 3, 512, 33),
+    ],
+)
+def test_attnres_reader(dtype, S, Q, D, T, check):
+    from openk3.fast.attnres import TritonAttnResReader
+    from openk3.ops.attnres import AttnResReader
+
+    g = _fresh()
+    B = 2
+    srcs = [_rand(B, T, D, dtype=dtype, scale=1 + i % 3, g=g) for i in range(S)]
+    live = _rand(B, T, D, dtype=dtype, scale=2, g=g)
+    qs = [_rand(1, D, scale=0.05, g=g) for _ in range(Q)]
+    nws = [1 + 0.1 * _rand(D, g=g) for _ in range(Q)]
+    res = []
+    for cls in (TritonAttnResReader, AttnResReader):
+        ins = [t.clone().requires_grad_() for t in [*srcs, live, *qs, *nws]]
+        outs = _attnres_walk(cls, ins[:S], ins[S + 1 : S + 1 + Q], ins[S + 1 + Q :], ins[S])
+        gen = _fresh(3)
+        loss = sum((o.float() * torch.randn(o.shape, device=DEV, generator=gen)).sum() for o in outs)
+        loss.backward()
+        res.append((outs, [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]))
+    tol = AR_TOL[dtype]
+    tag = f"attnres.{str(dtype)[6:]}.S{S}.Q{Q}.D{D}"
+    for j, (a, b) in enumerate(zip(res[0][0], res[1][0])):
+        check(f"{tag}.out{j}", a, b, tol)
+    names = (
+        [f"src{i}" for i in range(S)] + ["live"] + [f"q{j}" for j in range(Q)] + [f"nw{j}" for j in range(Q)]
+    )
+    for n, a, b in zip(names, res[0][1], res[1][1]):
+        if b.abs().sum() == 0:
+            assert a.abs().sum() == 0, n
+            continue
+        check(f"{tag}.d{n}", a, b, 3 * tol)

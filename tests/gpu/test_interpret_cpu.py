@@ -1,0 +1,76 @@
+"""Our own Triton kernels (MoE permutation/SiTU/combine, two-phase AttnRes) under TRITON_INTERPRET=1 on CPU, at
+small sizes, against the references. Runs in a subprocess (the interpreter must be chosen before triton kernels are
+defined); skipped when triton is not installed. Note: the root conftest skips everything under tests/gpu/ on a
+machine without CUDA (the directory name is a keyword), so on CPU-only CI this runs only if moved out of tests/gpu/.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from openk3.fast.attnres import TritonAttnResReader
+    from openk3.fast.moe import experts_grouped
+    from openk3.ops.attnres import AttnResReader
+    from openk3.ops.moe import experts_reference
+
+    torch.manual_seed(0)
+
+    def rel(a, b):
+        a, b = a.detach().double(), b.detach().double()
+        return float((a - b).norm() / b.norm())
+
+    worst = 0.0
+    for act in ("situ", "silu"):
+        N, W, I, E, K = 37, 24, 20, 6, 3
+        x = torch.randn(N, W)
+        idx = torch.stack([torch.randperm(E - 1)[:K] for _ in range(N)])
+        w = torch.rand(N, K)
+        ws = [torch.randn(E, I, W) * 0.3, torch.randn(E, W, I) * 0.3, torch.randn(E, I, W) * 0.3]
+        a_in = [t.clone().requires_grad_() for t in (x, w, *ws)]
+        b_in = [t.clone().requires_grad_() for t in (x, w, *ws)]
+        ya = experts_grouped(a_in[0], idx, a_in[1], *a_in[2:], act=act)
+        yb = experts_reference(b_in[0], idx, b_in[1], *b_in[2:], act=act)
+        g = torch.randn_like(ya)
+        (ya * g).sum().backward()
+        (yb * g).sum().backward()
+        worst = max([worst, rel(ya, yb)] + [rel(p.grad, q.grad) for p, q in zip(a_in, b_in)])
+
+    D, N, S, Q = 200, 37, 4, 5
+    srcs = [torch.randn(1, N, D) * (1 + i % 3) for i in range(S + 1)]
+    qs = [torch.randn(1, D) * 0.2 for _ in range(Q)]
+    nws = [1 + 0.1 * torch.randn(D) for _ in range(Q)]
+    res = []
+    for cls in (TritonAttnResReader, AttnResReader):
+        L = [t.clone().requires_grad_() for t in srcs + qs + nws]
+        src, qq, nw = L[: S + 1], L[S + 1 : S + 1 + Q], L[S + 1 + Q :]
+        rd = cls(1e-5)
+        for s in src[: S - 1]:
+            rd.seal(s, None)
+        rd.seal(src[S - 1], [(j, qq[j], nw[j]) for j in range(Q)])
+        outs = [rd.read(j, qq[j], nw[j], src[S] * (1 + 0.1 * j)) for j in range(Q)]
+        gen = torch.Generator().manual_seed(1)
+        sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs).backward()
+        res.append(outs + [t.grad for t in L])
+    worst = max([worst] + [rel(a, b) for a, b in zip(res[0], res[1])])
+    print("WORST", worst)
+    """
+)
+
+
+def test_triton_kernels_interpreted_on_cpu():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(root, "src"))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    worst = float(out.stdout.split("WORST")[-1])
+    assert worst < 1e-5, worst
