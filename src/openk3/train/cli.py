@@ -96,7 +96,7 @@ def run_train(args) -> int:
     if tc.nproc > 1 and "LOCAL_RANK" not in os.environ:
         from openk3.train.distributed import launch
 
-        return launch(tc.nproc, ["-m", "openk3.train", *sys.argv[2:]])
+        return launch(tc.nproc, sys.argv[1:])
     return train_main(tc)
 
 

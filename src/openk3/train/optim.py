@@ -170,6 +170,11 @@ def _blocked_update(
     return O.reshape(shape)
 
 
+def _is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor (FSDP2 parameter shard)."""
+    return hasattr(t, "full_tensor") and hasattr(t, "placements")
+
+
 def _state_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.float32 if p.dtype in (torch.bfloat16, torch.float16) else p.dtype
 
@@ -220,7 +225,15 @@ def _muon_group_step(group: dict[str, Any], state: dict) -> None:
         buf.mul_(mu).add_(g)
         u = g.add(buf, alpha=mu) if group["nesterov"] else buf
         head_dim, _ = _layout(p, group)
-        o = _blocked_update(u, head_dim, group["ns_steps"], group["rms_scale"], group["ns_bf16"])
+        if _is_sharded(u):  # FSDP2 shard: orthogonalise the full matrix, keep this rank's shard of the update
+            from torch.distributed.tensor import distribute_tensor
+
+            full = _blocked_update(
+                u.full_tensor(), head_dim, group["ns_steps"], group["rms_scale"], group["ns_bf16"]
+            )
+            o = distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
+        else:
+            o = _blocked_update(u, head_dim, group["ns_steps"], group["rms_scale"], group["ns_bf16"])
         _apply_update(p, lr, wd, o)
 
 

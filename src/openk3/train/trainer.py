@@ -175,6 +175,7 @@ class Trainer:
         self.dist = dist  # openk3.train.distributed.DistInfo or None
         self.rank = dist.rank if dist else 0
         self.world = dist.world_size if dist else 1
+        self.distributed = dist is not None and self.world > 1
         self.is_main = self.rank == 0
         self.device = dist.device if dist else _device(tc.device)
         self.dtype = _dtype(tc.dtype, self.device)
@@ -297,19 +298,26 @@ class Trainer:
         from openk3.train.optim import build_optimizer, warmup_cosine, wsd
 
         tc, cfg = self.tc, self.model_config
-        model = K3ForCausalLM(cfg)
-        if self.dtype != torch.float32:
-            model.to_dtype(self.dtype)
-        model.to(self.device)
-        model.model.gradient_checkpointing = tc.gradient_checkpointing
-        self.model = model
-        if self.dist is not None and self.world > 1:
+        model = K3ForCausalLM(cfg)  # same seed on every rank -> identical initial weights
+        self.mesh = None
+        if self.distributed:
             from openk3.train import distributed as D
 
+            if self.world % tc.ep:
+                raise TrainError(f"--ep {tc.ep} must divide the number of processes {self.world}")
+            if cfg.num_experts % tc.ep:
+                raise TrainError(f"--ep {tc.ep} must divide num_experts {cfg.num_experts}")
+            model.to(self.device)
             self.mesh = D.build_mesh(self.world, ep=tc.ep)
-            if tc.ep > 1:
-                D.apply_expert_parallel(model, self.mesh)
+            D.apply_expert_parallel(model, self.mesh)
+            # fp32 master weights; FSDP2 casts to the compute dtype and reduces in fp32
             D.apply_fsdp(model, self.mesh, param_dtype=self.dtype, reduce_dtype=torch.float32)
+        else:
+            if self.dtype != torch.float32:
+                model.to_dtype(self.dtype)
+            model.to(self.device)
+        model.model.gradient_checkpointing = tc.gradient_checkpointing
+        self.model = model
         self.fwd = torch.compile(model) if tc.compile else model
         self.optimizer = build_optimizer(
             model,
@@ -372,10 +380,16 @@ class Trainer:
         """Write ``checkpoints/step_N`` atomically (aside, then rename) and prune old ones."""
         tc = self.tc
         final = os.path.join(tc.out, CKPT_DIR, f"step_{self.step:07d}")
-        if self.dist is not None and self.world > 1:
+        if self.distributed:
             from openk3.train import distributed as D
 
             D.save_dcp(final, self.model, self.optimizer, self._extra_state())
+            if self.is_main:  # config + tokenizer beside the DCP shards, for resume checks and export
+                self.model_config.save_pretrained(final)
+                self.tokenizer.save(final)
+            torch.distributed.barrier()
+            for old in list_checkpoints(tc.out)[: -tc.keep_ckpts] if self.is_main else []:
+                shutil.rmtree(old, ignore_errors=True)
             return final
         tmp = final + ".tmp"
         if os.path.exists(tmp):
@@ -400,9 +414,17 @@ class Trainer:
         """Restore everything from ``path``; raises TrainError (changing nothing on disk) if unusable."""
         from openk3.checkpoint import CheckpointError, checkpoint_files, iter_tensors, to_internal
 
-        if self.dist is not None and self.world > 1:
+        if self.distributed:
             from openk3.train import distributed as D
 
+            try:
+                saved = K3Config.from_pretrained(os.path.join(path, "config.json"))
+            except (FileNotFoundError, ValueError) as e:
+                raise TrainError(f"checkpoint {path} is unusable: {e}") from None
+            if saved.to_dict() != self.model_config.to_dict():
+                raise TrainError(
+                    f"checkpoint {path} was written for a different model config; use the same options"
+                )
             st = D.load_dcp(path, self.model, self.optimizer)
             self._restore(st, with_optimizer=False)
             return
@@ -469,7 +491,7 @@ class Trainer:
         micro = [next(self.batcher) for _ in range(tc.grad_accum)]
         parts = [self._micro_slice(b) for b in micro]
         n_tgt = torch.tensor(float(sum(int((lab != -100).sum()) for _, lab, _ in parts)), device=self.device)
-        if self.world > 1:
+        if self.distributed:
             torch.distributed.all_reduce(n_tgt)
         total_loss = torch.zeros((), device=self.device, dtype=torch.float64)
         self.load_counts.zero_()
@@ -488,13 +510,20 @@ class Trainer:
             if tc.qk_clip_tau is not None and self.mlas:
                 ml = torch.stack([m.max_logit for m in self.mlas])
                 max_logits = ml if max_logits is None else torch.maximum(max_logits, ml)
-        if self.world > 1:
+        if self.distributed:
+            from openk3.train import distributed as D
+
             torch.distributed.all_reduce(total_loss)
             if max_logits is not None:
                 torch.distributed.all_reduce(max_logits, op=torch.distributed.ReduceOp.MAX)
-        gnorm = (
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip) if tc.grad_clip else None
-        )
+            D.allreduce_grads(
+                self.model, self.mesh
+            )  # replicated params and EP experts (FSDP reduced its own)
+            gnorm = D.clip_grad_norm_(self.model, tc.grad_clip, self.mesh) if tc.grad_clip else None
+        elif tc.grad_clip:
+            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+        else:
+            gnorm = None
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -527,13 +556,13 @@ class Trainer:
         if not self.moes:
             return {}
         counts = self.load_counts.clone()
-        if self.world > 1:
+        if self.distributed:
             torch.distributed.all_reduce(counts)
         mean = counts.float().mean(-1).clamp_min(1e-9)
         max_r = float((counts.float().amax(-1) / mean).max())
         min_r = float((counts.float().amin(-1) / mean).min())
         if self.balancer is not None:
-            if self.world > 1:
+            if self.distributed:
                 from openk3.train import distributed as D
 
                 D.allreduce_balancer(self.balancer)
@@ -596,6 +625,10 @@ class Trainer:
         for moe in self.moes:
             moe.last_router = None
         self.model.train()
+        if self.distributed:
+            t = torch.tensor([tot, float(n)], device=self.device, dtype=torch.float64)
+            torch.distributed.all_reduce(t)
+            tot, n = float(t[0]), int(t[1])
         return tot / max(n, 1)
 
     @torch.no_grad()
@@ -699,7 +732,7 @@ class Trainer:
         result = {"steps": self.step - first, **last}
         if self.is_main:
             final = os.path.join(tc.out, "final")
-            if self.world == 1:
+            if not self.distributed:
                 tmp = final + ".tmp"
                 if os.path.exists(tmp):
                     shutil.rmtree(tmp)
@@ -709,7 +742,7 @@ class Trainer:
                     shutil.rmtree(final)
                 os.replace(tmp, final)
                 result["final"] = final
-            if tc.sample_tokens > 0:
+            if tc.sample_tokens > 0 and not self.distributed:  # sharded weights: sample after `openk3 export`
                 text = self.sample()
                 result["sample"] = text
                 print("\nsample:\n" + text)
@@ -749,9 +782,8 @@ def export_run(run_dir: str, out_dir: str) -> str:
     if not os.path.exists(os.path.join(src, "model.safetensors")) and not os.path.exists(
         os.path.join(src, "model.safetensors.index.json")
     ):
-        from openk3.train import distributed as D
 
-        model = D.dcp_to_model(src)
+        model = dcp_to_model(src)
     else:
         model = K3ForCausalLM.from_pretrained(src)
     model.save_pretrained(out_dir)
@@ -759,3 +791,33 @@ def export_run(run_dir: str, out_dir: str) -> str:
         if os.path.exists(os.path.join(src, f)):
             shutil.copy(os.path.join(src, f), os.path.join(out_dir, f))
     return out_dir
+
+
+def dcp_to_model(path: str):
+    """Load a distributed (DCP) training checkpoint into one in-process model (world size 1)."""
+    import torch.distributed as td
+
+    from openk3.model import K3ForCausalLM
+    from openk3.train import distributed as D
+
+    cfg = K3Config.from_pretrained(os.path.join(path, "config.json"))
+    model = K3ForCausalLM(cfg)
+    own = not td.is_initialized()
+    if own:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        td.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        D.load_dcp(path, model)
+    finally:
+        if own:
+            td.destroy_process_group()
+    return model
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
