@@ -12,14 +12,6 @@ from openk3.train.balance import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _scores(m, n, *, seed, skew=None, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(m, n, generator=g, dtype=torch.float64)

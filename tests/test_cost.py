@@ -82,15 +82,6 @@ def test_param_counts_equal_real_modules(preset):
 # FLOPs against torch's FLOP counter
 
 
-@pytest.fixture
-def one_thread():
-    """Small CPU forwards run far faster on one thread than on a contended pool."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize(
     "preset,batch,seq_len",
     [
@@ -100,7 +91,7 @@ def one_thread():
         ("small", 1, 64),
     ],
 )
-def test_flops_match_flop_counter(preset, batch, seq_len, one_thread):
+def test_flops_match_flop_counter(preset, batch, seq_len):
     """The analytic count of what the counter can see equals FlopCounterMode on the reference model.
     Invisible to the counter (documented in reference_counted_flops): elementwise work, the KDA token
     recurrence and the chunk form's triangular solve, the AttnRes reads (broadcast multiply + sum), the embedding

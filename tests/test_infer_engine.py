@@ -19,15 +19,6 @@ from openk3.ops.mla import mla_absorbed_attention
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny ops: one intra-op thread is many times faster than two on a busy machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)

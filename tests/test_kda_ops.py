@@ -14,16 +14,6 @@ F64, F32 = torch.float64, torch.float32
 GATES = ("lowerbound", "softplus")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The tensors here are tiny: intra-op threads only add synchronisation, which becomes very slow
-    # when the CPU is shared with other processes.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(autouse=True)
 def _fresh_seed():
     seed = time.time_ns() % (2**31)

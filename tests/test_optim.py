@@ -19,16 +19,6 @@ from openk3.train.optim import (
     zeropower_ns5,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # the matrices here are tiny: intra-op threading only adds overhead (and stalls on a busy machine)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Newton–Schulz
 # ---------------------------------------------------------------------------------------------------------

@@ -27,8 +27,6 @@ CTX = 384
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset("tiny")).eval()
     tok = Tokenizer.train_bpe(
@@ -38,7 +36,6 @@ def engine(tmp_path_factory):
         model, tok, page_size=16, max_seqs=40, max_tokens=16384, max_model_len=CTX, prefix_interval=32
     )
     yield eng
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,295 @@
+"""Triton decode kernels (openk3.infer.kernels) against the PyTorch references of openk3.infer.decode.
+
+Without CUDA the kernels run under the Triton interpreter on CPU at small sizes. The interpreter must be chosen
+before ``triton`` is first imported, so on such a machine :func:`test_interpreted` re-runs this file in a
+subprocess with ``TRITON_INTERPRET=1`` (and the kernel tests here skip); run
+``TRITON_INTERPRET=1 python -m pytest tests/test_decode_kernels.py`` to see them individually. With CUDA they run
+compiled, and the ``gpu``-marked tests add model-sized shapes and CUDA-graph capture.
+
+Every check draws fresh random inputs (never zeros), compares per tensor by ``||got - want|| / ||want||`` in fp64
+(NaN never passes), and checks that rows the step must not touch (other slots, other pages) are bit-identical
+afterwards. Padded rows (scratch slot / scratch page, duplicated) are excluded from comparisons.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+import zlib
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.6.0)")
+
+import openk3.infer.kernels as KN  # noqa: E402
+from openk3.infer.decode import kda_decode_reference, mla_decode_reference  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+RUN_HERE = CUDA or KN.INTERPRET
+here = pytest.mark.skipif(not RUN_HERE, reason="no CUDA: runs under TRITON_INTERPRET=1 in test_interpreted")
+
+
+def test_interpreted():
+    """CPU only: this file's kernel tests in a subprocess under the Triton interpreter."""
+    if RUN_HERE:
+        pytest.skip("kernel tests run directly in this process")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(root, "src"), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu", __file__]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    tail = (r.stdout + r.stderr)[-6000:]
+    print(tail)
+    assert r.returncode == 0, f"interpreted kernel tests failed:\n{tail}"
+    assert " passed" in r.stdout and "failed" not in r.stdout
+
+
+def seed_of(*key) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    a, b = got.detach().double().cpu(), want.detach().double().cpu()
+    assert torch.isfinite(a).all(), f"{name}: non-finite values"
+    err = float((a - b).norm() / b.norm().clamp_min(1e-300))
+    assert err <= tol, f"{name}: rel err {err:.3e} > {tol:.1e}"
+    return err
+
+
+# ---------------------------------------------------------------------------------------------------------- KDA
+def make_kda_layer(H: int, K: int, W: int, gate_kind: str, gen: torch.Generator):
+    """Stand-in for KimiDeltaAttention carrying exactly what the decode step reads (random parameters)."""
+    HK = H * K
+
+    def rnd(*shape, s=1.0, base=0.0):
+        return (base + s * torch.randn(*shape, generator=gen)).to(DEV)
+
+    def conv():
+        return types.SimpleNamespace(weight=rnd(HK, 1, W, s=0.5))
+
+    return types.SimpleNamespace(
+        q_conv1d=conv(),
+        k_conv1d=conv(),
+        v_conv1d=conv(),
+        A_log=rnd(K, s=0.5),  # zero-padded-to-head_dim style: only the first H entries are used
+        dt_bias=rnd(HK, s=0.5),
+        o_norm=types.SimpleNamespace(weight=rnd(K, s=0.2, base=1.0)),
+        gate_kind=gate_kind,
+        lower_bound=-5.0,
+        eps=1e-5,
+        num_heads=H,
+        head_dim=K,
+    )
+
+
+def run_kda_case(B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_warps=None):
+    gen = torch.Generator().manual_seed(seed)
+    HK = H * K
+    layer = make_kda_layer(H, K, W, gate_kind, gen)
+
+    def rnd(*shape, s=1.0):
+        return (s * torch.randn(*shape, generator=gen)).to(DEV)
+
+    q, k, v, z, gate = (rnd(B, HK).to(dtype) for _ in range(5))
+    z = (z.float() * 2).to(dtype)  # exercise both tails of the gates
+    beta_logits = rnd(B, H, s=2.0).to(dtype)
+    conv_state = rnd(S + 1, 3, HK, W - 1)
+    state = rnd(S + 1, H, K, K, s=0.3)
+    # real rows on distinct slots (scratch slot = S), padded rows duplicated on the scratch slot
+    n_real = max(1, B - 2)
+    real = torch.randperm(S, generator=gen)[:n_real]
+    slots = torch.cat([real, torch.full((B - n_real,), S)]).to(DEV)
+    perm = torch.randperm(B, generator=gen).to(DEV)  # padded rows anywhere in the batch
+    slots = slots[perm]
+    is_real = slots != S
+
+    c1, s1 = conv_state.clone(), state.clone()
+    c2, s2 = conv_state.clone(), state.clone()
+    o1 = KN.kda_decode_triton(layer, q, k, v, z, beta_logits, gate, c1, s1, slots, BV=bv, num_warps=num_warps)
+    o2 = kda_decode_reference(layer, q, k, v, z, beta_logits, gate, c2, s2, slots)
+    assert o1.dtype == dtype and o1.shape == (B, HK)
+    tag = f"kda B={B} H={H} K={K} W={W} {dtype} {gate_kind} BV={bv}"
+    errs = {"o": check(f"{tag} o", o1[is_real], o2[is_real], tol_o)}
+    rs = slots[is_real]
+    errs["state"] = check(f"{tag} state", s1[rs], s2[rs], tol_s)
+    assert torch.equal(c1[rs], c2[rs]), f"{tag}: conv history differs"
+    untouched = torch.ones(S + 1, dtype=torch.bool, device=DEV)
+    untouched[slots] = False
+    assert torch.equal(s1[untouched], state[untouched]), f"{tag}: other slots' state changed"
+    assert torch.equal(c1[untouched], conv_state[untouched]), f"{tag}: other slots' conv history changed"
+    return errs
+
+
+KDA_TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-2, 2e-3)}
+
+
+@here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gate_kind", ["lowerbound", "softplus"])
+@pytest.mark.parametrize("bv", [0, 8], ids=["head", "tiles"])
+def test_kda_decode(dtype, gate_kind, bv):
+    seed = seed_of(str(dtype), gate_kind, bv)
+    run_kda_case(6, 3, 32, 4, 9, dtype, gate_kind, bv, seed, *KDA_TOL[dtype])
+
+
+@here
+def test_kda_decode_short_conv_and_single_row():
+    """Conv width 3 (history 2, padded tap tile) and a batch of one real row."""
+    run_kda_case(1, 2, 16, 3, 3, torch.bfloat16, "lowerbound", 0, 11, *KDA_TOL[torch.bfloat16])
+    run_kda_case(3, 2, 16, 2, 4, torch.float32, "softplus", 4, 12, *KDA_TOL[torch.float32])
+
+
+@here
+def test_kda_decode_two_steps():
+    """Two consecutive steps: the second reads the history and state the first wrote."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, K, W, S = 4, 2, 16, 4, 5
+    layer = make_kda_layer(H, K, W, "lowerbound", gen)
+    conv_state = torch.randn(S + 1, 3, H * K, W - 1, generator=gen).to(DEV)
+    state = (0.3 * torch.randn(S + 1, H, K, K, generator=gen)).to(DEV)
+    slots = torch.tensor([2, 0, 4, 1], device=DEV)
+    c1, s1, c2, s2 = conv_state.clone(), state.clone(), conv_state.clone(), state.clone()
+    for step in range(2):
+        ins = [torch.randn(B, H * K, generator=gen).to(DEV) for _ in range(5)]
+        bl = torch.randn(B, H, generator=gen).to(DEV)
+        o1 = KN.kda_decode_triton(layer, *ins[:4], bl, ins[4], c1, s1, slots)
+        o2 = kda_decode_reference(layer, *ins[:4], bl, ins[4], c2, s2, slots)
+        check(f"step {step} o", o1, o2, 1e-5)
+    check("state", s1, s2, 1e-6)
+    assert torch.equal(c1, c2)
+
+
+# ---------------------------------------------------------------------------------------------------------- MLA
+def run_mla_case(lengths, H, DC, DR, page_size, dtype, seed, tol, n_pad=1, **kw):
+    """Rows with ``lengths`` (row 1 shares its first pages with row 0, as after a prefix hit) plus ``n_pad`` padded
+    rows (scratch page, length 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    B = len(lengths) + n_pad
+    max_len = max(lengths)
+    max_pages = -(-max_len // page_size) + 1  # one spare column of padding
+    P = B * max_pages + 4
+    kv = torch.randn(P + 1, page_size, DC + DR, generator=gen).to(dtype).to(DEV)
+    ids = torch.randperm(P, generator=gen)
+    table = torch.full((B, max_pages), P, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(lengths):
+        npg = -(-n // page_size)
+        table[r, :npg] = ids[used : used + npg]
+        used += npg
+    if len(lengths) > 1:
+        shared = min(-(-lengths[0] // page_size), -(-lengths[1] // page_size)) // 2
+        table[1, :shared] = table[0, :shared]
+    lens = torch.tensor(list(lengths) + [1] * n_pad, dtype=torch.int32)
+    perm = torch.randperm(B, generator=gen)
+    table, lens = table[perm].to(DEV), lens[perm].to(DEV)
+    real = (perm < len(lengths)).to(DEV)
+    q = torch.randn(B, H, DC + DR, generator=gen).to(DEV)
+    scale = (DC // 4 + DR) ** -0.5
+    kv0 = kv.clone()
+    o1 = KN.mla_decode_triton(q, kv, table, lens, scale=scale, kv_lora_rank=DC, **kw)
+    o2 = mla_decode_reference(q, kv, table, lens, scale=scale, kv_lora_rank=DC)
+    assert o1.dtype == torch.float32 and o1.shape == (B, H, DC)
+    assert torch.equal(kv, kv0)
+    tag = f"mla lens={lengths} H={H} ps={page_size} {dtype} {kw}"
+    return check(tag, o1[real], o2[real], tol)
+
+
+MLA_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("page_size", [1, 16, 7])
+@pytest.mark.parametrize("num_splits", [None, 1, 3], ids=["auto", "s1", "s3"])
+def test_mla_decode(dtype, page_size, num_splits):
+    seed = seed_of(str(dtype), page_size, num_splits)
+    lengths = [1, 45, 64, 33]  # length 1; lengths that are and are not multiples of the page size
+    run_mla_case(lengths, 5, 64, 16, page_size, dtype, seed, MLA_TOL[dtype], num_splits=num_splits)
+
+
+@here
+def test_mla_decode_head_blocks():
+    """More heads than one head block (masked tail block), and more splits than a short row has tokens."""
+    run_mla_case([3, 70], 20, 32, 16, 4, torch.bfloat16, 3, 1e-2, block_h=16, num_splits=5)
+    run_mla_case([40, 9, 1], 16, 32, 16, 8, torch.float32, 4, 1e-5, n_pad=2, block_n=16)
+
+
+def test_register_only_with_cuda():
+    import openk3.infer.kernels as shared
+    from openk3.infer.decode import FAST_KDA_DECODE, FAST_MLA_DECODE
+
+    assert shared.register() == CUDA
+    assert ("triton" in FAST_KDA_DECODE) == CUDA and ("triton" in FAST_MLA_DECODE) == CUDA
+
+
+# ---------------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gate_kind", ["lowerbound", "softplus"])
+@pytest.mark.parametrize("bv,num_warps", [(0, 8), (0, 16), (32, 4), (64, 4)])
+def test_kda_decode_gpu(dtype, gate_kind, bv, num_warps):
+    seed = seed_of(str(dtype), gate_kind, bv, num_warps)
+    run_kda_case(37, 32, 128, 4, 48, dtype, gate_kind, bv, seed, *KDA_TOL[dtype], num_warps=num_warps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("H", [16, 96])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_mla_decode_gpu(dtype, H, page_size):
+    seed = seed_of(str(dtype), H, page_size)
+    lengths = [1, 2047, 3000, 64, 777, 16]
+    tol = MLA_TOL[dtype]
+    run_mla_case(lengths, H, 512, 64, page_size, dtype, seed, tol, n_pad=2)
+    run_mla_case(lengths, H, 512, 64, page_size, dtype, seed + 1, tol, n_pad=2, num_splits=1)
+    if H == 96:
+        run_mla_case(lengths, H, 512, 64, page_size, dtype, seed + 2, tol, n_pad=2, block_h=64)
+
+
+@pytest.mark.gpu
+def test_decode_kernels_cuda_graph():
+    """Both steps captured in one CUDA graph; replays on new inputs match the references."""
+    gen = torch.Generator().manual_seed(7)
+    B, H, K, W, S = 8, 4, 128, 4, 10
+    layer = make_kda_layer(H, K, W, "lowerbound", gen)
+    conv = torch.randn(S + 1, 3, H * K, W - 1, generator=gen).to(DEV)
+    state = (0.3 * torch.randn(S + 1, H, K, K, generator=gen)).to(DEV)
+    slots = torch.randperm(S, generator=gen)[:B].to(DEV)
+    ins = [torch.randn(B, H * K, generator=gen).bfloat16().to(DEV) for _ in range(5)]
+    bl = torch.randn(B, H, generator=gen).bfloat16().to(DEV)
+    Hm, ps, maxp = 16, 16, 40
+    kv = torch.randn(B * maxp + 1, ps, 576, generator=gen).bfloat16().to(DEV)
+    table = torch.randperm(B * maxp, generator=gen).view(B, maxp).int().to(DEV)
+    lens = torch.randint(1, maxp * ps, (B,), generator=gen).int().to(DEV)
+    qm = torch.randn(B, Hm, 576, generator=gen).to(DEV)
+
+    def step():
+        o = KN.kda_decode_triton(layer, *ins[:4], bl, ins[4], conv, state, slots)
+        c = KN.mla_decode_triton(qm, kv, table, lens, scale=192**-0.5, kv_lora_rank=512)
+        return o, c
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o_g, c_g = step()
+    for _ in range(2):
+        for t in ins + [bl, qm]:
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        lens.copy_(torch.randint(1, maxp * ps, (B,), generator=gen))
+        c2, s2 = conv.clone(), state.clone()
+        g.replay()
+        o_r = kda_decode_reference(layer, *ins[:4], bl, ins[4], c2, s2, slots)
+        check("graph kda o", o_g, o_r, 1e-2)
+        check("graph kda state", state[slots], s2[slots], 2e-3)
+        check(
+            "graph mla",
+            c_g,
+            mla_decode_reference(qm, kv, table, lens, scale=192**-0.5, kv_lora_rank=512),
+            1e-2,
+        )
