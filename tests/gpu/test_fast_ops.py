@@ -71,11 +71,14 @@ def _run_kda(core, layer, ins, cu, grad, dtype_ref=None):
     return o, st, grads
 
 
+# Measured on an H200 (bench/NOTES.md): chunk bf16 vs fp64 o/state 4.2e-3, every gradient <= 4.9e-3; recurrent
+# fp32 1.4e-7, bf16 1.7e-3 (the bf16 output rounding). fp32 chunk: fla 0.6.0 ran out of shared memory at K = 128
+# (the backend then falls back to the reference), so its tolerance is the DESIGN.md figure for fla in fp32.
 KDA_TOL = {  # (out/state, grads)
-    ("chunk", torch.float32): (2e-2, 5e-2),
-    ("chunk", torch.bfloat16): (3e-2, 8e-2),
-    ("recurrent", torch.float32): (1e-4, None),
-    ("recurrent", torch.bfloat16): (1e-2, None),
+    ("chunk", torch.float32): (3e-2, 5e-2),
+    ("chunk", torch.bfloat16): (1e-2, 1.5e-2),
+    ("recurrent", torch.float32): (1e-5, None),
+    ("recurrent", torch.bfloat16): (5e-3, None),
 }
 GRAD_NAMES = ["dq", "dk", "dv", "dz", "dbeta", "dh0", "dA_log", "ddt_bias"]
 
@@ -136,7 +139,10 @@ def test_kda_recurrent_inference(dtype, T, cu, check):
 # MLA
 
 
-MLA_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
+MLA_TOL = {
+    torch.float32: 1e-5,
+    torch.bfloat16: 1e-2,
+}  # measured: fp32 9e-7, bf16 o <= 2.2e-3, grads <= 3.4e-3
 
 
 def _mla_case(fn, dtype, T, S, cu, check, tag):
@@ -190,7 +196,7 @@ def test_mla_varlen(varlen, check, monkeypatch):
 # MoE
 
 
-MOE_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+MOE_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # measured: fp32 <= 2.8e-7, bf16 <= 4.8e-3
 
 
 @pytest.mark.parametrize(
@@ -236,7 +242,10 @@ def test_moe_experts(dtype, N, W, I, E, K, act, check):
 # AttnRes
 
 
-AR_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+AR_TOL = {
+    torch.float32: 1e-5,
+    torch.bfloat16: 1e-2,
+}  # measured: fp32 <= 4.8e-7; bf16 out 7e-5, grads <= 5.4e-3
 
 
 def _attnres_walk(cls, srcs, qs, nws, live, eps=1e-5):

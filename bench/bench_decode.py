@@ -1,0 +1,405 @@
+# ruff: noqa: B023
+"""GPU benchmark of the Triton decode kernels (openk3.infer.kernels) against their peers, in one process.
+
+    python3 bench/bench_decode.py [--out PATH] [--budget-s 210] [--no-sweep]
+
+* ceilings, measured first: device-to-device copy bandwidth (bytes read + written) and a bf16 matmul rate;
+* KDA decode step (conv, gates, L2 norms, delta update of the fp32 state in place, gated RMSNorm), B in
+  {1, 16, 64, 256}, H=32, K=V=128, bf16 inputs: ours vs fla-core ``fused_recurrent_kda`` (the recurrence only, in
+  place through ``ssm_state_indices``; import guarded, e.g. ``PYTHONPATH=$PWD/.gpu-site``) and vs the PyTorch
+  reference ``kda_decode_reference``; bytes = fp32 state read + written, conv history read + written, inputs and
+  output (the table's note gives the state-only rate);
+* absorbed MLA decode over a paged bf16 latent cache (page size 16, random page order), B in {1, 16, 64, 256},
+  H in {16, 96}, context in {4096, 16384, 65536} plus the target shape B=64, L=8192: ours vs ``mla_decode_reference``
+  (n/a where the reference would need more than ~24 GB); bytes = latent cache bytes read; combos whose cache
+  exceeds 20 GB are skipped;
+* a small sweep of launch configurations at the target shapes (``--no-sweep`` skips it).
+
+Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, median), random inputs, warm-up
+(compilation) outside the timed region. Roofline per row: floor = max(bytes / copy bandwidth, FLOPs / matmul rate);
+"roofline TB/s" = bytes / floor. Before timing, each shape is checked once against the reference (relative error
+in the JSON). Prints ONE table at the end and writes JSON to ``--out`` (default ``$OUT/decode.json`` or
+``bench/out/decode.json``; a directory gets ``decode.json`` inside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+import types
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+if os.path.isdir(os.path.join(ROOT, ".gpu-site")):
+    sys.path.insert(1, os.path.join(ROOT, ".gpu-site"))
+
+ROWS: list[dict] = []
+INFO: dict = {"errors": [], "checks": {}, "skipped": []}
+T0 = time.time()
+
+
+def bench(fn) -> float:
+    """Median seconds."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def row(op, shape, t_ours, t_peer, peer, nbytes, flops, note=""):
+    bw, mm = INFO["copy_bw"], INFO["mm_rate"]
+    floor = max(nbytes / bw, flops / mm)
+    r = {
+        "op": op,
+        "shape": shape,
+        "ours_ms": t_ours * 1e3,
+        "peer": peer,
+        "peer_ms": None if t_peer is None else t_peer * 1e3,
+        "ratio": None if t_peer is None else t_peer / t_ours,
+        "bytes": nbytes,
+        "flops": flops,
+        "ours_tbps": nbytes / t_ours / 1e12,
+        "roofline_tbps": nbytes / floor / 1e12,
+        "pct_roofline": 100 * floor / t_ours,
+        "note": note,
+    }
+    ROWS.append(r)
+    print(
+        f"  {op:<22} {shape:<26} ours {r['ours_ms']:.4f} ms  {peer or '-'} "
+        f"{'-' if t_peer is None else f'{t_peer * 1e3:.4f}'} ms  {r['ours_tbps']:.2f} TB/s "
+        f"({r['pct_roofline']:.0f}% of roofline) {note}",
+        flush=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- ceilings
+def ceilings():
+    n = 1 << 28  # 1 GiB of fp32
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src))
+    INFO["copy_bw"] = 2 * n * 4 / t
+    src = dst = None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = bench(lambda: a @ b)
+    INFO["mm_rate"] = 2 * 8192**3 / t
+    a = b = None
+    torch.cuda.empty_cache()
+    print(
+        f"ceilings: copy {INFO['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {INFO['mm_rate'] / 1e12:.0f} TFLOP/s"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------- KDA
+def kda_layer(H, K, W):
+    HK = H * K
+    dev = "cuda"
+
+    def conv():
+        return types.SimpleNamespace(weight=0.5 * torch.randn(HK, 1, W, device=dev))
+
+    return types.SimpleNamespace(
+        q_conv1d=conv(),
+        k_conv1d=conv(),
+        v_conv1d=conv(),
+        A_log=torch.log(torch.empty(H, device=dev).uniform_(1, 16)),
+        dt_bias=0.5 * torch.randn(HK, device=dev),
+        o_norm=types.SimpleNamespace(weight=1 + 0.1 * torch.randn(K, device=dev)),
+        gate_kind="lowerbound",
+        lower_bound=-5.0,
+        eps=1e-5,
+        num_heads=H,
+        head_dim=K,
+    )
+
+
+def fla_peer():
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+        return fused_recurrent_kda_fwd, "fla fused_recurrent_kda"
+    except Exception as e:  # optional peer
+        INFO["fla"] = f"not available: {type(e).__name__}: {e}"
+        print(f"fla-core not importable ({e}); KDA peer column = torch reference only", flush=True)
+        return None, None
+
+
+def kda_section(sweep: bool):
+    from openk3.infer.decode import kda_decode_reference
+    from openk3.infer.kernels import KDA_CONFIG, kda_decode_triton
+
+    H, K, W = 32, 128, 4
+    HK = H * K
+    layer = kda_layer(H, K, W)
+    fla_fwd, fla_name = fla_peer()
+    INFO["kda_config"] = dict(KDA_CONFIG)
+    configs = [(0, 8, 1), (0, 16, 1), (32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 8, 2)] if sweep else []
+    for B in (1, 16, 64, 256):
+        if time.time() - T0 > BUDGET:
+            INFO["skipped"].append(f"kda B={B}: time budget")
+            continue
+        S = B
+        dt = torch.bfloat16
+        q, k, v, z, gate = (torch.randn(B, HK, device="cuda", dtype=dt) for _ in range(5))
+        beta = torch.randn(B, H, device="cuda", dtype=dt)
+        conv = torch.randn(S + 1, 3, HK, W - 1, device="cuda")
+        state = 0.1 * torch.randn(S + 1, H, K, K, device="cuda")
+        slots = torch.randperm(S, device="cuda")[:B]
+        shape = f"B={B} H={H} K=V={K}"
+        # correctness once
+        c1, s1, c2, s2 = conv.clone(), state.clone(), conv.clone(), state.clone()
+        o1 = kda_decode_triton(layer, q, k, v, z, beta, gate, c1, s1, slots)
+        o2 = kda_decode_reference(layer, q, k, v, z, beta, gate, c2, s2, slots)
+        INFO["checks"][f"kda {shape}"] = {"o": rel(o1, o2), "state": rel(s1[slots], s2[slots])}
+        c1 = s1 = c2 = s2 = None
+        state_bytes = 2 * B * H * K * K * 4
+        nbytes = state_bytes + 2 * B * 3 * HK * (W - 1) * 4 + 6 * B * HK * 2 + B * H * 2
+        flops = B * H * 7 * K * K
+
+        def ours(**kw):
+            return lambda: kda_decode_triton(layer, q, k, v, z, beta, gate, conv, state, slots, **kw)
+
+        t_ours = bench(ours())
+        t_ref = bench(lambda: kda_decode_reference(layer, q, k, v, z, beta, gate, conv, state, slots))
+        note = f"state-only {state_bytes / t_ours / 1e12:.2f} TB/s"
+        row("kda decode", shape, t_ours, t_ref, "torch ref", nbytes, flops, note)
+        if fla_fwd is not None:
+            qf, kf, vf, zf = (t.view(B, 1, H, K) for t in (q, k, v, z))
+            bf = beta.view(B, 1, H)
+            try:
+
+                def peer():
+                    return fla_fwd(
+                        q=qf, k=kf, v=vf, g=zf, beta=bf, A_log=layer.A_log, dt_bias=layer.dt_bias,
+                        initial_state=state, inplace_final_state=True, ssm_state_indices=slots,
+                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                        lower_bound=-5.0,
+                    )  # fmt: skip
+
+                peer()
+                t_fla = bench(peer)
+                row(
+                    "kda decode",
+                    shape,
+                    t_ours,
+                    t_fla,
+                    fla_name,
+                    nbytes,
+                    flops,
+                    note + "; peer: recurrence only",
+                )
+            except Exception as e:
+                INFO["errors"].append(f"fla peer B={B}: {type(e).__name__}: {e}")
+                print(f"  fla peer failed: {e}", flush=True)
+        if B in (64, 256):
+            for bv, nw, ns in configs:
+                if time.time() - T0 > BUDGET:
+                    break
+                try:
+                    t = bench(ours(BV=bv, num_warps=nw, num_stages=ns))
+                    row(
+                        f"kda [BV={bv or K},w={nw},s={ns}]", shape, t, t_ours, "ours default", nbytes, flops,
+                        f"state-only {state_bytes / t / 1e12:.2f} TB/s",
+                    )  # fmt: skip
+                except Exception as e:
+                    INFO["errors"].append(f"kda config {(bv, nw, ns)}: {type(e).__name__}: {e}")
+        q = k = v = z = gate = beta = conv = state = None
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------- MLA
+def mla_inputs(B, H, L, ps=16):
+    DC, DR = 512, 64
+    pages = -(-L // ps)
+    P = B * pages
+    kv = torch.randn(P + 1, ps, DC + DR, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(P, device="cuda", dtype=torch.int32).view(B, pages)
+    lengths = torch.full((B,), L, device="cuda", dtype=torch.int32)
+    q = torch.randn(B, H, DC + DR, device="cuda")
+    return q, kv, table, lengths
+
+
+def mla_section(sweep: bool):
+    from openk3.infer.decode import mla_decode_reference
+    from openk3.infer.kernels import MLA_CONFIG, mla_decode_triton, mla_num_splits
+
+    INFO["mla_config"] = dict(MLA_CONFIG)
+    DC, scale = 512, 192**-0.5
+    combos = [(64, 16, 8192), (64, 96, 8192)]  # the target shapes first
+    combos += [(B, H, L) for L in (4096, 16384, 65536) for H in (16, 96) for B in (1, 16, 64, 256)]
+    sweeps = {
+        16: [(16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 8, 2), (16, 32, 2, 3), (16, 128, 8, 2)],
+        96: [(32, 64, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2), (16, 32, 4, 2), (32, 32, 8, 3)],
+    }
+    for i, (B, H, L) in enumerate(combos):
+        cache_bytes = B * L * 576 * 2
+        if cache_bytes > 20e9:
+            INFO["skipped"].append(f"mla B={B} H={H} L={L}: cache {cache_bytes / 1e9:.1f} GB > 20 GB")
+            continue
+        if time.time() - T0 > BUDGET:
+            INFO["skipped"].append(f"mla B={B} H={H} L={L}: time budget")
+            continue
+        q, kv, table, lengths = mla_inputs(B, H, L)
+        shape = f"B={B} H={H} L={L}"
+        flops = B * H * L * 2 * (576 + 512)
+        ref_mem = B * L * 576 * 6 + 3 * B * H * L * 4
+        run_ref = ref_mem < 24e9
+
+        def ours(**kw):
+            return lambda: mla_decode_triton(q, kv, table, lengths, scale=scale, kv_lora_rank=DC, **kw)
+
+        o1 = ours()()
+        t_ref = None
+        if run_ref:
+            o2 = mla_decode_reference(q, kv, table, lengths, scale=scale, kv_lora_rank=DC)
+            INFO["checks"][f"mla {shape}"] = rel(o1, o2)
+            o2 = None
+            t_ref = bench(lambda: mla_decode_reference(q, kv, table, lengths, scale=scale, kv_lora_rank=DC))
+        t = bench(ours())
+        bh = 16 if H <= 16 else 32
+        ns = mla_num_splits(B, H, table.shape[1] * 16, bh, q.device)
+        row(
+            "mla decode",
+            shape,
+            t,
+            t_ref,
+            "torch ref" if run_ref else None,
+            cache_bytes,
+            flops,
+            f"splits={ns}",
+        )
+        if sweep and i < 2:
+            for bh_, bn, nw, st in sweeps[H]:
+                if time.time() - T0 > BUDGET:
+                    break
+                try:
+                    ns_ = mla_num_splits(B, H, table.shape[1] * 16, bh_, q.device)
+                    tc = bench(ours(block_h=bh_, block_n=bn, num_warps=nw, num_stages=st))
+                    row(f"mla [H{bh_},N{bn},w{nw},s{st}]", shape, tc, t, "ours default", cache_bytes, flops,
+                        f"splits={ns_}")  # fmt: skip
+                except Exception as e:
+                    INFO["errors"].append(f"mla config {(bh_, bn, nw, st)}: {type(e).__name__}: {e}")
+                    print(f"  config {(bh_, bn, nw, st)} failed: {e}", flush=True)
+            for mult in (2, 4):
+                tc = bench(ours(num_splits=mult * ns))
+                row(
+                    f"mla [splits x{mult}]",
+                    shape,
+                    tc,
+                    t,
+                    "ours default",
+                    cache_bytes,
+                    flops,
+                    f"splits={mult * ns}",
+                )
+        q = kv = table = lengths = o1 = None
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------- main
+def table() -> str:
+    hdr = (
+        "op",
+        "shape",
+        "ours ms",
+        "peer",
+        "peer ms",
+        "ratio",
+        "bytes",
+        "ours TB/s",
+        "roof TB/s",
+        "% roof",
+        "note",
+    )
+    lines = []
+    for r in ROWS:
+        lines.append(
+            (
+                r["op"],
+                r["shape"],
+                f"{r['ours_ms']:.4f}",
+                r["peer"] or "-",
+                "-" if r["peer_ms"] is None else f"{r['peer_ms']:.4f}",
+                "-" if r["ratio"] is None else f"{r['ratio']:.2f}x",
+                f"{r['bytes'] / 1e6:.1f}MB",
+                f"{r['ours_tbps']:.2f}",
+                f"{r['roofline_tbps']:.2f}",
+                f"{r['pct_roofline']:.0f}",
+                r["note"],
+            )
+        )
+    w = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h) for i, h in enumerate(hdr)]
+    out = [" | ".join(h.ljust(w[i]) for i, h in enumerate(hdr)), "-+-".join("-" * x for x in w)]
+    out += [" | ".join(c.ljust(w[i]) for i, c in enumerate(x)) for x in lines]
+    return "\n".join(out)
+
+
+def main():
+    global BUDGET
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    default = os.path.join(os.environ.get("OUT") or os.path.join(ROOT, "bench", "out"), "decode.json")
+    ap.add_argument("--out", default=default)
+    ap.add_argument(
+        "--budget-s", type=float, default=210.0, help="no new shape starts after this many seconds"
+    )
+    ap.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
+    ap.add_argument("--sections", default="kda,mla")
+    args = ap.parse_args()
+    BUDGET = args.budget_s
+    out = args.out
+    if os.path.isdir(out) or out.endswith(os.sep):
+        out = os.path.join(out, "decode.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode.py needs a CUDA device")
+    import triton
+
+    torch.manual_seed(0)
+    p = torch.cuda.get_device_properties(0)
+    INFO.update(
+        device=p.name,
+        sms=p.multi_processor_count,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        argv=sys.argv,
+    )
+    ceilings()
+    for name, fn in (("kda", kda_section), ("mla", mla_section)):
+        if name not in args.sections.split(","):
+            continue
+        try:
+            fn(not args.no_sweep)
+        except Exception as e:
+            INFO["errors"].append(f"{name}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+            print(traceback.format_exc(), flush=True)
+    INFO["wall_s"] = time.time() - T0
+    with open(out, "w") as f:
+        json.dump({"info": INFO, "rows": ROWS}, f, indent=1)
+    print()
+    print(f"checks (rel err vs reference): {json.dumps(INFO['checks'])}")
+    if INFO["errors"]:
+        print(f"errors: {[e.splitlines()[0] for e in INFO['errors']]}")
+    if INFO["skipped"]:
+        print(f"skipped: {INFO['skipped']}")
+    print(
+        f"{INFO['device']}: copy {INFO['copy_bw'] / 1e12:.2f} TB/s, bf16 mm {INFO['mm_rate'] / 1e12:.0f} TFLOP/s; "
+        f"wall {INFO['wall_s']:.0f} s; json -> {out}"
+    )
+    print(table())
+
+
+BUDGET = 210.0
+
+if __name__ == "__main__":
+    main()
