@@ -12,6 +12,7 @@ try:
 except Exception:  # pragma: no cover - triton missing
     triton = tl = None
     HAS_TRITON = False
+    tanh_f32 = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
