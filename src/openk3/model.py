@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _ckpt
 
+import openk3.fast  # noqa: F401,E402  (registers GPU fast paths; a no-op without CUDA/triton/fla)
 from openk3.cache import K3Cache
 from openk3.config import K3Config
 from openk3.modules.ffn import GLUMLP

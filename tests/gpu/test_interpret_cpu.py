@@ -1,7 +1,6 @@
 """Our own Triton kernels (MoE permutation/SiTU/combine, two-phase AttnRes) under TRITON_INTERPRET=1 on CPU, at
 small sizes, against the references. Runs in a subprocess (the interpreter must be chosen before triton kernels are
-defined); skipped when triton is not installed. Note: the root conftest skips everything under tests/gpu/ on a
-machine without CUDA (the directory name is a keyword), so on CPU-only CI this runs only if moved out of tests/gpu/.
+defined); skipped when triton is not installed. Not marked ``gpu``: it runs on CPU-only machines too.
 """
 
 import importlib.util
