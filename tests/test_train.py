@@ -87,6 +87,8 @@ def test_loss_falls_and_balancing_moves_bias(corpus, tmp_path):
     bias = torch.stack([m.gate.e_score_correction_bias for m in tr.moes])
     assert bias.abs().sum() > 0 and bias.mean(-1).abs().max() < 1e-5  # QB moved it, mean-centred
     assert "load_max_ratio" in recs[-1] and "val_loss" in recs[-1]
+    assert len(recs[-1]["load_max_ratio_per_layer"]) == len(tr.moes)
+    assert max(recs[-1]["load_max_ratio_per_layer"]) == recs[-1]["load_max_ratio"]
     assert os.path.exists(os.path.join(res["final"], "model.safetensors"))
     m = K3ForCausalLM.from_pretrained(res["final"])
     assert torch.equal(m.model.layers[1].block_sparse_moe.gate.e_score_correction_bias, bias[0])

@@ -559,8 +559,9 @@ class Trainer:
         if self.distributed:
             torch.distributed.all_reduce(counts)
         mean = counts.float().mean(-1).clamp_min(1e-9)
-        max_r = float((counts.float().amax(-1) / mean).max())
-        min_r = float((counts.float().amin(-1) / mean).min())
+        per_max = (counts.float().amax(-1) / mean).tolist()  # per MoE layer
+        per_min = (counts.float().amin(-1) / mean).tolist()
+        max_r, min_r = max(per_max), min(per_min)
         if self.balancer is not None:
             if self.distributed:
                 from openk3.train import distributed as D
@@ -576,7 +577,12 @@ class Trainer:
             for li, moe in enumerate(self.moes):
                 b = moe.gate.e_score_correction_bias
                 b.copy_(sign_update_bias(b, counts[li].float(), rate=self.tc.sign_rate))
-        return {"load_max_ratio": max_r, "load_min_ratio": min_r}
+        return {
+            "load_max_ratio": max_r,
+            "load_min_ratio": min_r,
+            "load_max_ratio_per_layer": [round(x, 4) for x in per_max],
+            "load_min_ratio_per_layer": [round(x, 4) for x in per_min],
+        }
 
     @torch.no_grad()
     def _qk_clip(self, max_logits) -> dict[str, float]:
@@ -782,7 +788,6 @@ def export_run(run_dir: str, out_dir: str) -> str:
     if not os.path.exists(os.path.join(src, "model.safetensors")) and not os.path.exists(
         os.path.join(src, "model.safetensors.index.json")
     ):
-
         model = dcp_to_model(src)
     else:
         model = K3ForCausalLM.from_pretrained(src)
