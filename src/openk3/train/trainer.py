@@ -67,6 +67,7 @@ class TrainConfig:
     log_every: int = 1
     sample_tokens: int = 48
     sample_prompt: str = "def "
+    sample_temperature: float = 0.8  # 0 = greedy
     device: str = "auto"
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False
@@ -648,7 +649,14 @@ class Trainer:
             prompt if prompt is not None else self.tc.sample_prompt, allow_special=False
         )
         x = torch.tensor([ids or [0]], device=self.device)
-        out = self.model.generate(x, max_new_tokens=n if n is not None else self.tc.sample_tokens)
+        gen = torch.Generator(device=self.device).manual_seed(self.tc.seed)
+        out = self.model.generate(
+            x,
+            max_new_tokens=n if n is not None else self.tc.sample_tokens,
+            temperature=self.tc.sample_temperature,
+            top_k=50,
+            generator=gen,
+        )
         for moe in self.moes:
             moe.record_router = True
         for m in self.mlas:
