@@ -42,6 +42,39 @@ if os.path.isdir(os.path.join(ROOT, ".gpu-site")):
 ROWS: list[dict] = []
 INFO: dict = {"errors": [], "checks": {}, "skipped": []}
 T0 = time.time()
+DEV = "cuda"
+# shapes (module constants, so a smoke run can shrink them)
+KDA_SHAPE = dict(H=32, K=128, W=4)
+KDA_BATCHES = (1, 16, 64, 256)
+KDA_SWEEP_AT = (64, 256)
+KDA_SWEEP = [(16, 4), (32, 8), (16, 2), (64, 8), (0, 16)]  # (BV, num_warps); BV 0: the whole head
+MLA_DIMS = dict(DC=512, DR=64, page_size=16)
+MLA_TARGETS = [(64, 16, 8192), (64, 96, 8192)]  # (B, H, L): swept
+MLA_COMBOS = [(B, H, L) for L in (4096, 16384, 65536) for H in (16, 96) for B in (1, 16, 64, 256)]
+# (block_h, block_n, num_warps, trans, prefetch, num_stages) tried at the target shapes, by head count
+MLA_SWEEP = {
+    16: [
+        (16, 64, 8, True, True, 1),
+        (16, 32, 4, True, True, 1),
+        (16, 16, 4, True, True, 1),
+        (16, 64, 8, True, False, 2),
+        (16, 32, 4, False, True, 1),
+    ],
+    96: [
+        (32, 64, 8, True, True, 1),
+        (64, 32, 8, True, True, 1),
+        (64, 64, 8, True, True, 1),
+        (16, 32, 8, True, True, 1),
+        (32, 32, 8, False, False, 1),
+    ],
+}
+CACHE_LIMIT = 20e9  # skip MLA shapes whose latent cache is larger
+REF_LIMIT = 24e9  # the MLA reference's gathered fp32 copy and logits
+
+
+def empty_cache():
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
 
 
 def bench(fn) -> float:
@@ -85,17 +118,17 @@ def row(op, shape, t_ours, t_peer, peer, nbytes, flops, note=""):
 # ---------------------------------------------------------------------------------------------------- ceilings
 def ceilings():
     n = 1 << 28  # 1 GiB of fp32
-    src = torch.randn(n, device="cuda")
+    src = torch.randn(n, device=DEV)
     dst = torch.empty_like(src)
     t = bench(lambda: dst.copy_(src))
     INFO["copy_bw"] = 2 * n * 4 / t
     src = dst = None
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     t = bench(lambda: a @ b)
     INFO["mm_rate"] = 2 * 8192**3 / t
     a = b = None
-    torch.cuda.empty_cache()
+    empty_cache()
     print(
         f"ceilings: copy {INFO['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {INFO['mm_rate'] / 1e12:.0f} TFLOP/s"
     )
@@ -104,7 +137,7 @@ def ceilings():
 # ---------------------------------------------------------------------------------------------------------- KDA
 def kda_layer(H, K, W):
     HK = H * K
-    dev = "cuda"
+    dev = DEV
 
     def conv():
         return types.SimpleNamespace(weight=0.5 * torch.randn(HK, 1, W, device=dev))
@@ -139,23 +172,23 @@ def kda_section(sweep: bool):
     from openk3.infer.decode import kda_decode_reference
     from openk3.infer.kernels import KDA_CONFIG, kda_decode_triton
 
-    H, K, W = 32, 128, 4
+    H, K, W = KDA_SHAPE["H"], KDA_SHAPE["K"], KDA_SHAPE["W"]
     HK = H * K
     layer = kda_layer(H, K, W)
     fla_fwd, fla_name = fla_peer()
     INFO["kda_config"] = dict(KDA_CONFIG)
-    configs = [(0, 8, 1), (0, 16, 1), (32, 4, 2), (64, 4, 2), (32, 4, 3), (64, 8, 2)] if sweep else []
-    for B in (1, 16, 64, 256):
+    configs = KDA_SWEEP if sweep else []
+    for B in KDA_BATCHES:
         if time.time() - T0 > BUDGET:
             INFO["skipped"].append(f"kda B={B}: time budget")
             continue
         S = B
         dt = torch.bfloat16
-        q, k, v, z, gate = (torch.randn(B, HK, device="cuda", dtype=dt) for _ in range(5))
-        beta = torch.randn(B, H, device="cuda", dtype=dt)
-        conv = torch.randn(S + 1, 3, HK, W - 1, device="cuda")
-        state = 0.1 * torch.randn(S + 1, H, K, K, device="cuda")
-        slots = torch.randperm(S, device="cuda")[:B]
+        q, k, v, z, gate = (torch.randn(B, HK, device=DEV, dtype=dt) for _ in range(5))
+        beta = torch.randn(B, H, device=DEV, dtype=dt)
+        conv = torch.randn(S + 1, 3, HK, W - 1, device=DEV)
+        state = 0.1 * torch.randn(S + 1, H, K, K, device=DEV)
+        slots = torch.randperm(S, device=DEV)[:B]
         shape = f"B={B} H={H} K=V={K}"
         # correctness once
         c1, s1, c2, s2 = conv.clone(), state.clone(), conv.clone(), state.clone()
@@ -202,31 +235,32 @@ def kda_section(sweep: bool):
             except Exception as e:
                 INFO["errors"].append(f"fla peer B={B}: {type(e).__name__}: {e}")
                 print(f"  fla peer failed: {e}", flush=True)
-        if B in (64, 256):
-            for bv, nw, ns in configs:
+        if B in KDA_SWEEP_AT:
+            for bv, nw in configs:
                 if time.time() - T0 > BUDGET:
                     break
                 try:
-                    t = bench(ours(BV=bv, num_warps=nw, num_stages=ns))
+                    t = bench(ours(BV=bv, num_warps=nw))
                     row(
-                        f"kda [BV={bv or K},w={nw},s={ns}]", shape, t, t_ours, "ours default", nbytes, flops,
+                        f"kda [BV={bv or K},w={nw}]", shape, t, t_ours, "ours default", nbytes, flops,
                         f"state-only {state_bytes / t / 1e12:.2f} TB/s",
                     )  # fmt: skip
                 except Exception as e:
-                    INFO["errors"].append(f"kda config {(bv, nw, ns)}: {type(e).__name__}: {e}")
+                    INFO["errors"].append(f"kda config {(bv, nw)}: {type(e).__name__}: {e}")
+                    print(f"  config {(bv, nw)} failed: {e}", flush=True)
         q = k = v = z = gate = beta = conv = state = None
-        torch.cuda.empty_cache()
+        empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------------------- MLA
-def mla_inputs(B, H, L, ps=16):
-    DC, DR = 512, 64
+def mla_inputs(B, H, L):
+    DC, DR, ps = MLA_DIMS["DC"], MLA_DIMS["DR"], MLA_DIMS["page_size"]
     pages = -(-L // ps)
     P = B * pages
-    kv = torch.randn(P + 1, ps, DC + DR, device="cuda", dtype=torch.bfloat16)
-    table = torch.randperm(P, device="cuda", dtype=torch.int32).view(B, pages)
-    lengths = torch.full((B,), L, device="cuda", dtype=torch.int32)
-    q = torch.randn(B, H, DC + DR, device="cuda")
+    kv = torch.randn(P + 1, ps, DC + DR, device=DEV, dtype=torch.bfloat16)
+    table = torch.randperm(P, device=DEV, dtype=torch.int32).view(B, pages)
+    lengths = torch.full((B,), L, device=DEV, dtype=torch.int32)
+    q = torch.randn(B, H, DC + DR, device=DEV)
     return q, kv, table, lengths
 
 
@@ -234,27 +268,25 @@ def mla_section(sweep: bool):
     from openk3.infer.decode import mla_decode_reference
     from openk3.infer.kernels import MLA_CONFIG, mla_decode_triton, mla_num_splits
 
-    INFO["mla_config"] = dict(MLA_CONFIG)
-    DC, scale = 512, 192**-0.5
-    combos = [(64, 16, 8192), (64, 96, 8192)]  # the target shapes first
-    combos += [(B, H, L) for L in (4096, 16384, 65536) for H in (16, 96) for B in (1, 16, 64, 256)]
-    sweeps = {
-        16: [(16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 8, 2), (16, 32, 2, 3), (16, 128, 8, 2)],
-        96: [(32, 64, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2), (16, 32, 4, 2), (32, 32, 8, 3)],
-    }
+    INFO["mla_config"] = {k: v for k, v in MLA_CONFIG.items()}
+    DC, DR, ps = MLA_DIMS["DC"], MLA_DIMS["DR"], MLA_DIMS["page_size"]
+    scale = 192**-0.5
+    combos = MLA_TARGETS + MLA_COMBOS
     for i, (B, H, L) in enumerate(combos):
-        cache_bytes = B * L * 576 * 2
-        if cache_bytes > 20e9:
-            INFO["skipped"].append(f"mla B={B} H={H} L={L}: cache {cache_bytes / 1e9:.1f} GB > 20 GB")
+        cache_bytes = B * L * (DC + DR) * 2
+        if cache_bytes > CACHE_LIMIT:
+            INFO["skipped"].append(
+                f"mla B={B} H={H} L={L}: cache {cache_bytes / 1e9:.1f} GB > {CACHE_LIMIT / 1e9:.0f} GB"
+            )
             continue
         if time.time() - T0 > BUDGET:
             INFO["skipped"].append(f"mla B={B} H={H} L={L}: time budget")
             continue
         q, kv, table, lengths = mla_inputs(B, H, L)
         shape = f"B={B} H={H} L={L}"
-        flops = B * H * L * 2 * (576 + 512)
-        ref_mem = B * L * 576 * 6 + 3 * B * H * L * 4
-        run_ref = ref_mem < 24e9
+        flops = B * H * L * 2 * (2 * DC + DR)
+        ref_mem = B * L * (DC + DR) * 6 + 3 * B * H * L * 4
+        run_ref = ref_mem < REF_LIMIT
 
         def ours(**kw):
             return lambda: mla_decode_triton(q, kv, table, lengths, scale=scale, kv_lora_rank=DC, **kw)
@@ -267,8 +299,8 @@ def mla_section(sweep: bool):
             o2 = None
             t_ref = bench(lambda: mla_decode_reference(q, kv, table, lengths, scale=scale, kv_lora_rank=DC))
         t = bench(ours())
-        bh = 16 if H <= 16 else 32
-        ns = mla_num_splits(B, H, table.shape[1] * 16, bh, q.device)
+        bh = MLA_CONFIG["block_h"] if H <= 16 else MLA_CONFIG["block_h_many"]
+        ns = mla_num_splits(B, H, table.shape[1] * ps, bh, q.device)
         row(
             "mla decode",
             shape,
@@ -279,32 +311,26 @@ def mla_section(sweep: bool):
             flops,
             f"splits={ns}",
         )
-        if sweep and i < 2:
-            for bh_, bn, nw, st in sweeps[H]:
+        if sweep and i < len(MLA_TARGETS):
+            for bh_, bn, nw, tr, pf, st in MLA_SWEEP[16 if H <= 16 else 96]:
                 if time.time() - T0 > BUDGET:
                     break
+                name = f"mla [H{bh_},N{bn},w{nw}{',T' if tr else ''}{',P' if pf else f',s{st}'}]"
                 try:
-                    ns_ = mla_num_splits(B, H, table.shape[1] * 16, bh_, q.device)
-                    tc = bench(ours(block_h=bh_, block_n=bn, num_warps=nw, num_stages=st))
-                    row(f"mla [H{bh_},N{bn},w{nw},s{st}]", shape, tc, t, "ours default", cache_bytes, flops,
-                        f"splits={ns_}")  # fmt: skip
+                    ns_ = mla_num_splits(B, H, table.shape[1] * ps, bh_, q.device)
+                    kw = dict(block_h=bh_, block_n=bn, num_warps=nw, trans=tr, prefetch=pf, num_stages=st)
+                    o3 = ours(**kw)()
+                    INFO["checks"][f"mla {shape} {name}"] = rel(o3, o1)
+                    tc = bench(ours(**kw))
+                    row(name, shape, tc, t, "ours default", cache_bytes, flops, f"splits={ns_}")
                 except Exception as e:
-                    INFO["errors"].append(f"mla config {(bh_, bn, nw, st)}: {type(e).__name__}: {e}")
-                    print(f"  config {(bh_, bn, nw, st)} failed: {e}", flush=True)
-            for mult in (2, 4):
-                tc = bench(ours(num_splits=mult * ns))
-                row(
-                    f"mla [splits x{mult}]",
-                    shape,
-                    tc,
-                    t,
-                    "ours default",
-                    cache_bytes,
-                    flops,
-                    f"splits={mult * ns}",
-                )
+                    INFO["errors"].append(f"{name}: {type(e).__name__}: {e}")
+                    print(f"  {name} failed: {e}", flush=True)
+            for n_ in sorted({max(1, ns // 2), 2 * ns, 4 * ns} - {ns}):
+                tc = bench(ours(num_splits=n_))
+                row("mla [splits]", shape, tc, t, "ours default", cache_bytes, flops, f"splits={n_}")
         q = kv = table = lengths = o1 = None
-        torch.cuda.empty_cache()
+        empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------------------- main

@@ -1,0 +1,612 @@
+"""Triton decode kernels for the inference engine: the fused KDA step and paged absorbed MLA (split-K).
+
+Both implement the signatures of :mod:`openk3.infer.decode` (layouts there) and are registered as
+``FAST_KDA_DECODE["triton"]`` / ``FAST_MLA_DECODE["triton"]`` on import when Triton and a CUDA device are present.
+They also run under ``TRITON_INTERPRET=1`` on CPU tensors (the tests call :func:`kda_decode_triton` and
+:func:`mla_decode_triton` directly). No host synchronisation; the grid depends only on tensor shapes, so both can be
+captured in a CUDA graph.
+
+KDA (SPEC.md §1.5), one launch ``[B, H]``: a program owns one (row, head). It first requests the first state tile,
+then runs the short conv of q, k and v over the history in ``conv_state`` plus the raw projections (fp32, SiLU,
+rounded to the model dtype like the reference), shifts the history in place, computes the gate (``lowerbound``:
+``lb * sigmoid(exp(A) (z + dt_bias))``, ``softplus``: ``-exp(A) softplus(z + dt_bias)``), ``beta =
+sigmoid(beta_logits)``, L2-normalises q and k (eps 1e-6) and scales q by ``K^-0.5``; then streams the fp32 state
+``[K, V]`` through registers in ``BV``-column tiles, each read once and written once, the next tile in flight while
+the current one is processed (the loop makes no other memory access)::
+
+    S' = diag(exp g) S;  p = S'^T k;  u = beta (v - p);  S = S' + k u^T;  o = S^T q = S'^T q + (q.k) u
+
+(``S'^T k``, ``S'^T q`` and the tile's slice of v come out of one reduction over the key axis), and finishes with the
+gated RMSNorm ``rmsnorm(o) * o_norm.weight * sigmoid(gate)`` (o rounded to the model dtype first, as the reference
+does; the raw tiles are staged in the output row and normalised by a second sweep of the same program). Minimal
+traffic: ``2 * B * H * K * V * 4`` bytes of state plus the conv history and the activations.
+
+MLA (SPEC.md §2.4), FlashDecoding-style: program ``(head block, split, row)`` takes ``BLOCK_H`` heads of one row and
+one contiguous share of that row's context (``lengths[b]`` split in ``num_splits`` parts of whole ``BLOCK_N``-token
+blocks; the number of splits depends on shapes only, see :func:`mla_num_splits`). Per block it gathers the latent
+rows through ``block_table`` (one load of the 576-wide row serves as key, its first 512 values as value; the page
+size is a compile-time constant, so a block needs one table entry when it lies in one page, ``BLOCK_N / page_size``
+when it spans whole pages, one per token otherwise), forms ``scale * kv . q`` and ``kv^T p`` with ``tl.dot``
+(operands in the cache dtype with fp32 accumulation; three-pass tf32 for fp32 caches; by default transposed, tokens
+and latent dims on the M side and heads on the N side, so few heads still fill wgmma tiles) and keeps an online
+softmax in fp32. Triton's software pipeliner does not overlap loads whose addresses come from other loads, so the
+loop prefetches by hand: the rows of block i + 1 and the table entries of block i + 2 are in flight while block i
+is scored. With one split the program writes the output; otherwise it writes a normalised partial and its log2
+sum-exp, and a reduce kernel ``[H, B]`` combines the splits that hold tokens. Head blocks of one (row, split) are
+adjacent in launch order, so with several head blocks the cache bytes come from L2 after the first.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from openk3.infer.decode import FAST_KDA_DECODE, FAST_MLA_DECODE
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - triton missing
+    triton = tl = None
+    HAS_TRITON = False
+
+__all__ = [
+    "HAS_TRITON",
+    "INTERPRET",
+    "KDA_CONFIG",
+    "MLA_CONFIG",
+    "available",
+    "kda_decode_triton",
+    "mla_decode_triton",
+    "mla_num_splits",
+    "register",
+]
+
+# Launch parameters (the benchmark sweeps alternatives through the keyword overrides of the wrappers).
+KDA_CONFIG = {"BV": 32, "num_warps": 4}  # BV = 0: the whole head in one tile
+MLA_CONFIG = {
+    "block_h": 16,  # heads per program for H <= 16
+    "block_h_many": 32,  # ... and for more heads
+    "BLOCK_N": 32,
+    "num_warps": 8,
+    "num_stages": 1,
+    "trans": True,
+    "prefetch": True,
+    "fp32": {"block_h": 16, "BLOCK_N": 16, "num_warps": 4},  # fp32 caches (shared-memory bound)
+    "min_chunk": 128,
+    "waves": 2,
+}
+
+
+# Triton picks the interpreter when a kernel is defined (this module's import), so read the switch once, here.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available() -> tuple[bool, str]:
+    """Whether these kernels can run as compiled GPU kernels here."""
+    if not HAS_TRITON:
+        return False, "triton not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    return True, "triton decode kernels"
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _round(x, dtype: tl.constexpr):
+        """``x`` (fp32) rounded to ``dtype`` (to nearest even) and back to fp32; the bf16 case by bit arithmetic, so
+        the CPU interpreter (whose bf16 cast truncates) rounds like the GPU and like PyTorch."""
+        if dtype == tl.bfloat16:
+            u = x.to(tl.uint32, bitcast=True)
+            u = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16) << 16
+            y = u.to(tl.float32, bitcast=True)
+        else:
+            y = x.to(dtype).to(tl.float32)
+        return y
+
+    @triton.jit
+    def _conv_silu(x_ptr, w_ptr, hist_ptr, ch, cw, W: tl.constexpr, dtype: tl.constexpr):
+        """Depthwise causal conv of one token over ``W - 1`` history values + the current one, SiLU, rounded to
+        ``dtype``. ``ch [C]`` channels, ``cw [WP]`` tap index. Returns (y [C] fp32, window [C, WP] fp32)."""
+        x = tl.load(x_ptr + ch).to(tl.float32)
+        hist = tl.load(hist_ptr + ch[:, None] * (W - 1) + cw[None, :], mask=cw[None, :] < W - 1, other=0.0)
+        win = tl.where(cw[None, :] == W - 1, x[:, None], hist)
+        w = tl.load(w_ptr + ch[:, None] * W + cw[None, :], mask=cw[None, :] < W, other=0.0).to(tl.float32)
+        y = tl.sum(win * w, axis=1)
+        y = y * tl.sigmoid(y)
+        return _round(y, dtype), win
+
+    @triton.jit
+    def _shift_hist(hist_ptr, win, ch, cw, W: tl.constexpr):
+        """New history = window[1:] (oldest first)."""
+        tl.store(
+            hist_ptr + ch[:, None] * (W - 1) + cw[None, :] - 1,
+            win,
+            mask=(cw[None, :] >= 1) & (cw[None, :] < W),
+        )
+
+    @triton.jit
+    def _add2(a0, b0, a1, b1):
+        return a0 + a1, b0 + b1
+
+    @triton.jit
+    def _add3(a0, b0, c0, a1, b1, c1):
+        return a0 + a1, b0 + b1, c0 + c1
+
+    @triton.jit
+    def _kda_tile(S, sp, v, q, k, decay, beta, qk, dtype: tl.constexpr, SEL: tl.constexpr):
+        """One ``[K, BV]`` tile ``S`` of a head's state (loaded from ``sp``): decay, delta update (written back to
+        ``sp``), output. ``v``: this tile's values ``[BV]``, or with ``SEL`` a ``[K, BV]`` tile holding them on the
+        matching rows (zero elsewhere), so that the same reduction over the key axis that yields ``S'^T k`` and
+        ``S'^T q`` also extracts them. Returns (o rounded to ``dtype``, as fp32; its sum of squares)."""
+        S = S * decay[:, None]
+        if SEL:
+            pred, oq, v = tl.reduce((S * k[:, None], S * q[:, None], v), 0, _add3)
+        else:
+            pred, oq = tl.reduce((S * k[:, None], S * q[:, None]), 0, _add2)
+        u = beta * (v - pred)
+        tl.store(sp, S + k[:, None] * u[None, :])
+        o = _round(oq + qk * u, dtype)
+        return o, tl.sum(o * o)
+
+    @triton.jit
+    def _kda_decode_kernel(
+        q_ptr, k_ptr, v_ptr, z_ptr, beta_ptr, gate_ptr, o_ptr,
+        s_q, s_k, s_v, s_z, s_beta, s_gate, s_o,
+        wq_ptr, wk_ptr, wv_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
+        conv_ptr, state_ptr, slots_ptr, s_conv, s_state,
+        lower_bound, eps, q_scale,
+        H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
+        LB_GATE: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        dtype = o_ptr.dtype.element_ty
+        HK: tl.constexpr = H * K
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        ck = tl.arange(0, K)
+        cv = tl.arange(0, BV)
+        sp0 = state_ptr + slot * s_state + h * (K * K) + ck[:, None] * K + cv[None, :]
+        S_next = tl.load(sp0)  # the first state tile is requested before anything else
+        conv = conv_ptr + slot * s_conv
+        cw = tl.arange(0, WP)
+        ch = h * K + ck
+        # 1. short conv + SiLU (whole head: the norms need every channel)
+        q, win_q = _conv_silu(q_ptr + b * s_q, wq_ptr, conv, ch, cw, W, dtype)
+        k, win_k = _conv_silu(k_ptr + b * s_k, wk_ptr, conv + HK * (W - 1), ch, cw, W, dtype)
+        v, win_v = _conv_silu(v_ptr + b * s_v, wv_ptr, conv + 2 * HK * (W - 1), ch, cw, W, dtype)
+        # 2. gate, beta, L2 norms, query scale (fp32)
+        zz = tl.load(z_ptr + b * s_z + ch).to(tl.float32) + tl.load(dt_bias_ptr + ch).to(tl.float32)
+        a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+        if LB_GATE:
+            g = lower_bound * tl.sigmoid(a * zz)
+        else:
+            g = -a * tl.where(zz > 20.0, zz, tl.log(1.0 + tl.exp(tl.minimum(zz, 20.0))))
+        decay = tl.exp(g)
+        beta = tl.sigmoid(tl.load(beta_ptr + b * s_beta + h).to(tl.float32))
+        q = q * (q_scale / tl.sqrt(tl.sum(q * q) + 1e-6))
+        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+        qk = tl.sum(q * k)
+        # every thread has consumed the history it loaded: shift it
+        tl.debug_barrier()
+        _shift_hist(conv, win_q, ch, cw, W)
+        _shift_hist(conv + HK * (W - 1), win_k, ch, cw, W)
+        _shift_hist(conv + 2 * HK * (W - 1), win_v, ch, cw, W)
+        # 3. delta-rule update, BV columns of the state at a time (the next tile is requested before the current
+        # one is processed; no other memory access in the loop); 4. gated RMSNorm over the head
+        obase = o_ptr + b * s_o + h * K
+        if BV == K:
+            o, ss = _kda_tile(S_next, sp0, v, q, k, decay, beta, qk, dtype, False)
+            y = o * (1.0 / tl.sqrt(ss / K + eps)) * tl.load(norm_w_ptr + cv).to(tl.float32)
+            y = y * tl.sigmoid(tl.load(gate_ptr + b * s_gate + h * K + cv).to(tl.float32))
+            tl.store(obase + cv, _round(y, dtype).to(dtype))
+        else:
+            NT: tl.constexpr = K // BV
+            ss = 0.0
+            for j in tl.range(0, NT):
+                S = S_next
+                S_next = tl.load(sp0 + (j + 1) * BV, mask=j + 1 < NT, other=0.0)
+                cols = j * BV + cv
+                vsel = tl.where(ck[:, None] == cols[None, :], v[:, None], 0.0)
+                o, ssj = _kda_tile(S, sp0 + j * BV, vsel, q, k, decay, beta, qk, dtype, True)
+                ss += ssj
+                tl.store(obase + cols, o.to(dtype))  # raw, normalised below
+            r = 1.0 / tl.sqrt(ss / K + eps)
+            tl.debug_barrier()  # the raw tiles were written by other threads of this program
+            for j in tl.range(0, NT):
+                cols = j * BV + cv
+                y = tl.load(obase + cols).to(tl.float32) * r * tl.load(norm_w_ptr + cols).to(tl.float32)
+                y = y * tl.sigmoid(tl.load(gate_ptr + b * s_gate + h * K + cols).to(tl.float32))
+                tl.store(obase + cols, _round(y, dtype).to(dtype))
+
+    @triton.jit
+    def _mla_pages(bt, n0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr):
+        """Block-table entries for tokens ``[n0, n0 + BLOCK_N)`` (blocks start at multiples of ``BLOCK_N``).
+        ``MODE`` 1 (``PAGE % BLOCK_N == 0``): the block lies in one page, one id; 2 (``BLOCK_N % PAGE == 0``): the
+        ``BLOCK_N // PAGE`` ids of its pages; 0: one id per token."""
+        if MODE == 1:
+            pages = tl.load(bt + n0 // PAGE, mask=n0 < end, other=0)
+        elif MODE == 2:
+            j = tl.arange(0, BLOCK_N // PAGE)
+            pages = tl.load(bt + n0 // PAGE + j, mask=n0 + j * PAGE < end, other=0)
+        else:
+            t = n0 + tl.arange(0, BLOCK_N)
+            pages = tl.load(bt + t // PAGE, mask=t < end, other=0)
+        return pages
+
+    @triton.jit
+    def _mla_rows(
+        kv_ptr, pages, n0, end, s_kvp, s_kvt,
+        DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    ):  # fmt: skip
+        """The latent rows of tokens ``[n0, min(n0 + BLOCK_N, end))`` (zeros past ``end``), given the block's
+        :func:`_mla_pages`: (latent part ``[BLOCK_N, DC]``, rope part ``[BLOCK_N, DR]``)."""
+        tn = tl.arange(0, BLOCK_N)
+        tm = n0 + tn < end
+        if MODE == 1:
+            row = kv_ptr + pages.to(tl.int64) * s_kvp + ((n0 % PAGE) + tn).to(tl.int64) * s_kvt
+        elif MODE == 2:
+            sel = (tn // PAGE)[:, None] == tl.arange(0, BLOCK_N // PAGE)[None, :]
+            page = tl.sum(tl.where(sel, pages[None, :], 0), axis=1)
+            row = kv_ptr + page.to(tl.int64) * s_kvp + (tn % PAGE).to(tl.int64) * s_kvt
+        else:
+            row = kv_ptr + pages.to(tl.int64) * s_kvp + ((n0 + tn) % PAGE).to(tl.int64) * s_kvt
+        kn = tl.load(row[:, None] + tl.arange(0, DC)[None, :], mask=tm[:, None], other=0.0)
+        kr = tl.load(row[:, None] + DC + tl.arange(0, DR)[None, :], mask=tm[:, None], other=0.0)
+        return kn, kr
+
+    @triton.jit
+    def _mla_fold(
+        qn, qr, kn, kr, n0, end, scale_log2, m, l, acc,
+        BLOCK_N: tl.constexpr, F32: tl.constexpr, TRANS: tl.constexpr, INTERP: tl.constexpr,
+    ):  # fmt: skip
+        """Score one block of latent rows and fold it into the online softmax state ``(m, l, acc)`` (log2 domain).
+        ``TRANS``: the products are formed transposed, tokens (scores) and latent dims (output) on the M side and
+        heads on the N side (``acc [DC, BLOCK_H]``), so that few heads still fill the tensor-core tiles."""
+        kv_dtype = kn.dtype
+        tm = n0 + tl.arange(0, BLOCK_N) < end
+        if INTERP:  # the interpreter's low-precision dot is unusable: same rounding, fp32 products
+            kn = kn.to(tl.float32)
+            kr = kr.to(tl.float32)
+        if TRANS:
+            if F32 or INTERP:  # fp32 operands: three-pass tf32 on the tensor cores (about fp32 accuracy)
+                s = tl.dot(kn, tl.trans(qn), input_precision="tf32x3")
+                s = tl.dot(kr, tl.trans(qr), s, input_precision="tf32x3")
+            else:
+                s = tl.dot(kn, tl.trans(qn))
+                s = tl.dot(kr, tl.trans(qr), s)
+            s = tl.where(tm[:, None], s * scale_log2, float("-inf"))  # [BLOCK_N, BLOCK_H]
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l = l * alpha + tl.sum(p, axis=0)
+            if INTERP:
+                acc = tl.dot(
+                    tl.trans(kn), _round(p, kv_dtype), acc * alpha[None, :], input_precision="tf32x3"
+                )
+            elif F32:
+                acc = tl.dot(tl.trans(kn), p, acc * alpha[None, :], input_precision="tf32x3")
+            else:
+                acc = tl.dot(tl.trans(kn), p.to(kv_dtype), acc * alpha[None, :])
+        else:
+            if F32 or INTERP:
+                s = tl.dot(qn, tl.trans(kn), input_precision="tf32x3")
+                s = tl.dot(qr, tl.trans(kr), s, input_precision="tf32x3")
+            else:
+                s = tl.dot(qn, tl.trans(kn))
+                s = tl.dot(qr, tl.trans(kr), s)
+            s = tl.where(tm[None, :], s * scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            if INTERP:
+                acc = tl.dot(_round(p, kv_dtype), kn, acc * alpha[:, None], input_precision="tf32x3")
+            elif F32:
+                acc = tl.dot(p, kn, acc * alpha[:, None], input_precision="tf32x3")
+            else:
+                acc = tl.dot(p.to(kv_dtype), kn, acc * alpha[:, None])
+        return m_new, l, acc
+
+    @triton.jit
+    def _mla_step(
+        qn, qr, kv_ptr, bt, kn, kr, pages, n0, end, s_kvp, s_kvt, scale_log2, m, l, acc,
+        DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+        F32: tl.constexpr, TRANS: tl.constexpr, PREFETCH: tl.constexpr, INTERP: tl.constexpr,
+    ):  # fmt: skip
+        """Block ``n0`` of the loop. With ``PREFETCH``, ``kn, kr`` are its rows (requested one step earlier) and
+        ``pages`` the next block's table entries: request the next block's rows and the table entries of the one
+        after, then score this block. Without, load and score. Returns the loop-carried values."""
+        if PREFETCH:
+            kn_cur = kn
+            kr_cur = kr
+            kn, kr = _mla_rows(kv_ptr, pages, n0 + BLOCK_N, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE)
+            pages = _mla_pages(bt, n0 + 2 * BLOCK_N, end, PAGE, BLOCK_N, MODE)
+        else:
+            cur = _mla_pages(bt, n0, end, PAGE, BLOCK_N, MODE)
+            kn_cur, kr_cur = _mla_rows(kv_ptr, cur, n0, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE)
+        m, l, acc = _mla_fold(
+            qn, qr, kn_cur, kr_cur, n0, end, scale_log2, m, l, acc, BLOCK_N, F32, TRANS, INTERP
+        )
+        return kn, kr, pages, m, l, acc
+
+    @triton.jit
+    def _mla_split_kernel(
+        q_ptr, kv_ptr, bt_ptr, len_ptr, out_ptr, part_ptr, lse_ptr,
+        s_qb, s_qh, s_kvp, s_kvt, s_btb, s_ob, s_oh,
+        H, scale_log2, NS,
+        PAGE: tl.constexpr, MODE: tl.constexpr, DIRECT: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, TRANS: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr,
+    ):  # fmt: skip
+        hb = tl.program_id(0)
+        sp = tl.program_id(1)
+        b = tl.program_id(2)
+        kv_dtype = kv_ptr.dtype.element_ty
+        length = tl.load(len_ptr + b).to(tl.int32)
+        chunk = tl.cdiv(tl.cdiv(length, NS), BLOCK_N) * BLOCK_N
+        start = sp * chunk
+        end = tl.minimum(start + chunk, length)
+        hh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = hh < H
+        dc = tl.arange(0, DC)
+        dr = tl.arange(0, DR)
+        qp = q_ptr + b.to(tl.int64) * s_qb + hh[:, None] * s_qh
+        qn = tl.load(qp + dc[None, :], mask=hm[:, None], other=0.0)
+        qr = tl.load(qp + DC + dr[None, :], mask=hm[:, None], other=0.0)
+        if INTERP:
+            qn = _round(qn, kv_dtype)
+            qr = _round(qr, kv_dtype)
+        else:
+            qn = qn.to(kv_dtype)
+            qr = qr.to(kv_dtype)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        if TRANS:
+            acc = tl.zeros([DC, BLOCK_H], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_H, DC], tl.float32)
+        bt = bt_ptr + b.to(tl.int64) * s_btb
+        kn = tl.zeros([BLOCK_N, DC], kv_dtype)  # loop-carried only with PREFETCH
+        kr = tl.zeros([BLOCK_N, DR], kv_dtype)
+        pages = _mla_pages(bt, start, start, PAGE, BLOCK_N, MODE)
+        if PREFETCH:
+            # Triton's software pipeliner does not overlap loads whose addresses come from other loads (the block
+            # table) with compute, so this is done by hand: while block i is scored, the rows of block i + 1 are in
+            # flight (registers) and the block-table entries of block i + 2.
+            pages = _mla_pages(bt, start, end, PAGE, BLOCK_N, MODE)
+            kn, kr = _mla_rows(kv_ptr, pages, start, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE)
+            pages = _mla_pages(bt, start + BLOCK_N, end, PAGE, BLOCK_N, MODE)
+        if INTERP:  # the CPU interpreter cannot take loaded values as range() bounds
+            n0 = start
+            while n0 < end:
+                kn, kr, pages, m, l, acc = _mla_step(
+                    qn, qr, kv_ptr, bt, kn, kr, pages, n0, end, s_kvp, s_kvt, scale_log2, m, l, acc,
+                    DC, DR, PAGE, BLOCK_N, MODE, F32, TRANS, PREFETCH, INTERP,
+                )  # fmt: skip
+                n0 += BLOCK_N
+        else:
+            for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
+                kn, kr, pages, m, l, acc = _mla_step(
+                    qn, qr, kv_ptr, bt, kn, kr, pages, n0, end, s_kvp, s_kvt, scale_log2, m, l, acc,
+                    DC, DR, PAGE, BLOCK_N, MODE, F32, TRANS, PREFETCH, INTERP,
+                )  # fmt: skip
+        nonempty = l > 0.0
+        inv_l = 1.0 / tl.where(nonempty, l, 1.0)
+        if DIRECT:  # one split: the program holds the final result
+            op = out_ptr + b.to(tl.int64) * s_ob + hh * s_oh
+            om = hm
+        else:  # [B, H, NS] partials; splits past the row's length write nothing (the reduce skips them)
+            row_id = (b.to(tl.int64) * H + hh) * NS + sp
+            op = part_ptr + row_id * DC
+            om = hm & (start < end)
+            tl.store(lse_ptr + row_id, m + tl.log2(tl.where(nonempty, l, 1.0)), mask=om)
+        if TRANS:
+            tl.store(op[None, :] + dc[:, None], acc * inv_l[None, :], mask=om[None, :])
+        else:
+            tl.store(op[:, None] + dc[None, :], acc * inv_l[:, None], mask=om[:, None])
+
+    @triton.jit
+    def _mla_reduce_kernel(
+        part_ptr, lse_ptr, len_ptr, out_ptr, H, s_ob, s_oh, NS, DC: tl.constexpr, BLOCK_N: tl.constexpr,
+        BS: tl.constexpr,
+    ):  # fmt: skip
+        """Combine the normalised partials of one (row, head) over the splits that hold tokens (the same split
+        arithmetic as the split kernel), ``BS`` at a time, online in log2."""
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        length = tl.load(len_ptr + b).to(tl.int32)
+        chunk = tl.cdiv(tl.cdiv(length, NS), BLOCK_N) * BLOCK_N
+        used = tl.cdiv(length, chunk)
+        base = (b.to(tl.int64) * H + h) * NS
+        dc = tl.arange(0, DC)
+        bs = tl.arange(0, BS)
+        mx = float("-inf")
+        den = 0.0
+        acc = tl.zeros([DC], tl.float32)
+        s0 = 0
+        while s0 < used:  # (a while loop: the CPU interpreter cannot take a runtime value as range() bound)
+            s = s0 + bs
+            sm = s < used
+            lse = tl.load(lse_ptr + base + s, mask=sm, other=float("-inf"))
+            m_new = tl.maximum(mx, tl.max(lse, axis=0))  # finite from the first chunk on: split 0 has a token
+            alpha = tl.exp2(mx - m_new)
+            w = tl.exp2(lse - m_new)
+            part = tl.load(part_ptr + (base + s)[:, None] * DC + dc[None, :], mask=sm[:, None], other=0.0)
+            acc = acc * alpha + tl.sum(w[:, None] * part, axis=0)
+            den = den * alpha + tl.sum(w, axis=0)
+            mx = m_new
+            s0 += BS
+        tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + dc, acc / den)
+
+
+def _row_major(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def kda_decode_triton(
+    layer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    z: torch.Tensor,
+    beta_logits: torch.Tensor,
+    gate: torch.Tensor,
+    conv_state: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    BV: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Fused single-token KDA step (signature and layouts: :mod:`openk3.infer.decode`). ``BV`` (state columns per
+    tile, a power of two; 0: the whole head) and ``num_warps`` override :data:`KDA_CONFIG`."""
+    B, HK = q.shape
+    H, K = layer.num_heads, layer.head_dim
+    wq, wk, wv = (c.weight.reshape(HK, -1) for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d))
+    W = wq.shape[1]
+    if HK != H * K or state.shape[1:] != (H, K, K) or conv_state.shape[1:] != (3, HK, W - 1) or W < 2:
+        raise ValueError(
+            f"kda_decode_triton: shapes q {tuple(q.shape)}, state {tuple(state.shape)}, conv_state "
+            f"{tuple(conv_state.shape)} do not match H={H}, K={K}, W={W}"
+        )
+    if K & (K - 1):
+        raise ValueError(f"kda_decode_triton: head_dim must be a power of two, got {K}")
+    if state.dtype != torch.float32 or conv_state.dtype != torch.float32:
+        raise ValueError("kda_decode_triton: state and conv_state must be fp32")
+    if state[0].stride() != (K * K, K, 1) or conv_state[0].stride() != (HK * (W - 1), W - 1, 1):
+        raise ValueError("kda_decode_triton: state / conv_state must be contiguous past the slot dimension")
+    cfg = KDA_CONFIG
+    bv = cfg["BV"] if BV is None else BV
+    bv = K if not bv else min(bv, K)
+    if bv & (bv - 1):
+        raise ValueError(f"kda_decode_triton: BV must be a power of two, got {bv}")
+    q, k, v, z, beta_logits, gate = (_row_major(t) for t in (q, k, v, z, beta_logits, gate))
+    wq, wk, wv = (_row_major(w) for w in (wq, wk, wv))
+    a_log = layer.A_log.reshape(-1)
+    dt_bias = layer.dt_bias.reshape(-1)
+    norm_w = layer.o_norm.weight.reshape(-1)
+    o = torch.empty(B, HK, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return o
+    lb_gate = layer.gate_kind == "lowerbound"
+    _kda_decode_kernel[(B, H)](
+        q, k, v, z, beta_logits, gate, o,
+        q.stride(0), k.stride(0), v.stride(0), z.stride(0), beta_logits.stride(0), gate.stride(0), o.stride(0),
+        wq, wk, wv, a_log, dt_bias, norm_w,
+        conv_state, state, slots, conv_state.stride(0), state.stride(0),
+        float(layer.lower_bound) if lb_gate else 0.0, float(layer.eps), K**-0.5,
+        H=H, K=K, W=W, WP=triton.next_power_of_2(W), BV=bv, LB_GATE=lb_gate,
+        num_warps=cfg["num_warps"] if num_warps is None else num_warps,
+    )  # fmt: skip
+    return o
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few splits, to exercise the reduce
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def mla_num_splits(
+    batch: int, heads: int, max_context: int, block_h: int, device: torch.device, *, cfg: dict | None = None
+) -> int:
+    """Context splits per row: enough programs for ``waves`` programs per SM, each split at least ``min_chunk``
+    tokens of the largest possible context. Depends on shapes only (fixed grid for CUDA graphs)."""
+    cfg = cfg or MLA_CONFIG
+    progs = batch * triton.cdiv(heads, block_h)
+    want = triton.cdiv(cfg["waves"] * _sm_count(device), max(progs, 1))
+    return max(1, min(want, triton.cdiv(max_context, cfg["min_chunk"])))
+
+
+def mla_decode_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int | None = None,
+    block_h: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    trans: bool | None = None,
+    prefetch: bool | None = None,
+) -> torch.Tensor:
+    """Paged absorbed MLA decode (signature and layouts: :mod:`openk3.infer.decode`); returns ``[B, H, dc]`` fp32.
+    ``num_splits`` (default :func:`mla_num_splits`), ``block_h`` (heads per program), ``block_n``, ``num_warps``, ``num_stages`` (Triton's pipeliner; only without ``prefetch``), ``trans``
+    (transposed products) and ``prefetch`` (next block's rows loaded while the current one is scored) override
+    :data:`MLA_CONFIG`."""
+    B, H, D = q.shape
+    _, page_size, Dk = kv_cache.shape
+    DC = kv_lora_rank
+    DR = D - DC
+    if Dk != D or DC & (DC - 1) or DR < 16 or DR & (DR - 1):
+        raise ValueError(
+            f"mla_decode_triton: q {tuple(q.shape)} / kv_cache {tuple(kv_cache.shape)} with kv_lora_rank={DC}: "
+            "need matching widths, a power-of-two latent and a power-of-two rope part >= 16"
+        )
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("mla_decode_triton: kv_cache rows must be contiguous")
+    q = _row_major(q)
+    block_table = _row_major(block_table)
+    cfg = MLA_CONFIG
+    f32 = cfg["fp32"] if kv_cache.dtype == torch.float32 else {}
+    bh = block_h or f32.get("block_h") or (cfg["block_h"] if H <= 16 else cfg["block_h_many"])
+    bn = block_n or f32.get("BLOCK_N") or cfg["BLOCK_N"]
+    nw = num_warps or f32.get("num_warps") or cfg["num_warps"]
+    st = cfg["num_stages"] if num_stages is None else num_stages
+    tr = cfg["trans"] if trans is None else trans
+    pf = cfg["prefetch"] if prefetch is None else prefetch
+    if page_size % bn == 0:
+        mode = 1
+    elif bn % page_size == 0:
+        mode = 2
+    else:
+        mode = 0
+    ns = num_splits or mla_num_splits(B, H, block_table.shape[1] * page_size, bh, q.device)
+    out = torch.empty(B, H, DC, dtype=torch.float32, device=q.device)
+    if B == 0:
+        return out
+    if ns > 1:
+        part = torch.empty(B, H, ns, DC, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, H, ns, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out
+    _mla_split_kernel[(triton.cdiv(H, bh), ns, B)](
+        q, kv_cache, block_table, lengths, out, part, lse,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1),
+        H, float(scale) * math.log2(math.e), ns,
+        PAGE=page_size, MODE=mode, DIRECT=ns == 1, DC=DC, DR=DR, BLOCK_H=bh, BLOCK_N=bn, F32=kv_cache.dtype == torch.float32,
+        TRANS=tr, PREFETCH=pf, STAGES=st, INTERP=INTERPRET, num_warps=nw,
+    )  # fmt: skip
+    if ns > 1:
+        _mla_reduce_kernel[(H, B)](
+            part, lse, lengths, out, H, out.stride(0), out.stride(1), ns, DC=DC, BLOCK_N=bn, BS=8, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def register() -> bool:
+    """Add the kernels to ``FAST_KDA_DECODE`` / ``FAST_MLA_DECODE`` under ``"triton"`` when they can run here."""
+    ok, _ = available()
+    if ok:
+        FAST_KDA_DECODE["triton"] = kda_decode_triton
+        FAST_MLA_DECODE["triton"] = mla_decode_triton
+    return ok
+
+
+register()
