@@ -905,6 +905,7 @@ def _import_fast_paths() -> None:
     """Register the GPU fast paths (``openk3.fast``) when they can be imported."""
     try:
         import openk3.fast  # noqa: F401
+        import openk3.infer.kernels  # noqa: F401  (registers the Triton decode steps when triton + CUDA exist)
     except Exception as e:  # optional: the reference paths still work
         log.info("GPU fast paths not loaded (%s); using the reference ops", e)
 
