@@ -236,13 +236,11 @@ def load_pretrained(path, *, dtype: torch.dtype | None = None, device="cpu", con
         model = K3ForCausalLM(cfg)
     sd = to_internal(cfg, _dequantize_stream(iter_tensors(files), dtype or torch.bfloat16))
     own = model.state_dict()
+    params = dict(model.named_parameters())
     for k, t in list(sd.items()):
         if k in own:
-            p = own[k]
-            keep32 = getattr(_param_of(model, k), "_keep_fp32", False) or k.endswith(
-                "e_score_correction_bias"
-            )
-            tdt = torch.float32 if keep32 else (dtype or (t.dtype if t.is_floating_point() else p.dtype))
+            keep32 = getattr(params.get(k), "_keep_fp32", False) or k.endswith("e_score_correction_bias")
+            tdt = torch.float32 if keep32 else (dtype or (t.dtype if t.is_floating_point() else own[k].dtype))
             sd[k] = t.to(device=device, dtype=tdt)
     load_state_dict_into(model, sd)
     _restore_fp32_flags(model)
@@ -250,30 +248,11 @@ def load_pretrained(path, *, dtype: torch.dtype | None = None, device="cpu", con
     return model
 
 
-def _param_of(model, key: str):
-    obj = model
-    for part in key.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
 def _restore_fp32_flags(model) -> None:
     """``load_state_dict(assign=True)`` swaps in new Parameter objects; re-mark the fp32-kept ones."""
-    from openk3.modules.kda import KimiDeltaAttention
-
     for m in model.modules():
-        if isinstance(m, KimiDeltaAttention):
-            for p in (
-                m.dt_bias,
-                m.A_log,
-                m.o_norm.weight,
-                m.q_conv1d.weight,
-                m.k_conv1d.weight,
-                m.v_conv1d.weight,
-            ):
-                p._keep_fp32 = True
+        if hasattr(m, "mark_fp32_parameters"):
+            m.mark_fp32_parameters()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -76,6 +76,10 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(K))
         self.o_proj = nn.Linear(HK, d, bias=False)
+        self.mark_fp32_parameters()
+
+    def mark_fp32_parameters(self) -> None:
+        """Flag the parameters SPEC.md §5.3 keeps in fp32 (``K3ForCausalLM.to_dtype`` and loading honour it)."""
         for p in (
             self.dt_bias,
             self.A_log,
