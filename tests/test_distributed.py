@@ -358,7 +358,7 @@ def _worker(rank: int, port: int, out_dir: str, tmp: str):
 def results():
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(_free_port(), out, tmp), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in range(WORLD)]
 
 
 def _get(results, name):

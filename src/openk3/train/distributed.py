@@ -597,7 +597,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float | None, mesh=None) -> torc
         if _is_dtensor(p.grad):
             placements = p.grad.placements
             if p.grad.device_mesh.ndim != 1 or not isinstance(placements[0], Shard):
-                raise NotImplementedError("clip_grad_norm_ handles 1-D sharded (FSDP2) DTensor gradients")
+                raise RuntimeError(
+                    "clip_grad_norm_ supports gradients sharded over one mesh dimension (FSDP2 over dp or all "
+                    f"ranks); got placements {placements} on a {p.grad.device_mesh.ndim}-D mesh"
+                )
             key = p.grad.device_mesh.get_group()
         else:
             key = experts[id(p)].group if id(p) in experts else None
@@ -777,8 +780,8 @@ def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
         set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
     mine = os.path.join(path, f"extra.rank{_rank()}.pt")
     f = mine if os.path.exists(mine) else os.path.join(path, "extra.rank0.pt")
-    # our own checkpoint (trusted): extra may hold RNG states and other plain Python objects
-    return torch.load(f, map_location="cpu", weights_only=False) if os.path.exists(f) else {}
+    # extra holds tensors, numbers, strings and nested dicts/lists only: no unpickling of arbitrary objects
+    return torch.load(f, map_location="cpu", weights_only=True) if os.path.exists(f) else {}
 
 
 # ---------------------------------------------------------------------------------------------------------------
