@@ -212,6 +212,12 @@ _MUON_DEFAULTS: dict[str, Any] = dict(
 _ADAMW_DEFAULTS: dict[str, Any] = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
 
+def _validate_muon_group(group: dict[str, Any]) -> None:
+    muon_scale(2, 1, group["rms_scale"])  # validates the rule name
+    for p in group["params"]:
+        _check_layout(p.shape, *_layout(p, group))
+
+
 def _muon_group_step(group: dict[str, Any], state: dict) -> None:
     mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
     for p in group["params"]:
@@ -320,10 +326,7 @@ class Muon(_ExactStateMixin, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        muon_scale(2, 1, group["rms_scale"])  # validates the rule name
-        for p in group["params"]:
-            _check_layout(p.shape, *_layout(p, group))
+        _validate_muon_group(self.param_groups[-1])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -356,11 +359,8 @@ class MuonWithAuxAdam(_ExactStateMixin, torch.optim.Optimizer):
         for k, v in defaults.items():
             group.setdefault(k, v)
         super().add_param_group(group)
-        group = self.param_groups[-1]
-        if group["use_muon"]:
-            muon_scale(2, 1, group["rms_scale"])
-            for p in group["params"]:
-                _check_layout(p.shape, *_layout(p, group))
+        if self.param_groups[-1]["use_muon"]:
+            _validate_muon_group(self.param_groups[-1])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
