@@ -393,19 +393,7 @@ def create_app(
                 gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
 
-        texts = [""] * len(group.reqs)
-        reasons: list[str | None] = [None] * len(group.reqs)
-        completion = 0
-        try:
-            async for i, out in group.events(request):
-                if out.error:
-                    raise ApiError(500, out.error, type_="server_error")
-                texts[i] += out.new_text
-                completion += len(out.new_token_ids)
-                if out.finished:
-                    reasons[i] = out.finish_reason
-        finally:
-            group.abort()
+        texts, reasons, completion = await _collect(group, request)
         choices = [
             {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]}
             for i in range(len(texts))
@@ -513,19 +501,7 @@ def create_app(
                 gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
 
-        texts = [""] * n
-        reasons: list[str | None] = [None] * n
-        completion = 0
-        try:
-            async for i, out in group.events(request):
-                if out.error:
-                    raise ApiError(500, out.error, type_="server_error")
-                texts[i] += out.new_text
-                completion += len(out.new_token_ids)
-                if out.finished:
-                    reasons[i] = out.finish_reason
-        finally:
-            group.abort()
+        texts, reasons, completion = await _collect(group, request)
         choices = [
             {
                 "index": i,
@@ -554,3 +530,21 @@ def serve(
 
     app = create_app(engine, model_name, api_key=api_key)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+
+
+async def _collect(group, request) -> tuple[list[str], list[str | None], int]:
+    """Drain a non-streaming request group: (texts, finish reasons, completion token count)."""
+    texts = [""] * len(group.reqs)
+    reasons: list[str | None] = [None] * len(group.reqs)
+    completion = 0
+    try:
+        async for i, out in group.events(request):
+            if out.error:
+                raise ApiError(500, out.error, type_="server_error")
+            texts[i] += out.new_text
+            completion += len(out.new_token_ids)
+            if out.finished:
+                reasons[i] = out.finish_reason
+    finally:
+        group.abort()
+    return texts, reasons, completion
