@@ -186,3 +186,24 @@ def test_conv_state_and_varlen(rel):
     packed, _ = causal_conv1d(x, w, cu_seqlens=torch.tensor([0, 1, 9, 13]))
     sep = torch.cat([causal_conv1d(x[:, s:e], w)[0] for s, e in ((0, 1), (1, 9), (9, 13))], 1)
     assert rel(packed, sep) < 1e-6
+
+
+def test_backend_resolution_and_notice(capsys, monkeypatch):
+    from openk3.ops import backend
+
+    assert backend.resolve("kda", is_cuda=False) == "reference"
+    backend.register("kda", backend.Backend("fake", lambda: (False, "fake-lib not installed")))
+    try:
+        monkeypatch.setattr(backend, "_NOTICED", set())
+        assert backend.resolve("kda", is_cuda=True) == "reference"
+        assert backend.resolve("kda", is_cuda=True) == "reference"
+        err = capsys.readouterr().err
+        assert err.count("fake-lib not installed") == 1 and len(err.strip().splitlines()) == 1
+        with pytest.raises(RuntimeError, match="not available"):
+            backend.resolve("kda", is_cuda=True, requested="fake")
+        with pytest.raises(ValueError, match="unknown backend"):
+            backend.resolve("kda", is_cuda=False, requested="nope")
+        monkeypatch.setenv("OPENK3_BACKEND_KDA", "reference")
+        assert backend.resolve("kda", is_cuda=True) == "reference"
+    finally:
+        backend._REGISTRY["kda"] = [b for b in backend._REGISTRY["kda"] if b.name != "fake"]

@@ -8,6 +8,7 @@ non-reference backend for CUDA inputs and ``reference`` otherwise. Override per 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,9 @@ class Backend:
 _REGISTRY: dict[str, list[Backend]] = {
     op: [Backend("reference", lambda: (True, "plain PyTorch"), False)] for op in OPS
 }
+
+
+_NOTICED: set[str] = set()
 
 
 def register(op: str, backend: Backend) -> None:
@@ -51,9 +55,17 @@ def resolve(op: str, is_cuda: bool, requested: str | None = None) -> str:
                 return req
         raise ValueError(f"unknown backend {req!r} for {op}; choose from {names(op)} or 'auto'")
     if is_cuda:
+        why = []
         for b in _REGISTRY[op]:
-            if b.name != "reference" and b.available()[0]:
+            if b.name == "reference":
+                continue
+            ok, reason = b.available()
+            if ok:
                 return b.name
+            why.append(f"{b.name}: {reason}")
+        if why and op not in _NOTICED:  # one line, once per op, when CUDA runs the slow path
+            _NOTICED.add(op)
+            print(f"openk3: {op} uses the reference path on CUDA ({'; '.join(why)})", file=sys.stderr)
     return "reference"
 
 
