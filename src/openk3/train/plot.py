@@ -36,7 +36,13 @@ def plot_run(run_dir: str, out: str | None = None) -> list[str]:
     steps = [r["step"] for r in recs]
     written = []
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["loss"] for r in recs], label="train loss")
+    losses = [r["loss"] for r in recs]
+    ax.plot(steps, losses, lw=0.7, alpha=0.45, color="C0", label="train loss")
+    ema, smooth = losses[0], []
+    for x in losses:  # exponential moving average, to show the trend through batch noise
+        ema = 0.9 * ema + 0.1 * x
+        smooth.append(ema)
+    ax.plot(steps, smooth, color="C0", label="train loss (EMA 0.9)")
     val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
     if val:
         ax.plot(*zip(*val), "o-", label="val loss")
@@ -58,6 +64,11 @@ def plot_run(run_dir: str, out: str | None = None) -> list[str]:
         ax.plot(
             s, [r["load_min_ratio"] for r in recs if "load_min_ratio" in r], label="min / mean expert load"
         )
+        per = [r["load_max_ratio_per_layer"] for r in recs if "load_max_ratio_per_layer" in r]
+        if per and len({len(x) for x in per}) == 1:
+            sp = [r["step"] for r in recs if "load_max_ratio_per_layer" in r]
+            for li in range(len(per[0])):
+                ax.plot(sp, [x[li] for x in per], lw=0.6, alpha=0.35, color="C0")
         ax.axhline(1.0, color="k", lw=0.5)
         ax.set_xlabel("step")
         ax.set_ylabel("load ratio (worst MoE layer)")

@@ -62,7 +62,7 @@ class TrainConfig:
     resume: bool = False
     ckpt_every: int = 100
     keep_ckpts: int = 2
-    eval_every: int = 100
+    eval_every: int = 25
     eval_batches: int = 4
     log_every: int = 1
     sample_tokens: int = 48
