@@ -207,3 +207,40 @@ def test_backend_resolution_and_notice(capsys, monkeypatch):
         assert backend.resolve("kda", is_cuda=True) == "reference"
     finally:
         backend._REGISTRY["kda"] = [b for b in backend._REGISTRY["kda"] if b.name != "fake"]
+
+
+@pytest.mark.parametrize("cu", [None, [0, 5, 6, 40]])
+def test_blockwise_max_logit_matches_reference(cu, rel):
+    from openk3.ops.mla import mla_max_logit
+
+    B, T, S, H, D = (1 if cu else 2), 40, 40 if cu else 57, 3, 10
+    q, k, v = torch.randn(B, T, H, D), torch.randn(B, S, H, D), torch.randn(B, S, H, 4)
+    cu_t = torch.tensor(cu) if cu else None
+    _, ref = mla_mha_attention(q, k, v, scale=0.4, cu_seqlens=cu_t, return_max_logit=True)
+    got = mla_max_logit(q, k, scale=0.4, cu_seqlens=cu_t, block=7)
+    assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_qk_clip_statistic_with_a_fused_attention_backend(rel):
+    """With a non-reference MLA kernel the module still records the exact per-head max logit."""
+    from openk3.modules import mla as mla_mod
+    from openk3.ops import backend
+
+    def fused(q, k, v, *, scale, cu_seqlens):
+        return mla_mha_attention(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
+
+    mla_mod.FAST_MHA["test_fused"] = fused
+    backend.register("mla", backend.Backend("test_fused", lambda: (True, "test"), cuda_only=False))
+    try:
+        m = K3ForCausalLM(get_preset("tiny")).eval()
+        attn = m.model.layers[3].self_attn
+        x = torch.randn(1, 12, m.config.hidden_size)
+        attn.record_max_logit = True
+        ref_out = attn(x)
+        ref_max = attn.max_logit.clone()
+        attn.backend = "test_fused"
+        out = attn(x, cu_seqlens=None)
+        assert rel(out, ref_out) < 1e-6 and torch.allclose(attn.max_logit, ref_max, rtol=1e-6)
+    finally:
+        mla_mod.FAST_MHA.pop("test_fused")
+        backend._REGISTRY["mla"] = [b for b in backend._REGISTRY["mla"] if b.name != "test_fused"]

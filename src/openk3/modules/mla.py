@@ -8,7 +8,7 @@ from torch import nn
 from openk3.config import K3Config
 from openk3.modules.norm import RMSNorm
 from openk3.ops import backend as _backend
-from openk3.ops.mla import mla_absorbed_attention, mla_mha_attention
+from openk3.ops.mla import mla_absorbed_attention, mla_max_logit, mla_mha_attention
 
 # Fast-path hooks registered by GPU backends: name -> fn(q, k, v, scale=, cu_seqlens=) -> o
 FAST_MHA: dict[str, callable] = {}
@@ -102,7 +102,7 @@ class MLAttention(nn.Module):
             kv = self.kv_b_proj(c.to(x.dtype)).view(B, S, H, self.dn + self.dv)
             k_nope, v = kv.split([self.dn, self.dv], dim=-1)
             k = torch.cat([k_nope, kr.to(x.dtype)[:, :, None, :].expand(B, S, H, self.dr)], dim=-1)
-            if self.record_max_logit or be == "reference" or be not in FAST_MHA:
+            if be == "reference" or be not in FAST_MHA:
                 res = mla_mha_attention(
                     q, k, v, scale=self.scale, cu_seqlens=cu_seqlens, return_max_logit=self.record_max_logit
                 )
@@ -112,6 +112,8 @@ class MLAttention(nn.Module):
                     o = res
             else:
                 o = FAST_MHA[be](q, k, v, scale=self.scale, cu_seqlens=cu_seqlens)
+                if self.record_max_logit:  # QK-Clip statistic beside the fused kernel, in bounded memory
+                    self.max_logit = mla_max_logit(q, k, scale=self.scale, cu_seqlens=cu_seqlens)
         o = o.reshape(B, T, H * self.dv)
         if self.use_gate:
             o = torch.sigmoid(self.g_proj(x)) * o

@@ -95,3 +95,35 @@ def mla_absorbed_attention(
     cbar = torch.einsum("bhts,bsc->bthc", p, c.float())
     o = torch.einsum("bthc,hvc->bthv", cbar, w_uv.float())
     return o.to(q_nope.dtype)
+
+
+@torch.no_grad()
+def mla_max_logit(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+    block: int = 1024,
+) -> torch.Tensor:
+    """Per-head max of the scaled causal pre-softmax logits over the batch (the QK-Clip statistic), computed in
+    query blocks so memory stays O(block x S) whatever attention kernel produced the output.
+    q: [B, T, H, D]; k: [B, S, H, D] (queries are the last T positions). Returns [H] fp32."""
+    B, T, H, _ = q.shape
+    S = k.shape[1]
+    out = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
+    full_mask = (
+        varlen_causal_mask(T, S, device=q.device, cu_seqlens=cu_seqlens) if cu_seqlens is not None else None
+    )
+    kf = k.float()
+    for s0 in range(0, T, block):
+        s1 = min(T, s0 + block)
+        logits = torch.einsum("bthd,bshd->bhts", q[:, s0:s1].float(), kf) * scale
+        if full_mask is not None:
+            mask = full_mask[s0:s1]
+        else:
+            qi = torch.arange(s0, s1, device=q.device)[:, None] + (S - T)
+            mask = torch.arange(S, device=q.device)[None, :] <= qi
+        logits = logits.masked_fill(~mask, float("-inf"))
+        out = torch.maximum(out, logits.amax(dim=(0, 2, 3)))
+    return out
