@@ -1051,6 +1051,18 @@ class Workload:
     regime_batches: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256, 1024, 4096, 16384])
     contexts: list[int] = field(default_factory=lambda: [4096, 32768, 131072, 262144, 1048576])
 
+    def memory_kw(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`serving_memory` for this workload."""
+        return {
+            "ep_ranks": self.ep_ranks,
+            "tp": self.tp,
+            "hw": self.hw,
+            "expert_dtype": self.expert_dtype,
+            "dense_dtype": self.dense_dtype,
+            "kv_dtype": self.kv_dtype,
+            "state_dtype": self.state_dtype,
+        }
+
     def step_kw(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
@@ -1286,18 +1298,7 @@ def _decode_table(cfg: K3Config, wl: Workload) -> Table:
 
 
 def _mem_per_gpu(cfg: K3Config, batch: int, wl: Workload) -> float:
-    return serving_memory(
-        cfg,
-        batch,
-        wl.context,
-        ep_ranks=wl.ep_ranks,
-        tp=wl.tp,
-        hw=wl.hw,
-        expert_dtype=wl.expert_dtype,
-        dense_dtype=wl.dense_dtype,
-        kv_dtype=wl.kv_dtype,
-        state_dtype=wl.state_dtype,
-    ).per_gpu
+    return serving_memory(cfg, batch, wl.context, **wl.memory_kw()).per_gpu
 
 
 def regime_table(cfg: K3Config, batches: list[int], wl: Workload | None = None, **kw: Any) -> Table:
@@ -1374,18 +1375,7 @@ def _cache_table(cfg: K3Config, wl: Workload, batch: int) -> Table:
     rows = []
     for c in wl.contexts:
         cb = cache_bytes(cfg, c, kv_dtype=wl.kv_dtype, state_dtype=wl.state_dtype)
-        sm = serving_memory(
-            cfg,
-            batch,
-            c,
-            ep_ranks=wl.ep_ranks,
-            tp=wl.tp,
-            hw=wl.hw,
-            expert_dtype=wl.expert_dtype,
-            dense_dtype=wl.dense_dtype,
-            kv_dtype=wl.kv_dtype,
-            state_dtype=wl.state_dtype,
-        )
+        sm = serving_memory(cfg, batch, c, **wl.memory_kw())
         rows.append(
             [
                 c,
