@@ -228,7 +228,6 @@ class Trainer:
         tc = self.tc
         if tc.tokenizer:
             return Tokenizer.from_file(tc.tokenizer)
-        from openk3.train.data import load_documents
 
         vocab = (K3Config.from_pretrained(tc.config) if tc.config else get_preset(tc.preset)).vocab_size
         vocab = int(tc.overrides.get("vocab_size", vocab))
@@ -237,14 +236,17 @@ class Trainer:
                 f"the model's vocab_size is {vocab}: training a BPE that large on the embedded corpus is not "
                 "meaningful; pass --tokenizer PATH or override vocab_size (e.g. --set vocab_size=32768)"
             )
-        docs = self._documents(load_documents)
+        docs = self._documents()
         cache = os.path.join(
             os.path.expanduser(os.environ.get("OPENK3_CACHE", "~/.cache/openk3")), "tokenizers"
         )
         return Tokenizer.train_bpe(docs, vocab_size=vocab, cache_dir=cache)
 
-    def _documents(self, load_documents):
+    def _documents(self) -> list[str]:
+        """The data set's documents, read once (the tokenizer and the batcher both use them)."""
         if not hasattr(self, "_docs"):
+            from openk3.train.data import load_documents
+
             spec = self.tc.data
             if spec == "stdlib":
                 spec = f"stdlib:{self.tc.corpus_bytes}"
@@ -265,10 +267,10 @@ class Trainer:
         return cfg.replace(**over)
 
     def _data(self) -> None:
-        from openk3.train.data import Batcher, load_documents, train_val_split
+        from openk3.train.data import Batcher, train_val_split
 
         tc = self.tc
-        docs = self._documents(load_documents)
+        docs = self._documents()
         if not docs:
             raise TrainError(f"the data set {tc.data!r} is empty")
         every = 50 if len(docs) >= 100 else max(2, len(docs) // 5)
