@@ -430,3 +430,26 @@ def test_cli_generate_chat_help_and_errors(tmp_path, monkeypatch, capsys):
     assert len(err) == 1 and "does not exist" in err[0]
     assert main(["generate", "-q", "--top-p", "0", *common]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+def test_decode_step_refused_when_unsupported(monkeypatch):
+    """A fast decode step whose ``supports(config)`` says no: the reference with a notice under auto, a clear
+    error when forced; the kernels' own checks follow their shape limits."""
+    from openk3.infer import decode as D
+    from openk3.infer import kernels as KN
+
+    def fast(*a, **k):
+        raise AssertionError("must not run")
+
+    fast.supports = lambda cfg: (cfg.kda_head_dim == 128, "head_dim must be 128")
+    monkeypatch.setitem(D.FAST_KDA_DECODE, "fake", fast)
+    tiny_cfg, small_cfg = get_preset("tiny"), get_preset("small")
+    assert D.resolve_kda_decode(True, None, None, tiny_cfg) is D.kda_decode_reference
+    assert D.resolve_kda_decode(True, None, None, small_cfg) is fast
+    with pytest.raises(ValueError, match="head_dim must be 128"):
+        D.resolve_kda_decode(True, None, "fake", tiny_cfg)
+    assert D.resolve_kda_decode(False, None, None, small_cfg) is D.kda_decode_reference  # CPU
+    # the Triton kernels' limits: tiny's shared key (8 values) is too narrow for the MLA kernel
+    assert KN.mla_supports(tiny_cfg)[0] is False and "shared key" in KN.mla_supports(tiny_cfg)[1]
+    assert KN.mla_supports(small_cfg) == (True, "") and KN.kda_supports(small_cfg) == (True, "")
+    assert KN.kda_supports(get_preset("tiny").replace(kda_head_dim=24))[0] is False

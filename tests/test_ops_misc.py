@@ -244,3 +244,36 @@ def test_qk_clip_statistic_with_a_fused_attention_backend(rel):
     finally:
         mla_mod.FAST_MHA.pop("test_fused")
         backend._REGISTRY["mla"] = [b for b in backend._REGISTRY["mla"] if b.name != "test_fused"]
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["train", "infer"])
+@pytest.mark.parametrize("N,E,k", [(1, 256, 8), (37, 16, 4), (300, 8, 2)])
+def test_grouped_moe_plan(sparse, N, E, k):
+    """The expert-sorted padded layout of the grouped-GEMM MoE path (pure torch, no GPU needed): every (token,
+    slot) pair gets its own row inside its expert's group, groups are multiples of 16 rows (never empty in
+    training, empty for unused experts without autograd) and fit the static bound P."""
+    from openk3.fast.moe import ALIGN, Plan
+
+    g = torch.Generator().manual_seed(N * 1000 + E)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    plan = Plan(idx, E, sparse=sparse)
+    counts = torch.bincount(idx.reshape(-1), minlength=E)
+    ends = plan.offs.long()
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    want = (counts + ALIGN - 1) // ALIGN * ALIGN
+    if not sparse:
+        want = want.clamp(min=ALIGN)
+    assert torch.equal(sizes, want)
+    assert int(ends[-1]) <= plan.P
+    if sparse:
+        assert plan.P == N * k + (ALIGN - 1) * min(E, N * k)
+    rows = plan.rows
+    assert rows.unique().numel() == N * k  # distinct rows
+    start = ends - sizes
+    e = idx
+    assert bool(((rows >= start[e]) & (rows < start[e] + counts[e])).all())  # inside the expert's real rows
+    tok = plan.tok_of_row
+    assert torch.equal(tok[rows], torch.arange(N)[:, None].expand(N, k))
+    pad = torch.ones(plan.P, dtype=torch.bool)
+    pad[rows.reshape(-1)] = False
+    assert bool((tok[pad] == N).all())  # padding rows point at the zero row

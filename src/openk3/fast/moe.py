@@ -5,9 +5,10 @@ Plugs into :data:`openk3.modules.moe.FAST_EXPERTS` as ``"grouped_mm"`` with the 
 w3 [E,I,W], *, act, beta1, beta2) -> [N,W]``.
 
 Layout: the N*k (token, expert) pairs are sorted by expert into a padded buffer of ``P`` rows in which each expert
-owns a group of rows padded to a multiple of :data:`ALIGN` (at least ``ALIGN`` rows, so no group is empty); padding
-rows are zeros. ``P = N*k + E*ALIGN`` is a static bound, so planning needs no host synchronisation; rows past the
-last group are never read. Per layer, forward: gather x rows -> two grouped GEMMs (gate, up) -> SiTU-GLU (Triton) ->
+owns a group of rows padded to a multiple of :data:`ALIGN` (in training at least ``ALIGN`` rows, so no group is
+empty; without autograd, e.g. decode, an expert with no token gets no rows and its weights are not read); padding
+rows are zeros. ``P = N*k + E*ALIGN`` (without autograd ``N*k + (ALIGN-1)*min(E, N*k)``) is a static bound, so
+planning needs no host synchronisation (CUDA-graph safe); rows past the last group are never read. Per layer, forward: gather x rows -> two grouped GEMMs (gate, up) -> SiTU-GLU (Triton) ->
 grouped GEMM (down) -> weighted combine (Triton, fp32 accumulation, like the reference). Backward: the same GEMMs
 transposed plus three 2-D x 2-D grouped GEMMs for the weight gradients (grouped over the token dimension).
 
@@ -229,13 +230,16 @@ def combine_dw(dout: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> torch
 class Plan:
     """Permutation of the N*k (token, expert) pairs into expert-sorted, padded rows."""
 
-    def __init__(self, idx: torch.Tensor, num_experts: int, align: int = ALIGN):
+    def __init__(self, idx: torch.Tensor, num_experts: int, align: int = ALIGN, *, sparse: bool = False):
         N, K = idx.shape
         E = num_experts
         dev = idx.device
         flat = idx.reshape(-1)
-        counts = torch.bincount(flat, minlength=E)
-        padded = torch.clamp((counts + align - 1) // align * align, min=align)
+        # scatter_add, not bincount: bincount on CUDA reads the maximum back to the host (breaks CUDA graphs)
+        counts = torch.zeros(E, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+        padded = (counts + align - 1) // align * align
+        if not sparse:
+            padded = torch.clamp(padded, min=align)
         ends = torch.cumsum(padded, 0)
         pstart = ends - padded
         cstart = torch.cumsum(counts, 0) - counts
@@ -245,7 +249,8 @@ class Plan:
         row_sorted = pstart[e_sorted] + (torch.arange(nk, device=dev) - cstart[e_sorted])
         rows = torch.empty(nk, dtype=torch.long, device=dev)
         rows[order] = row_sorted
-        self.P = nk + E * align
+        # static bound on the padded rows: each group adds at most align - 1 (sparse) or align (dense) rows
+        self.P = nk + (align - 1) * min(E, nk) if sparse else nk + E * align
         tok = torch.full((self.P,), N, dtype=torch.long, device=dev)
         tok[rows] = torch.arange(nk, device=dev) // K
         self.rows = rows.view(N, K)  # [N, k] padded row of each (token, slot)
@@ -324,7 +329,10 @@ def _mm(a, b, offs, key):
 class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, w1, w2, w3, idx, act, b1, b2):
-        plan = Plan(idx, w1.shape[0])
+        # without autograd (inference) experts that got no token get no rows, so their weights are never read (what
+        # decode needs); training keeps every group non-empty (zero-size groups have given wrong weight gradients
+        # in some grouped-GEMM builds)
+        plan = Plan(idx, w1.shape[0], sparse=not any(ctx.needs_input_grad[:5]))
         xs = gather_rows(x, plan.tok_of_row)  # [P, W]
         h1 = _mm(xs, w1.mT, plan.offs, "x_w1")  # [P, I]
         h3 = _mm(xs, w3.mT, plan.offs, "x_w1")

@@ -32,6 +32,7 @@ so a decode step built from them can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -49,6 +50,8 @@ __all__ = [
     "resolve_kda_decode",
     "resolve_mla_decode",
 ]
+
+log = logging.getLogger("openk3.infer")
 
 FAST_KDA_DECODE: dict[str, Callable] = {}
 FAST_MLA_DECODE: dict[str, Callable] = {}
@@ -117,24 +120,45 @@ def mla_decode_reference(
     return torch.einsum("bhs,bsc->bhc", p, kv[..., :kv_lora_rank])
 
 
-def resolve_kda_decode(is_cuda: bool, requested: str | None = None, forced: str | None = None) -> Callable:
+def resolve_kda_decode(
+    is_cuda: bool, requested: str | None = None, forced: str | None = None, config=None
+) -> Callable:
     """The KDA decode step to use: ``forced="reference"`` or a name in :data:`FAST_KDA_DECODE` wins; otherwise the
-    backend that ``openk3.ops.backend.resolve("kda", ...)`` picks if it registered a decode step, else the reference."""
-    return _resolve("kda", FAST_KDA_DECODE, kda_decode_reference, is_cuda, requested, forced)
+    backend that ``openk3.ops.backend.resolve("kda", ...)`` picks if it registered a decode step, else the reference.
+    With the model ``config``, a fast step whose ``supports(config)`` says no is refused: a clear ``ValueError`` when
+    it was forced, the reference with a one-line notice otherwise."""
+    return _resolve("kda", FAST_KDA_DECODE, kda_decode_reference, is_cuda, requested, forced, config)
 
 
-def resolve_mla_decode(is_cuda: bool, requested: str | None = None, forced: str | None = None) -> Callable:
-    return _resolve("mla", FAST_MLA_DECODE, mla_decode_reference, is_cuda, requested, forced)
+def resolve_mla_decode(
+    is_cuda: bool, requested: str | None = None, forced: str | None = None, config=None
+) -> Callable:
+    return _resolve("mla", FAST_MLA_DECODE, mla_decode_reference, is_cuda, requested, forced, config)
 
 
-def _resolve(op, table, ref, is_cuda, requested, forced):
+def _supported(fn, config) -> tuple[bool, str]:
+    check = getattr(fn, "supports", None)
+    if config is None or check is None:
+        return True, ""
+    return check(config)
+
+
+def _resolve(op, table, ref, is_cuda, requested, forced, config=None):
     if forced == "reference":
         return ref
     if forced:
         if forced not in table:
             raise ValueError(f"no {op} decode step named {forced!r}; registered: {sorted(table) or 'none'}")
+        ok, why = _supported(table[forced], config)
+        if not ok:
+            raise ValueError(f"{op} decode step {forced!r} cannot run this model: {why}")
         return table[forced]
     if not is_cuda or not table:
         return ref
     name = _backend.resolve(op, is_cuda, requested)
-    return table[name] if name in table else table[list(table)[-1]]
+    fn = table[name] if name in table else table[list(table)[-1]]
+    ok, why = _supported(fn, config)
+    if not ok:
+        log.warning("openk3: %s decode uses the reference step (%s)", op, why)
+        return ref
+    return fn

@@ -253,8 +253,8 @@ class Engine:
             for i, layer in enumerate(inner.layers)
             if self.mcfg.use_attn_res and layer.seal
         }
-        self._kda_step = resolve_kda_decode(self.device.type == "cuda", None, cfg.decode_backend)
-        self._mla_step = resolve_mla_decode(self.device.type == "cuda", None, cfg.decode_backend)
+        self._kda_step = resolve_kda_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
+        self._mla_step = resolve_mla_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
         if self.graphs_enabled and any(layer.is_moe for layer in inner.layers):

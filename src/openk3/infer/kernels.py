@@ -61,8 +61,10 @@ __all__ = [
     "MLA_CONFIG",
     "available",
     "kda_decode_triton",
+    "kda_supports",
     "mla_decode_triton",
     "mla_num_splits",
+    "mla_supports",
     "register",
 ]
 
@@ -598,6 +600,30 @@ def mla_decode_triton(
             part, lse, lengths, out, H, out.stride(0), out.stride(1), ns, DC=DC, BLOCK_N=bn, BS=8, num_warps=4,
         )  # fmt: skip
     return out
+
+
+def kda_supports(config) -> tuple[bool, str]:
+    """Whether :func:`kda_decode_triton` can run a model with this config (a power-of-two KDA head dim)."""
+    K = config.kda_head_dim
+    if K < 1 or K & (K - 1):
+        return False, f"the Triton KDA decode step needs a power-of-two head_dim, the model has {K}"
+    return True, ""
+
+
+def mla_supports(config) -> tuple[bool, str]:
+    """Whether :func:`mla_decode_triton` can run a model with this config (power-of-two latent, power-of-two shared
+    key of at least 16 values)."""
+    DC, DR = config.kv_lora_rank, config.qk_rope_head_dim
+    if DC < 16 or DC & (DC - 1) or DR < 16 or DR & (DR - 1):
+        return False, (
+            f"the Triton MLA decode kernel needs a power-of-two kv_lora_rank and a power-of-two shared key >= 16, "
+            f"the model has {DC} and {DR}"
+        )
+    return True, ""
+
+
+kda_decode_triton.supports = kda_supports
+mla_decode_triton.supports = mla_supports
 
 
 def register() -> bool:
