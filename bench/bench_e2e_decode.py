@@ -1,0 +1,218 @@
+"""End-to-end decode on one GPU: time per output token vs batch size through the inference engine, against the
+cost model's weight-and-cache bandwidth roofline.
+
+    python3 bench/bench_e2e_decode.py [--presets medium,kimi-linear-48b] [--batches 1,4,16,64] [--context 1024]
+                                      [--steps 24] [--out PATH]
+
+Per preset: a model with random weights is built on the GPU in bf16 (fp32 where SPEC keeps it), an
+:class:`~openk3.infer.engine.Engine` (paged cache, Triton decode steps, CUDA graphs) prefills ``batch`` random prompts
+of ``--context`` tokens, then every request decodes; ``--steps`` steady-state engine steps are timed (all rows
+decoding, greedy). Two numbers per row:
+
+* ``step``: wall time of one ``Engine.step()`` (scheduling, the decode forward, sampling, bookkeeping): the time per
+  output token a client sees;
+* ``fwd``: the decode forward alone (graph replay, synchronised), the part the roofline models.
+
+Roofline: ``openk3.cost.predict_decode_time(cfg, batch, context)`` with this project's measured H200 ceilings (bf16
+matmul 790 TFLOP/s, copy 4.2 TB/s): bytes of the weights a step touches (the experts the batch is expected to route
+to) plus the KDA state and the MLA latent cache, over the copy bandwidth. "% of roofline" = predicted / measured.
+Prints one table and writes JSON to ``--out`` (default ``$OUT/e2e_decode.json`` or ``bench/out/e2e_decode.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+ROWS: list[dict] = []
+ERRORS: list[str] = []
+DEV = "cuda"
+
+
+def empty_cache():
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def build(preset: str):
+    """Random-weight model of ``preset`` on the GPU in bf16 (SPEC §5.3 fp32 parameters and buffers in fp32),
+    built directly on the device so that large presets need no host copy."""
+    from openk3.config import get_preset
+    from openk3.model import K3ForCausalLM
+
+    cfg = get_preset(preset)
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if DEV == "cuda" else torch.float32)
+    try:
+        with torch.device(DEV):
+            model = K3ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    with torch.no_grad():
+        for p in model.parameters():
+            if getattr(p, "_keep_fp32", False):
+                p.data = p.data.float()
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.data = b.data.float()
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def run_preset(preset: str, batches: list[int], context: int, steps: int, graphs: bool) -> None:
+    from openk3.cost import predict_decode_time
+    from openk3.infer.engine import Engine
+    from openk3.infer.sampling import SamplingParams
+
+    t0 = time.time()
+    model = build(preset)
+    cfg = model.config
+    sync()
+    mem = torch.cuda.memory_allocated() / 2**30 if DEV == "cuda" else 0.0
+    print(
+        f"[{preset}] built in {time.time() - t0:.1f}s, {model.num_parameters() / 1e9:.2f} B params, {mem:.1f} GiB",
+        flush=True,
+    )
+    bmax = max(batches)
+    warm = 4
+    extra = warm + steps + 8 + bmax * context // 8192  # early rows decode while later ones prefill
+    eng = Engine(
+        model,
+        None,
+        page_size=16,
+        max_seqs=bmax,
+        max_tokens=bmax * (context + extra + 16),
+        max_prefill_tokens=8192,
+        prefix_cache=False,
+        use_cuda_graphs=graphs,
+        cuda_graph_max_batch=bmax,
+    )
+    print(f"[{preset}] engine: {eng.memory_report()}", flush=True)
+    fwd_times: list[float] = []
+    inner = eng._decode_logits
+
+    def timed(*a):
+        sync()
+        t = time.perf_counter()
+        out = inner(*a)
+        sync()
+        fwd_times.append(time.perf_counter() - t)
+        return out
+
+    eng._decode_logits = timed
+    g = torch.Generator().manual_seed(0)
+    V = cfg.vocab_size
+    for B in batches:
+        try:
+            prompts = [torch.randint(0, V, (context,), generator=g).tolist() for _ in range(B)]
+            params = SamplingParams(max_tokens=extra, temperature=0.0, ignore_eos=True)
+            reqs = [eng.submit(p, params) for p in prompts]
+            tp = time.time()
+            while not all(len(r.output_ids) >= warm for r in reqs):  # prefill + warm-up (graph capture)
+                eng.step()
+            t_prefill = time.time() - tp
+            step_t: list[float] = []
+            fwd_times.clear()
+            for _ in range(steps):
+                sync()
+                t = time.perf_counter()
+                eng.step()
+                step_t.append(time.perf_counter() - t)
+            n_fwd = list(fwd_times)
+            for r in reqs:
+                eng.abort(r.id)
+            while eng.has_work():
+                eng.step()
+            ctx = context + warm + steps // 2
+            pred = predict_decode_time(cfg, B, ctx)
+            st, fw = statistics.median(step_t), statistics.median(n_fwd)
+            row = {
+                "preset": preset,
+                "batch": B,
+                "context": ctx,
+                "step_ms": st * 1e3,
+                "fwd_ms": fw * 1e3,
+                "tok_s": B / st,
+                "pred_ms": pred * 1e3,
+                "pct_roofline_step": 100 * pred / st,
+                "pct_roofline_fwd": 100 * pred / fw,
+                "graphs": int(eng.graphs_enabled),
+                "prefill_s": t_prefill,
+            }
+            ROWS.append(row)
+            print(f"[{preset}] {row}", flush=True)
+        except Exception as e:  # keep the other rows
+            ERRORS.append(f"{preset} B={B}: {e!r}")
+            traceback.print_exc()
+            empty_cache()
+    del eng, model
+    empty_cache()
+
+
+def table() -> str:
+    lines = [
+        "| preset | batch | context | step ms | fwd ms | tokens/s | roofline ms | % roofline (step / fwd) | graphs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in ROWS:
+        lines.append(
+            f"| {r['preset']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {r['fwd_ms']:.2f} | "
+            f"{r['tok_s']:.0f} | {r['pred_ms']:.3f} | {r['pct_roofline_step']:.0f} % / {r['pct_roofline_fwd']:.0f} % "
+            f"| {r['graphs']} |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    default = os.path.join(os.environ["OUT"], "e2e_decode.json") if os.environ.get("OUT") else None
+    ap.add_argument("--presets", default="medium,kimi-linear-48b")
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--no-graphs", action="store_true", help="eager decode (no CUDA graphs)")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
+    ap.add_argument("--out", default=default or os.path.join(ROOT, "bench", "out", "e2e_decode.json"))
+    args = ap.parse_args()
+    global DEV
+    DEV = args.device
+    if DEV == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_e2e_decode.py needs a CUDA device (or --device cpu for a smoke run)")
+    batches = [int(b) for b in args.batches.split(",")]
+    for preset in args.presets.split(","):
+        try:
+            run_preset(preset, batches, args.context, args.steps, not args.no_graphs)
+        except Exception as e:
+            ERRORS.append(f"{preset}: {e!r}")
+            traceback.print_exc()
+            empty_cache()
+    print(table())
+    if ERRORS:
+        print("errors:", *ERRORS, sep="\n  ")
+    out = args.out
+    if os.path.isdir(out):
+        out = os.path.join(out, "e2e_decode.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
+    with open(out, "w") as f:
+        json.dump({"device": dev, "torch": torch.__version__, "rows": ROWS, "errors": ERRORS}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
