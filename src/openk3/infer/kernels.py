@@ -71,14 +71,11 @@ __all__ = [
 # Launch parameters (the benchmark sweeps alternatives through the keyword overrides of the wrappers).
 KDA_CONFIG = {"BV": 32, "num_warps": 4}  # BV = 0: the whole head in one tile
 MLA_CONFIG = {
-    "block_h": 16,  # heads per program for H <= 16
-    "block_h_many": 32,  # ... and for more heads
-    "BLOCK_N": 32,
-    "num_warps": 8,
-    "num_stages": 1,
-    "trans": True,
-    "prefetch": True,
-    "fp32": {"block_h": 16, "BLOCK_N": 16, "num_warps": 4},  # fp32 caches (shared-memory bound)
+    # launch parameters by regime (chosen by measurement on an H200, bench/NOTES.md): few heads (H <= 16) stream
+    # more tokens per block through Triton's pipeliner; many heads share each block's rows over 64 heads
+    "few": {"block_h": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "trans": True, "prefetch": False},
+    "many": {"block_h": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "trans": True, "prefetch": True},
+    "fp32": {"block_h": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "trans": True, "prefetch": True},
     "min_chunk": 128,
     "waves": 2,
 }
@@ -565,13 +562,19 @@ def mla_decode_triton(
     q = _row_major(q)
     block_table = _row_major(block_table)
     cfg = MLA_CONFIG
-    f32 = cfg["fp32"] if kv_cache.dtype == torch.float32 else {}
-    bh = block_h or f32.get("block_h") or (cfg["block_h"] if H <= 16 else cfg["block_h_many"])
-    bn = block_n or f32.get("BLOCK_N") or cfg["BLOCK_N"]
-    nw = num_warps or f32.get("num_warps") or cfg["num_warps"]
-    st = cfg["num_stages"] if num_stages is None else num_stages
-    tr = cfg["trans"] if trans is None else trans
-    pf = cfg["prefetch"] if prefetch is None else prefetch
+    base = cfg["fp32"] if kv_cache.dtype == torch.float32 else cfg["few" if H <= 16 else "many"]
+    bh = block_h or base["block_h"]
+    bn = block_n or base["BLOCK_N"]
+    nw = num_warps or base["num_warps"]
+    st = base["num_stages"] if num_stages is None else num_stages
+    tr = base["trans"] if trans is None else trans
+    pf = base["prefetch"] if prefetch is None else prefetch
+    if pf and bn >= 64 and bh <= 32 and not INTERPRET:
+        # measured: this combination gives wrong results when compiled by Triton 3.6 for an H200
+        raise ValueError(
+            "mla_decode_triton: prefetch with BLOCK_N >= 64 and block_h <= 32 is not supported (wrong results "
+            "when compiled); use prefetch=False or a smaller block_n"
+        )
     if page_size % bn == 0:
         mode = 1
     elif bn % page_size == 0:
