@@ -14,15 +14,39 @@ transposed plus three 2-D x 2-D grouped GEMMs for the weight gradients (grouped 
 
 ``torch._grouped_mm`` runs bf16 on sm90+. Other dtypes (fp32 tests) or GPUs use the same permuted layout with one
 ``mm`` per expert (host sync for the group offsets) -- slower, same numbers.
+
+Variants (``OPENK3_MOE_VARIANT`` at import, or :data:`VARIANT` / the ``variant=`` argument at call time), all with
+the same semantics and the same row layout:
+
+* ``base`` (default): the path above -- torch planning (argsort, ~15 small launches), separate gate and up GEMMs,
+  SiTU-GLU recomputed in the backward, gather-then-reduce combine.
+* ``lean``: planning by two Triton kernels + one cumsum (no sort; the row weights are scattered once, not rebuilt in
+  the backward), fast-math SiTU-GLU (approximate fp32 division; the result is rounded to bf16 anyway), a combine that
+  accumulates one expert row at a time, and a backward GLU kernel that re-emits ``a`` for the down-projection
+  weight gradient instead of a separate recompute pass. Gate and up stay two GEMMs.
+* ``fused``: ``lean`` + gate and up as ONE grouped GEMM over ``[E, 2I, W]`` (one read of the permuted rows, one
+  launch, N = 2I per GEMM); in the backward one GEMM for the input gradient (K = 2I, no add) and one 2-D x 2-D GEMM
+  for both weight gradients (returned as views of its halves). The parameters stay separate ``w1``/``w3``: the
+  stacked operand is a free view when ``w1`` and ``w3`` already are the two halves of one buffer, else a per-call
+  ``torch.cat`` (a weight copy, kept for the backward), taken only when the layer has at least
+  :data:`FUSE_MIN_ROWS_PER_EXPERT` (token, expert) pairs per expert on average (below that the copy costs more
+  than the fusion saves; ``lean`` is used then).
+* ``fused_keepx``: ``fused`` that keeps the permuted rows of x (``P x W``) for the backward instead of gathering
+  them again (more activation memory, one gather less).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from openk3.fast._triton import HAS_TRITON, tanh_f32, tl, triton, triton_ok
 
 ALIGN = 16
+VARIANTS = ("base", "lean", "fused", "fused_keepx")
+VARIANT = os.environ.get("OPENK3_MOE_VARIANT", "base")
+FUSE_MIN_ROWS_PER_EXPERT = 1024
 
 
 def grouped_mm_ok(dtype=torch.bfloat16) -> bool:
@@ -152,6 +176,195 @@ if HAS_TRITON:
         tl.store(dw_ptr + n * K + j, acc, mask=jm)
 
 
+if HAS_TRITON:
+    # Kernels of the "lean" / "fused" variants (see experts_grouped): fast-math SiTU-GLU on strided [rows, I]
+    # views, a combine without cross-lane reductions, and a sync-free planner (no sort).
+
+    @triton.jit
+    def _tanh_fast(x):
+        """tanh in fp32 with approximate division (<= 2 ulp); odd Taylor series below |x| = 1/16 (no cancellation)."""
+        ax = tl.abs(x)
+        e = tl.exp(-2.0 * ax)
+        big = tl.fdiv(1.0 - e, 1.0 + e)
+        x2 = x * x
+        small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+        return tl.where(ax < 0.0625, small, tl.where(x < 0, -big, big))
+
+    @triton.jit
+    def _sigmoid_fast(x):
+        return tl.fdiv(1.0, 1.0 + tl.exp(-x))
+
+    @triton.jit
+    def _glu2_fwd_kernel(
+        g_ptr,
+        u_ptr,
+        o_ptr,
+        R,
+        C,
+        s_g,
+        s_u,
+        b1,
+        ib1,
+        b2,
+        ib2,
+        SITU: tl.constexpr,
+        BR: tl.constexpr,
+        BC: tl.constexpr,
+    ):
+        """o[r, c] = act(g[r, c], u[r, c]); g, u: row strides s_g, s_u; o contiguous [R, C]."""
+        r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        m = (r < R)[:, None] & (c < C)[None, :]
+        g = tl.load(g_ptr + r[:, None] * s_g + c[None, :], mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + r[:, None] * s_u + c[None, :], mask=m, other=0.0).to(tl.float32)
+        sg = _sigmoid_fast(g)
+        if SITU:
+            a = (b1 * _tanh_fast(g * ib1)) * sg * (b2 * _tanh_fast(u * ib2))
+        else:
+            a = g * sg * u
+        tl.store(o_ptr + r[:, None] * C + c[None, :], a.to(o_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _glu2_bwd_kernel(
+        g_ptr,
+        u_ptr,
+        da_ptr,
+        dg_ptr,
+        du_ptr,
+        a_ptr,
+        R,
+        C,
+        s_g,
+        s_u,
+        s_dg,
+        s_du,
+        b1,
+        ib1,
+        b2,
+        ib2,
+        SITU: tl.constexpr,
+        WRITE_A: tl.constexpr,
+        BR: tl.constexpr,
+        BC: tl.constexpr,
+    ):
+        """dg, du from g, u, da (da and a contiguous [R, C]); also re-emits a = act(g, u) when WRITE_A."""
+        r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        m = (r < R)[:, None] & (c < C)[None, :]
+        g = tl.load(g_ptr + r[:, None] * s_g + c[None, :], mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + r[:, None] * s_u + c[None, :], mask=m, other=0.0).to(tl.float32)
+        da = tl.load(da_ptr + r[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+        sg = _sigmoid_fast(g)
+        if SITU:
+            t1 = _tanh_fast(g * ib1)
+            t2 = _tanh_fast(u * ib2)
+            left = b1 * t1 * sg
+            right = b2 * t2
+            dleft = (1.0 - t1 * t1) * sg + left * (1.0 - sg)
+            dright = 1.0 - t2 * t2
+        else:
+            left = g * sg
+            right = u
+            dleft = sg * (1.0 + g * (1.0 - sg))
+            dright = 1.0
+        tl.store(
+            dg_ptr + r[:, None] * s_dg + c[None, :], (da * right * dleft).to(dg_ptr.dtype.element_ty), mask=m
+        )
+        tl.store(
+            du_ptr + r[:, None] * s_du + c[None, :], (da * left * dright).to(du_ptr.dtype.element_ty), mask=m
+        )
+        if WRITE_A:
+            tl.store(a_ptr + r[:, None] * C + c[None, :], (left * right).to(a_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _combine2_kernel(
+        y_ptr,
+        rows_ptr,
+        w_ptr,
+        out_ptr,
+        W,
+        s_y,
+        K: tl.constexpr,
+        HAS_W: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+    ):
+        """out[n] = sum_j w[n, j] * y[rows[n, j]] accumulated in fp32, one row of y at a time (no cross-lane
+        reduction)."""
+        n = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        cm = cols < W
+        acc = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for j in tl.static_range(K):
+            r = tl.load(rows_ptr + n * K + j).to(tl.int64)
+            v = tl.load(y_ptr + r * s_y + cols, mask=cm, other=0.0).to(tl.float32)
+            if HAS_W:
+                v = v * tl.load(w_ptr + n * K + j)
+            acc += v
+        tl.store(out_ptr + n * W + cols, acc.to(out_ptr.dtype.element_ty), mask=cm)
+
+    @triton.jit
+    def _plan_hist_kernel(e_ptr, hist_ptr, nk, E: tl.constexpr, BLK: tl.constexpr, BE: tl.constexpr):
+        """hist[b, e] = number of pairs of block b (BLK consecutive (token, slot) pairs) routed to expert e
+        (one-hot compare + sum over BE experts at a time: plain loads/reductions, no histogram op)."""
+        b = tl.program_id(0)
+        offs = b * BLK + tl.arange(0, BLK)
+        m = offs < nk
+        e = tl.load(e_ptr + offs, mask=m, other=-1).to(tl.int32)
+        for e0 in range(0, E, BE):
+            bins = e0 + tl.arange(0, BE)
+            h = tl.sum((e[:, None] == bins[None, :]).to(tl.int32), axis=0)
+            tl.store(hist_ptr + b * E + bins, h, mask=bins < E)
+
+    @triton.jit
+    def _plan_offs_kernel(
+        counts_ptr, pstart_ptr, offs_ptr, E, ALIGN: tl.constexpr, MIN_ROWS: tl.constexpr, EP: tl.constexpr
+    ):
+        """Group sizes (count rounded up to ALIGN, at least MIN_ROWS), their ends (int32 offs) and starts."""
+        e = tl.arange(0, EP)
+        m = e < E
+        c = tl.load(counts_ptr + e, mask=m, other=0)
+        padded = tl.maximum((c + ALIGN - 1) // ALIGN * ALIGN, MIN_ROWS)
+        padded = tl.where(m, padded, 0)
+        ends = tl.cumsum(padded, 0)
+        tl.store(offs_ptr + e, ends.to(tl.int32), mask=m)
+        tl.store(pstart_ptr + e, ends - padded, mask=m)
+
+    @triton.jit
+    def _plan_scatter_kernel(
+        e_ptr,
+        w_ptr,
+        cum_ptr,
+        hist_ptr,
+        pstart_ptr,
+        rows_ptr,
+        tok_ptr,
+        scale_ptr,
+        nk,
+        E,
+        K,
+        HAS_W: tl.constexpr,
+        BLK: tl.constexpr,
+    ):
+        """Row of each pair = its group start + pairs of the same expert in earlier blocks + earlier in this block
+        (so rows within a group follow the pair order, like a stable sort). Writes rows, tok_of_row, row scale."""
+        b = tl.program_id(0)
+        i = tl.arange(0, BLK)
+        offs = b * BLK + i
+        m = offs < nk
+        e = tl.load(e_ptr + offs, mask=m, other=-1).to(tl.int32)
+        same_before = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
+        rank = tl.sum(same_before.to(tl.int32), axis=1)
+        ec = tl.where(m, e, 0)
+        before = tl.load(cum_ptr + b * E + ec, mask=m, other=0) - tl.load(
+            hist_ptr + b * E + ec, mask=m, other=0
+        )
+        row = tl.load(pstart_ptr + ec, mask=m, other=0) + before + rank
+        tl.store(rows_ptr + offs, row, mask=m)
+        tl.store(tok_ptr + row, offs // K, mask=m)
+        if HAS_W:
+            tl.store(scale_ptr + row, tl.load(w_ptr + offs, mask=m, other=0.0), mask=m)
+
+
 _BLOCK = 1024
 
 
@@ -223,6 +436,63 @@ def combine_dw(dout: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> torch
     return dw
 
 
+_GLU_BR, _GLU_BC = 16, 128
+
+
+def _glu_consts(act, b1, b2):
+    return dict(b1=float(b1), ib1=1.0 / float(b1), b2=float(b2), ib2=1.0 / float(b2), SITU=act == "situ")
+
+
+def glu2_fwd(g: torch.Tensor, u: torch.Tensor, act: str, b1: float, b2: float) -> torch.Tensor:
+    """act(g, u) for [R, C] views with unit column stride (e.g. the two halves of a [R, 2C] buffer)."""
+    R, C = g.shape
+    out = torch.empty(R, C, dtype=g.dtype, device=g.device)
+    grid = (triton.cdiv(R, _GLU_BR), triton.cdiv(C, _GLU_BC))
+    _glu2_fwd_kernel[grid](
+        g, u, out, R, C, g.stride(0), u.stride(0), **_glu_consts(act, b1, b2), BR=_GLU_BR, BC=_GLU_BC
+    )
+    return out
+
+
+def glu2_bwd(g, u, da, dg, du, act, b1, b2, want_a: bool):
+    """Writes dg, du (views like g, u) from da [R, C]; returns a = act(g, u) when ``want_a`` (else None)."""
+    R, C = g.shape
+    da = da.contiguous()
+    a = torch.empty(R, C, dtype=g.dtype, device=g.device) if want_a else None
+    grid = (triton.cdiv(R, _GLU_BR), triton.cdiv(C, _GLU_BC))
+    _glu2_bwd_kernel[grid](
+        g,
+        u,
+        da,
+        dg,
+        du,
+        a if want_a else da,
+        R,
+        C,
+        g.stride(0),
+        u.stride(0),
+        dg.stride(0),
+        du.stride(0),
+        **_glu_consts(act, b1, b2),
+        WRITE_A=want_a,
+        BR=_GLU_BR,
+        BC=_GLU_BC,
+    )
+    return a
+
+
+def combine2(y: torch.Tensor, rows: torch.Tensor, w: torch.Tensor | None, dtype) -> torch.Tensor:
+    """Same as :func:`combine` with a per-slot loop (fp32 accumulation); y may have a padded row stride."""
+    N, K = rows.shape
+    W = y.shape[1]
+    out = torch.empty(N, W, dtype=dtype, device=y.device)
+    BW = _bw(W)
+    _combine2_kernel[(N, triton.cdiv(W, BW))](
+        y, rows, w if w is not None else y, out, W, y.stride(0), K=K, HAS_W=w is not None, BLOCK_W=BW
+    )
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # planning and grouped GEMMs
 
@@ -263,6 +533,65 @@ class Plan:
         s = torch.zeros(self.P, dtype=torch.float32, device=weights.device)
         s[self.rows.reshape(-1)] = weights.reshape(-1).float()
         return s
+
+
+_PLAN_BLK = 128
+
+
+class RowPlan:
+    """:class:`Plan`'s layout (the same rows in the same order) from two small Triton kernels and one cumsum: no
+    sort, no host synchronisation, six launches. Also scatters the fp32 mixture weight of each row (``scale``, 0 on
+    padding) when ``weights`` is given. ``rows`` and ``tok_of_row`` are int32."""
+
+    def __init__(
+        self,
+        idx: torch.Tensor,
+        num_experts: int,
+        weights: torch.Tensor | None = None,
+        align: int = ALIGN,
+        *,
+        sparse: bool = False,
+    ):
+        N, K = idx.shape
+        E = num_experts
+        dev = idx.device
+        nk = N * K
+        flat = idx.reshape(-1)
+        nb = triton.cdiv(nk, _PLAN_BLK)
+        EP = triton.next_power_of_2(E)
+        hist = torch.empty(nb, E, dtype=torch.int32, device=dev)
+        _plan_hist_kernel[(nb,)](flat, hist, nk, E, BLK=_PLAN_BLK, BE=min(EP, 64))
+        cum = torch.cumsum(hist, 0, dtype=torch.int32)
+        offs = torch.empty(E, dtype=torch.int32, device=dev)
+        pstart = torch.empty(E, dtype=torch.int32, device=dev)
+        _plan_offs_kernel[(1,)](
+            cum[nb - 1], pstart, offs, E, ALIGN=align, MIN_ROWS=0 if sparse else align, EP=EP
+        )
+        self.P = nk + (align - 1) * min(E, nk) if sparse else nk + E * align
+        tok = torch.full((self.P,), N, dtype=torch.int32, device=dev)
+        rows = torch.empty(nk, dtype=torch.int32, device=dev)
+        wf = weights.reshape(-1) if weights is not None else None
+        scale = torch.zeros(self.P, dtype=torch.float32, device=dev) if wf is not None else None
+        _plan_scatter_kernel[(nb,)](
+            flat,
+            wf if wf is not None else hist,
+            cum,
+            hist,
+            pstart,
+            rows,
+            tok,
+            scale if scale is not None else hist,
+            nk,
+            E,
+            K,
+            HAS_W=wf is not None,
+            BLK=_PLAN_BLK,
+        )
+        self.rows = rows.view(N, K)
+        self.tok_of_row = tok
+        self.scale = scale
+        self.offs = offs
+        self.N, self.K, self.E = N, K, E
 
 
 _LAYOUTS: dict = {}
@@ -371,13 +700,99 @@ class _Experts(torch.autograd.Function):
         return dx, dweights, dw1, dw2, dw3, None, None, None, None
 
 
-def experts_grouped(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=25.0):
-    """Drop-in for ``openk3.ops.moe.experts_reference`` (see module docstring). x: [N, W] -> [N, W] (x.dtype)."""
+def _adjacent13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
+    """A zero-copy [E, 2I, W] view when w1 and w3 already are the two halves of one buffer, else None."""
+    E, I, W = w1.shape
+    st = (2 * I * W, W, 1)
+    if w3.shape != w1.shape or w3.dtype != w1.dtype or w3.device != w1.device:
+        return None
+    if w1.stride() != st or w3.stride() != st or E < 2:
+        return None
+    if w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr():
+        return None
+    if w3.storage_offset() != w1.storage_offset() + I * W:
+        return None
+    return w1.as_strided((E, 2 * I, W), st)
+
+
+def stack13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, W]: gate rows then up rows of each expert (a view when possible, else one copy)."""
+    v = _adjacent13(w1, w3)
+    return v if v is not None else torch.cat([w1, w3], 1)
+
+
+class _ExpertsV2(torch.autograd.Function):
+    """The "lean" / "fused" / "fused_keepx" variants (see :func:`experts_grouped`)."""
+
+    @staticmethod
+    def forward(ctx, x, weights, w1, w2, w3, idx, act, b1, b2, fuse, keep_x):
+        E, I = w1.shape[0], w1.shape[1]
+        train = any(ctx.needs_input_grad[:5])
+        plan = RowPlan(idx, E, weights, sparse=not train)
+        offs = plan.offs
+        xs = gather_rows(x, plan.tok_of_row)  # [P, W]
+        w13 = None
+        if fuse:
+            w13 = stack13(w1, w3)
+            h = _mm(xs, w13.mT, offs, "v2_x_w13")  # [P, 2I]: gate | up
+            g, u = h[:, :I], h[:, I:]
+        else:
+            g = _mm(xs, w1.mT, offs, "v2_x_w1")
+            u = _mm(xs, w3.mT, offs, "v2_x_w1")
+        a = glu2_fwd(g, u, act, b1, b2)
+        y = _mm(a, w2.mT, offs, "v2_a_w2")  # [P, W]
+        out = combine2(y, plan.rows, weights, x.dtype)
+        if train:
+            ctx.save_for_backward(
+                xs if keep_x else x, w1, w2, w3, w13, g, u, y, plan.rows, plan.tok_of_row, plan.scale, offs
+            )
+        ctx.cfg = (act, b1, b2, keep_x, I)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        xk, w1, w2, w3, w13, g, u, y, rows, tok, scale, offs = ctx.saved_tensors
+        act, b1, b2, keep_x, I = ctx.cfg
+        dout = dout.contiguous()
+        need_x, need_w, need_w1, need_w2, need_w3 = ctx.needs_input_grad[:5]
+        dweights = combine_dw(dout, y, rows) if need_w else None
+        dy = gather_rows(dout, tok, scale)  # [P, W]: dout[token] * weight, zero on padding
+        da = _mm(dy, w2, offs, "v2_dy_w2")  # [P, I]
+        dh = torch.empty(tok.shape[0], 2 * I, dtype=g.dtype, device=g.device)  # gate | up gradients
+        dg, du = dh[:, :I], dh[:, I:]
+        a = glu2_bwd(g, u, da, dg, du, act, b1, b2, want_a=need_w2)  # a re-emitted here, not recomputed apart
+        dw2 = _mm(dy.t(), a, offs, "v2_dyT_a") if need_w2 else None  # [E, W, I]
+        dx = dw1 = dw3 = None
+        if need_w1 or need_w3:
+            xs = xk if keep_x else gather_rows(xk, tok)
+            if need_w1 and need_w3 and w13 is not None:
+                dw13 = _mm(dh.t(), xs, offs, "v2_dhT_x")  # [E, 2I, W]
+                dw1, dw3 = dw13[:, :I], dw13[:, I:]
+            else:
+                dw1 = _mm(dg.t(), xs, offs, "v2_dgT_x") if need_w1 else None
+                dw3 = _mm(du.t(), xs, offs, "v2_dgT_x") if need_w3 else None
+        if need_x:
+            if w13 is not None:
+                dxs = _mm(dh, w13, offs, "v2_dh_w13")  # one GEMM over K = 2I
+            else:
+                dxs = _mm(dg, w1, offs, "v2_dg_w1")
+                dxs += _mm(du, w3, offs, "v2_dg_w1")
+            dx = combine2(dxs, rows, None, dout.dtype)
+        return dx, dweights, dw1, dw2, dw3, None, None, None, None, None, None
+
+
+def experts_grouped(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=25.0, variant=None):
+    """Drop-in for ``openk3.ops.moe.experts_reference`` (see module docstring). x: [N, W] -> [N, W] (x.dtype).
+
+    ``variant`` (default :data:`VARIANT`): one of :data:`VARIANTS`, see the module docstring."""
     if act not in ("situ", "silu", "swiglu"):
         raise ValueError(f"unknown activation {act!r}; expected 'situ' or 'silu'")
+    v = variant or VARIANT
+    if v not in VARIANTS:
+        raise ValueError(f"unknown MoE variant {v!r} (OPENK3_MOE_VARIANT); expected one of {VARIANTS}")
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
-    return _Experts.apply(
+    args = (
         x.contiguous(),
         weights.float().contiguous(),
         w1,
@@ -388,3 +803,8 @@ def experts_grouped(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2
         float(beta1),
         float(beta2),
     )
+    if v == "base":
+        return _Experts.apply(*args)
+    E = w1.shape[0]
+    fuse = v != "lean" and (_adjacent13(w1, w3) is not None or idx.numel() >= FUSE_MIN_ROWS_PER_EXPERT * E)
+    return _ExpertsV2.apply(*args, fuse, v == "fused_keepx")
