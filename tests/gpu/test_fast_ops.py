@@ -197,18 +197,10 @@ def test_mla_varlen(varlen, check, monkeypatch):
 
 
 MOE_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # measured: fp32 <= 2.8e-7, bf16 <= 4.8e-3
+MOE_VARIANTS = ("base", "lean", "fused", "fused_keepx")
 
 
-@pytest.mark.parametrize(
-    "dtype,N,W,I,E,K,act",
-    [
-        (torch.bfloat16, 300, 256, 128, 8, 3, "situ"),
-        (torch.bfloat16, 1000, 1024, 640, 64, 8, "situ"),
-        (torch.bfloat16, 77, 128, 64, 8, 2, "silu"),
-        (torch.float32, 300, 256, 128, 8, 3, "situ"),
-    ],
-)
-def test_moe_experts(dtype, N, W, I, E, K, act, check):
+def _moe_case(dtype, N, W, I, E, K, act, variant, check, adjacent13=False, grad=True):
     from openk3.fast.moe import experts_grouped
     from openk3.ops.moe import experts_reference
 
@@ -222,20 +214,82 @@ def test_moe_experts(dtype, N, W, I, E, K, act, check):
         _rand(E, W, I, dtype=dtype, scale=I**-0.5, g=g),
         _rand(E, I, W, dtype=dtype, scale=W**-0.5, g=g),
     ]
-    fast_in = [t.clone().requires_grad_() for t in [x, w, *ws]]
-    ref_in = [t.detach().float().requires_grad_() for t in [x, w, *ws]]
-    y = experts_grouped(fast_in[0], idx, fast_in[1], *fast_in[2:], act=act)
+    fast_in = [t.clone().requires_grad_(grad) for t in [x, w, *ws]]
+    if adjacent13:  # w1 and w3 as the two halves of one [E, 2I, W] buffer (the zero-copy stacked operand)
+        buf = torch.cat([ws[0], ws[2]], 1)
+        fast_in[2] = buf[:, :I].detach().requires_grad_(grad)
+        fast_in[4] = buf[:, I:].detach().requires_grad_(grad)
+        assert fast_in[2].untyped_storage().data_ptr() == fast_in[4].untyped_storage().data_ptr()
+    ref_in = [t.detach().float().requires_grad_(grad) for t in [x, w, *ws]]
+    tag = f"moe.{variant}.{str(dtype)[6:]}.N{N}.E{E}.k{K}.{act}{'.adj13' if adjacent13 else ''}"
+    if not grad:
+        with torch.no_grad():
+            y = experts_grouped(fast_in[0], idx, fast_in[1], *fast_in[2:], act=act, variant=variant)
+            y_r = experts_reference(ref_in[0], idx, ref_in[1], *ref_in[2:], act=act)
+        check(f"{tag}.nograd.y", y, y_r, MOE_TOL[dtype])
+        return
+    y = experts_grouped(fast_in[0], idx, fast_in[1], *fast_in[2:], act=act, variant=variant)
     y_r = experts_reference(ref_in[0], idx, ref_in[1], *ref_in[2:], act=act)
     gy = torch.randn_like(y_r, generator=g)
     (y.float() * gy).sum().backward()
     (y_r * gy).sum().backward()
     tol = MOE_TOL[dtype]
-    tag = f"moe.{str(dtype)[6:]}.N{N}.E{E}.k{K}.{act}"
     check(f"{tag}.y", y, y_r, tol)
     for n, a, b in zip(("dx", "dweights", "dw1", "dw2", "dw3"), fast_in, ref_in):
         check(f"{tag}.{n}", a.grad, b.grad, 2 * tol)
     for wt in fast_in[2:]:
         assert torch.all(wt.grad[E - 1] == 0)
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+@pytest.mark.parametrize(
+    "dtype,N,W,I,E,K,act",
+    [
+        (torch.bfloat16, 300, 256, 128, 8, 3, "situ"),
+        (torch.bfloat16, 1000, 1024, 640, 64, 8, "situ"),
+        (torch.bfloat16, 77, 128, 64, 8, 2, "silu"),
+        (torch.float32, 300, 256, 128, 8, 3, "situ"),
+    ],
+)
+def test_moe_experts(dtype, N, W, I, E, K, act, variant, check, monkeypatch):
+    from openk3.fast import moe
+
+    # small layers would take the unfused path under the default threshold: force the stacked gate/up GEMM
+    monkeypatch.setattr(moe, "FUSE_MIN_ROWS_PER_EXPERT", 0)
+    _moe_case(dtype, N, W, I, E, K, act, variant, check)
+
+
+@pytest.mark.parametrize("variant", ["fused", "fused_keepx"])
+def test_moe_experts_fused_views(variant, check):
+    """w1/w3 already the halves of one buffer: the stacked operand is a view (no copy), fused at any size."""
+    _moe_case(torch.bfloat16, 333, 256, 128, 8, 4, "situ", variant, check, adjacent13=True)
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_moe_experts_no_grad(variant, check):
+    """Inference layout (unused experts get no rows) for every variant."""
+    _moe_case(torch.bfloat16, 45, 256, 128, 16, 4, "situ", variant, check, grad=False)
+
+
+def test_moe_row_plan_matches_torch_plan():
+    """The Triton planner gives the torch planner's rows, padded rows, group ends and row weights exactly."""
+    from openk3.fast.moe import Plan, RowPlan
+
+    g = _fresh()
+    for N, E, K, sparse in [
+        (1000, 64, 8, False),
+        (77, 8, 2, True),
+        (4096, 896, 16, False),
+        (3, 256, 8, True),
+    ]:
+        idx = torch.stack([torch.randperm(E, device=DEV, generator=g)[:K] for _ in range(N)])
+        w = torch.rand(N, K, device=DEV, generator=g)
+        p0, p1 = Plan(idx, E, sparse=sparse), RowPlan(idx, E, w, sparse=sparse)
+        assert p0.P == p1.P
+        assert torch.equal(p0.rows, p1.rows.long())
+        assert torch.equal(p0.tok_of_row, p1.tok_of_row.long())
+        assert torch.equal(p0.offs, p1.offs)
+        assert torch.equal(p0.row_scale(w), p1.scale)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""Our own Triton kernels (MoE permutation/SiTU/combine, two-phase AttnRes) under TRITON_INTERPRET=1 on CPU, at
-small sizes, against the references. Runs in a subprocess (the interpreter must be chosen before triton kernels are
-defined); skipped when triton is not installed. Not marked ``gpu``: it runs on CPU-only machines too.
+"""Our own Triton kernels (MoE planner/permutation/SiTU/combine in every MoE variant, two-phase AttnRes) under
+TRITON_INTERPRET=1 on CPU, at small sizes, against the references. Runs in a subprocess (the interpreter must be
+chosen before triton kernels are defined); skipped when triton is not installed. Not marked ``gpu``: it runs on
+CPU-only machines too.
 """
 
 import importlib.util
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 SCRIPT = textwrap.dedent(
     """
     import torch
+    from openk3.fast import moe
     from openk3.fast.attnres import TritonAttnResReader
     from openk3.fast.moe import experts_grouped
     from openk3.ops.attnres import AttnResReader
@@ -27,8 +29,18 @@ SCRIPT = textwrap.dedent(
         a, b = a.detach().double(), b.detach().double()
         return float((a - b).norm() / b.norm())
 
+    # the Triton planner reproduces the torch planner exactly (training and inference layouts)
+    for N, E, K, sparse in [(37, 6, 3, False), (300, 8, 2, True), (1, 256, 8, False), (200, 16, 4, True)]:
+        idx = torch.stack([torch.randperm(E - 1)[:K] for _ in range(N)])
+        w = torch.rand(N, K)
+        p0, p1 = moe.Plan(idx, E, sparse=sparse), moe.RowPlan(idx, E, w, sparse=sparse)
+        assert p0.P == p1.P
+        assert torch.equal(p0.rows, p1.rows.long()) and torch.equal(p0.tok_of_row, p1.tok_of_row.long())
+        assert torch.equal(p0.offs, p1.offs) and torch.equal(p0.row_scale(w), p1.scale)
+
     worst = 0.0
-    for act in ("situ", "silu"):
+    moe.FUSE_MIN_ROWS_PER_EXPERT = 0  # exercise the stacked gate/up path at this small size
+    for variant, act in [(v, a) for v in moe.VARIANTS for a in ("situ", "silu")]:
         N, W, I, E, K = 37, 24, 20, 6, 3
         x = torch.randn(N, W)
         idx = torch.stack([torch.randperm(E - 1)[:K] for _ in range(N)])
@@ -36,12 +48,13 @@ SCRIPT = textwrap.dedent(
         ws = [torch.randn(E, I, W) * 0.3, torch.randn(E, W, I) * 0.3, torch.randn(E, I, W) * 0.3]
         a_in = [t.clone().requires_grad_() for t in (x, w, *ws)]
         b_in = [t.clone().requires_grad_() for t in (x, w, *ws)]
-        ya = experts_grouped(a_in[0], idx, a_in[1], *a_in[2:], act=act)
+        ya = experts_grouped(a_in[0], idx, a_in[1], *a_in[2:], act=act, variant=variant)
         yb = experts_reference(b_in[0], idx, b_in[1], *b_in[2:], act=act)
         g = torch.randn_like(ya)
         (ya * g).sum().backward()
         (yb * g).sum().backward()
         worst = max([worst, rel(ya, yb)] + [rel(p.grad, q.grad) for p, q in zip(a_in, b_in)])
+        assert all(bool((p.grad[E - 1] == 0).all()) for p in a_in[2:])
 
     D, N, S, Q = 200, 37, 4, 5
     srcs = [torch.randn(1, N, D) * (1 + i % 3) for i in range(S + 1)]
