@@ -293,11 +293,18 @@ def sec_mla():
 
 
 def sec_moe():
+    """Every variant of the grouped-GEMM expert path (openk3.fast.moe.VARIANTS, or the comma-separated list in
+    ``BENCH_MOE_VARIANTS``) on the same inputs in this process, against one dense peer; then the whole medium
+    SparseMoE layer per variant; then the K3 expert shape (default variant only)."""
     from openk3.config import K3Config
+    from openk3.fast import moe as fast_moe
     from openk3.fast.moe import experts_grouped
     from openk3.ops.moe import experts_reference
 
-    def bench_experts(E, K, W, I, N, with_ref, tag):
+    variants = [v for v in os.environ.get("BENCH_MOE_VARIANTS", ",".join(fast_moe.VARIANTS)).split(",") if v]
+    INFO["moe_default_variant"] = fast_moe.VARIANT
+
+    def bench_experts(E, K, W, I, N, with_ref, tag, variants):
         dt = torch.bfloat16
         x = torch.randn(N, W, device="cuda", dtype=dt).requires_grad_()
         logits = torch.randn(N, E, device="cuda")
@@ -312,10 +319,6 @@ def sec_moe():
         fl = 2 * N * K * 3 * W * I
         wbytes = 3 * E * I * W * 2
         by_fwd = wbytes + N * W * 2 * 2 + N * K * (W + I) * 2 * 2
-        f_fwd = lambda: experts_grouped(x, idx, w, *ws)  # noqa: E731
-        with torch.no_grad():
-            t_f = timeit(f_fwd, rep=10)
-        t_fb = timeit(lambda: f_fwd().backward(dy), rep=10)
         # dense GEMMs of the same FLOPs: all N*k rows through one [W, I] / [I, W] weight
         xr = torch.randn(N * K, W, device="cuda", dtype=dt).requires_grad_()
         d1 = (torch.randn(W, I, device="cuda", dtype=dt) * W**-0.5).requires_grad_()
@@ -327,35 +330,39 @@ def sec_moe():
             t_df = timeit(dense)
         t_dfb = timeit(lambda: dense().backward(dyr))
         shape = f"E{E} top{K} W{W} I{I} N{N} bf16"
-        row(
-            "moe",
-            f"{tag} experts fwd",
-            shape,
-            t_f,
-            t_df,
-            "dense GEMMs same FLOPs",
-            fl,
-            by_fwd,
-            note=f"{t_df / t_f * 100:.0f}% of dense rate",
-        )
-        row(
-            "moe",
-            f"{tag} experts fwd+bwd",
-            shape,
-            t_fb,
-            t_dfb,
-            "dense GEMMs same FLOPs",
-            3 * fl,
-            3 * wbytes + 3 * (by_fwd - wbytes),
-            note=f"{t_dfb / t_fb * 100:.0f}% of dense rate",
-        )
-        if with_ref:
+        res = {}
+        for v in variants:
+            f_fwd = lambda: experts_grouped(x, idx, w, *ws, variant=v)  # noqa: E731
+            try:
+                with torch.no_grad():
+                    t_f = timeit(f_fwd, rep=10)
+                t_fb = timeit(lambda: f_fwd().backward(dy), rep=10)
+            except torch.OutOfMemoryError as e:
+                print(f"    moe {tag} [{v}] OOM: {str(e)[:200]}")
+                free()
+                continue
+            res[v] = t_fb
+            for name, t, t_d, mult in (("fwd", t_f, t_df, 1), ("fwd+bwd", t_fb, t_dfb, 3)):
+                row(
+                    "moe",
+                    f"{tag} experts {name} [{v}]",
+                    shape,
+                    t,
+                    t_d,
+                    "dense GEMMs same FLOPs",
+                    mult * fl,
+                    mult * by_fwd,
+                    note=f"{t_d / t * 100:.0f}% of dense rate{' (default)' if v == fast_moe.VARIANT else ''}",
+                    variant=v,
+                )
+        if with_ref and res:
+            best = min(res, key=res.get)
             t_r = timeit(lambda: experts_reference(x, idx, w, *ws, act="situ").backward(dy), warmup=1, rep=3)
             row(
                 "moe",
-                f"{tag} experts fwd+bwd vs reference loop",
+                f"{tag} experts fwd+bwd [{best}] vs reference loop",
                 shape,
-                t_fb,
+                res[best],
                 t_r,
                 "experts_reference",
                 3 * fl,
@@ -363,7 +370,7 @@ def sec_moe():
             )
         x = w = ws = dy = xr = d1 = d2 = d3 = dyr = None
 
-    bench_experts(64, 8, 1024, 640, 16384, True, "medium")
+    bench_experts(64, 8, 1024, 640, 16384, True, "medium", variants)
     free()
     # whole SparseMoE layer of the medium preset (router, latent down/up, norm, shared experts, routed experts)
     from openk3.modules.moe import SparseMoE
@@ -388,28 +395,38 @@ def sec_moe():
             + cfg.num_experts_per_token * 3 * Wl * cfg.moe_intermediate_size
         )
     )
+    default_variant = fast_moe.VARIANT
     res = {}
-    for be in ("grouped_mm", "reference"):
-        layer.backend = be
-        res[be] = timeit(lambda: layer(x).backward(dy), warmup=1, rep=5 if be == "reference" else 10)
-    row(
-        "moe",
-        "medium SparseMoE layer fwd+bwd",
-        f"N{N} D{d} E64 top8",
-        res["grouped_mm"],
-        res["reference"],
-        "reference experts",
-        3 * fl,
-        0,
-    )
+    try:
+        layer.backend = "reference"
+        res["reference"] = timeit(lambda: layer(x).backward(dy), warmup=1, rep=5)
+        layer.backend = "grouped_mm"
+        for v in variants:
+            fast_moe.VARIANT = v
+            res[v] = timeit(lambda: layer(x).backward(dy), warmup=1, rep=10)
+    finally:
+        fast_moe.VARIANT = default_variant
+    for v in variants:
+        row(
+            "moe",
+            f"medium SparseMoE layer fwd+bwd [{v}]",
+            f"N{N} D{d} E64 top8",
+            res[v],
+            res["reference"],
+            "reference experts",
+            3 * fl,
+            0,
+            variant=v,
+        )
     layer = x = dy = None
     free()
     # K3 expert shapes, few tokens: weights (59 GB bf16) + gradients do not leave room for more
-    try:
-        bench_experts(896, 16, 3584, 3072, 4096, False, "K3")
-    except torch.OutOfMemoryError as e:
-        print("    K3 MoE shape OOM:", str(e)[:200])
-    free()
+    if os.environ.get("BENCH_MOE_K3", "1") == "1":
+        try:
+            bench_experts(896, 16, 3584, 3072, 4096, False, "K3", [fast_moe.VARIANT])
+        except torch.OutOfMemoryError as e:
+            print("    K3 MoE shape OOM:", str(e)[:200])
+        free()
 
 
 def sec_attnres():
