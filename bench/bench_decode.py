@@ -55,21 +55,19 @@ MLA_COMBOS = [(B, H, L) for L in (4096, 16384, 65536) for H in (16, 96) for B in
 MLA_SWEEP = {
     16: [
         (16, 32, 4, True, True, 1),
-        (16, 64, 8, True, False, 3),
-        (16, 64, 4, True, False, 2),
-        (16, 32, 4, True, False, 3),
-        (16, 128, 8, True, False, 2),
-        (16, 64, 8, False, False, 2),
-        (16, 32, 8, True, False, 4),
+        (16, 64, 4, True, False, 3),
+        (16, 128, 4, True, False, 2),
+        (16, 64, 4, False, False, 2),
+        (16, 32, 2, True, False, 2),
+        (16, 64, 8, True, False, 2),
     ],
     96: [
-        (32, 32, 8, True, True, 1),
-        (64, 64, 8, True, False, 2),
-        (64, 32, 8, True, False, 3),
-        (32, 64, 8, True, False, 2),
-        (32, 32, 4, True, False, 3),
-        (128, 32, 8, True, False, 2),
-        (64, 64, 8, True, True, 1),
+        (64, 32, 8, True, True, 1),
+        (64, 64, 4, True, False, 2),
+        (64, 128, 8, True, False, 2),
+        (32, 64, 4, True, False, 2),
+        (64, 64, 8, False, False, 2),
+        (64, 64, 8, True, False, 3),
     ],
 }
 CACHE_LIMIT = 20e9  # skip MLA shapes whose latent cache is larger

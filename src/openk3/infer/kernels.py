@@ -73,8 +73,8 @@ KDA_CONFIG = {"BV": 32, "num_warps": 4}  # BV = 0: the whole head in one tile
 MLA_CONFIG = {
     # launch parameters by regime (chosen by measurement on an H200, bench/NOTES.md): few heads (H <= 16) stream
     # more tokens per block through Triton's pipeliner; many heads share each block's rows over 64 heads
-    "few": {"block_h": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "trans": True, "prefetch": False},
-    "many": {"block_h": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "trans": True, "prefetch": True},
+    "few": {"block_h": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "trans": True, "prefetch": False},
+    "many": {"block_h": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "trans": True, "prefetch": False},
     "fp32": {"block_h": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "trans": True, "prefetch": True},
     "min_chunk": 128,
     "waves": 2,
