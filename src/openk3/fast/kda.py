@@ -57,6 +57,8 @@ except Exception as e:  # ImportError, or a Triton/driver problem at import time
 
 # Inference calls (no autograd) up to this many tokens per sequence use the token-recurrent kernel.
 RECURRENT_MAX_LEN = 64
+# fp32 chunk_kda is used up to this head dim (larger ones run out of shared memory on an H200).
+CHUNK_FP32_MAX_K = 64
 # fla's M=16 tensor-core path ("safe gate") is valid for lower bounds in [-5, 0).
 SAFE_GATE_MIN = -5.0
 
@@ -86,24 +88,28 @@ def gate_kwargs(layer) -> dict:
     return kw
 
 
+def _reference(layer, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens):
+    from openk3.modules.kda import _kda_core_reference
+
+    return _kda_core_reference(
+        layer,
+        q,
+        k,
+        v,
+        z,
+        beta_logits,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+    )
+
+
 def kda_core_fla(layer, q, k, v, z, beta_logits, *, initial_state, output_final_state, cu_seqlens):
     """q, k, v: [B, T, H, K] (post conv/SiLU, model dtype); z: [B, T, H, K] raw decay logits (no dt_bias);
     beta_logits: [B, T, H]; initial_state: [N, H, K, V] or None. Returns (o [B, T, H, V], final_state fp32 or None).
     """
     if q.dtype == torch.float64:  # fla's kernels have no fp64 path: keep exactness checks exact
-        from openk3.modules.kda import _kda_core_reference
-
-        return _kda_core_reference(
-            layer,
-            q,
-            k,
-            v,
-            z,
-            beta_logits,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens,
-        )
+        return _reference(layer, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens)
     kw = gate_kwargs(layer)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
@@ -113,7 +119,13 @@ def kda_core_fla(layer, q, k, v, z, beta_logits, *, initial_state, output_final_
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, z, beta_logits, kw["A_log"], kw["dt_bias"])
     )
-    if not needs_grad and T <= RECURRENT_MAX_LEN:
+    recurrent = not needs_grad and T <= RECURRENT_MAX_LEN
+    if q.dtype == torch.float32 and q.shape[-1] > CHUNK_FP32_MAX_K and not recurrent:
+        # fla-core 0.6.0's chunk kernels do not fit an H200's shared memory in fp32 at K = 128, and a failed launch
+        # part-way through the chunk pipeline left wrong results behind: never try, take the exact reference core
+        _warn_once(f"fla chunk_kda has no fp32 path for K={q.shape[-1]}; using the reference KDA core")
+        return _reference(layer, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens)
+    if recurrent:
         # token recurrence: exact fp32 state update, no chunk padding; forward only (fla has no backward for it)
         kw.pop("safe_gate", None)
         o, state = _fused_recurrent_kda(
@@ -150,19 +162,7 @@ def kda_core_fla(layer, q, k, v, z, beta_logits, *, initial_state, output_final_
         if type(e).__name__ != "OutOfResources":
             raise
         _warn_once(f"fla chunk_kda failed ({e}); using the reference KDA core for {q.dtype} K={q.shape[-1]}")
-        from openk3.modules.kda import _kda_core_reference
-
-        return _kda_core_reference(
-            layer,
-            q,
-            k,
-            v,
-            z,
-            beta_logits,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens,
-        )
+        return _reference(layer, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens)
     return o, state
 
 
