@@ -47,7 +47,7 @@ DEV = "cuda"
 KDA_SHAPE = dict(H=32, K=128, W=4)
 KDA_BATCHES = (1, 16, 64, 256)
 KDA_SWEEP_AT = (64, 256)
-KDA_SWEEP = [(16, 4), (32, 8), (16, 2), (64, 8), (0, 16)]  # (BV, num_warps); BV 0: the whole head
+KDA_SWEEP = [(32, 2), (64, 4), (32, 8), (16, 4), (128, 8)]  # (BV, num_warps); BV 0: the whole head
 MLA_DIMS = dict(DC=512, DR=64, page_size=16)
 MLA_TARGETS = [(64, 16, 8192), (64, 96, 8192)]  # (B, H, L): swept
 MLA_COMBOS = [(B, H, L) for L in (4096, 16384, 65536) for H in (16, 96) for B in (1, 16, 64, 256)]
