@@ -262,7 +262,9 @@ def test_register_only_with_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gate_kind", ["lowerbound", "softplus"])
-@pytest.mark.parametrize("bv,num_warps", [(0, 16), (16, 4), (32, 4), (64, 8), (16, 2), (32, 2), (64, 4), (32, 8)])
+@pytest.mark.parametrize(
+    "bv,num_warps", [(0, 16), (16, 4), (32, 4), (64, 8), (16, 2), (32, 2), (64, 4), (32, 8)]
+)
 def test_kda_decode_gpu(dtype, gate_kind, bv, num_warps):
     seed = seed_of(str(dtype), gate_kind, bv, num_warps)
     run_kda_case(37, 32, 128, 4, 48, dtype, gate_kind, bv, seed, *KDA_TOL[dtype], num_warps=num_warps)
