@@ -61,7 +61,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g.add_argument("--prefix-interval", type=int, default=64, help="prefix-cache snapshot interval in tokens")
     g.add_argument(
-        "--cuda-graphs", action="store_true", help="capture the decode step in CUDA graphs (CUDA only)"
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="capture the decode step in CUDA graphs per batch bucket (default on; no effect on CPU)",
     )
     g.add_argument(
         "--decode-backend", default=None, help="decode steps: auto (default), reference, or a registered name"

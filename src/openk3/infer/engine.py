@@ -72,7 +72,7 @@ class EngineConfig:
     prefix_cache: bool = True
     prefix_interval: int = 64
     prefix_cache_bytes: int | None = None  # default: max(64 MiB, 16 sequences' state)
-    use_cuda_graphs: bool = False
+    use_cuda_graphs: bool = True  # decode step captured per batch bucket on CUDA; ignored on CPU
     cuda_graph_max_batch: int = 64
     gpu_memory_utilization: float = 0.9
     cache_dtype: torch.dtype | None = None  # default: the model's dtype
