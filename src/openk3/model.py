@@ -239,7 +239,8 @@ class K3ForCausalLM(nn.Module):
         return self
 
     def set_backend(self, op: str, name: str | None) -> None:
-        """Force a backend for one op ("kda", "mla", "moe", "attnres") on every layer; ``None`` = auto."""
+        """Force a backend for one op ("kda", "mla", "moe", "attnres", "norm", "conv") on every layer; ``None`` =
+        auto. "norm" covers every RMSNorm and the KDA gated output norm, "conv" the KDA short convolutions."""
         if op not in _backend.OPS:
             raise ValueError(f"unknown op {op!r}; ops are {_backend.OPS}")
         for m in self.modules():
@@ -247,8 +248,14 @@ class K3ForCausalLM(nn.Module):
                 (op == "kda" and isinstance(m, KimiDeltaAttention))
                 or (op == "mla" and isinstance(m, MLAttention))
                 or (op == "moe" and isinstance(m, SparseMoE))
+                or (op == "norm" and isinstance(m, RMSNorm))
             ):
                 m.backend = name
+            if isinstance(m, KimiDeltaAttention):
+                if op == "norm":
+                    m.norm_backend = name
+                elif op == "conv":
+                    m.conv_backend = name
         if op == "attnres":
             self.model.attnres_backend = name
 

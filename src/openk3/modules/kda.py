@@ -8,13 +8,16 @@ import torch
 from torch import nn
 
 from openk3.config import K3Config
+from openk3.modules.norm import gated_norm
 from openk3.ops import backend as _backend
 from openk3.ops.conv import causal_conv1d
 from openk3.ops.kda import kda_chunk, kda_gate, kda_recurrent
-from openk3.ops.norm import gated_rms_norm
 
-# Fast-path hook: a callable with the signature of ``_kda_core_reference`` registered by openk3.ops.kda.fla
+# Fast-path hook: a callable with the signature of ``_kda_core_reference`` registered by openk3.fast.kda
 FAST_KDA: dict[str, callable] = {}
+# Fast-path hook for the "conv" op (the q/k/v short convolution): name -> fn with the signature of
+# ``openk3.ops.conv.causal_conv1d``, registered by openk3.fast.conv
+FAST_CONV: dict[str, callable] = {}
 
 
 def _kda_core_reference(layer, q, k, v, z, beta_logits, *, initial_state, output_final_state, cu_seqlens):
@@ -54,7 +57,9 @@ class KimiDeltaAttention(nn.Module):
         self.eps = config.rms_norm_eps
         self.chunk_size = 64
         self.recurrent_max_len = 16  # reference backend: token recurrence at or below this length
-        self.backend: str | None = None
+        self.backend: str | None = None  # "kda" op backend (the core); None = auto
+        self.conv_backend: str | None = None  # "conv" op backend (q/k/v short conv)
+        self.norm_backend: str | None = None  # "norm" op backend (gated output norm)
         HK = H * K
         self.q_proj = nn.Linear(d, HK, bias=False)
         self.k_proj = nn.Linear(d, HK, bias=False)
@@ -113,12 +118,14 @@ class KimiDeltaAttention(nn.Module):
         use_cache = cache is not None
         convs = {}
         outs = []
+        conv_be = _backend.resolve("conv", x.is_cuda, self.conv_backend)
+        conv_fn = FAST_CONV.get(conv_be, causal_conv1d) if conv_be != "reference" else causal_conv1d
         for name, proj, conv in (
             ("q", self.q_proj, self.q_conv1d),
             ("k", self.k_proj, self.k_conv1d),
             ("v", self.v_proj, self.v_conv1d),
         ):
-            y, fin = causal_conv1d(
+            y, fin = conv_fn(
                 proj(x),
                 conv.weight,
                 initial_state=cache.get(f"conv_{name}") if use_cache else None,
@@ -149,5 +156,5 @@ class KimiDeltaAttention(nn.Module):
                 cache[f"conv_{name}"] = convs[name]
             cache["state"] = state.float()
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-        o = gated_rms_norm(o.to(x.dtype), self.o_norm.weight, gate.view(B, T, H, K), self.eps)
+        o = gated_norm(o.to(x.dtype), self.o_norm.weight, gate.view(B, T, H, K), self.eps, self.norm_backend)
         return self.o_proj(o.reshape(B, T, H * K))

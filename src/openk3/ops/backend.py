@@ -1,8 +1,9 @@
 """Backend selection per op: a fast path on CUDA when available, the plain reference elsewhere.
 
-Each op ("kda", "mla", "moe", "attnres") has a registry of named backends. ``auto`` picks the first available
-non-reference backend for CUDA inputs and ``reference`` otherwise. Override per op with the environment variable
-``OPENK3_BACKEND_<OP>`` (e.g. ``OPENK3_BACKEND_KDA=reference``) or per model with ``model.set_backend(op, name)``.
+Each op has a registry of named backends: "kda", "mla", "moe", "attnres", "norm" (every RMSNorm module and the KDA
+gated output norm) and "conv" (the KDA short convolution). ``auto`` picks the first available non-reference backend
+for CUDA inputs and ``reference`` otherwise. Override per op with the environment variable ``OPENK3_BACKEND_<OP>``
+(e.g. ``OPENK3_BACKEND_KDA=reference``) or per model with ``model.set_backend(op, name)``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-OPS = ("kda", "mla", "moe", "attnres")
+OPS = ("kda", "mla", "moe", "attnres", "norm", "conv")
 
 
 @dataclass
