@@ -8,6 +8,8 @@ mla       ``sdpa``        ``scaled_dot_product_attention`` (+ ``varlen_attn`` fo
 mla       ``flex``        FlexAttention with causal / document block masks
 moe       ``grouped_mm``  token permutation + ``torch._grouped_mm`` forward/backward, Triton SiTU-GLU
 attnres   ``triton``      two-phase Block AttnRes reader (Triton, exact fp32 mixing, forward/backward)
+norm      ``fla``         fla-core fused ``rms_norm`` (every RMSNorm) and ``rms_norm_gated`` (KDA output norm)
+conv      ``fla``         fla-core ``causal_conv1d`` + SiLU (KDA q/k/v short conv, packed docs, carried state)
 ========  ==============  ==========================================================================
 
 ``auto`` (the default) takes the first available fast backend on CUDA inputs and the reference elsewhere;
@@ -17,18 +19,19 @@ attnres   ``triton``      two-phase Block AttnRes reader (Triton, exact fp32 mix
 
 from __future__ import annotations
 
-from openk3.fast import attnres, kda, mla, moe
+from openk3.fast import attnres, conv, kda, mla, moe, norm
 from openk3.ops import backend as _backend
 from openk3.ops.backend import Backend
 
-__all__ = ["attnres", "kda", "mla", "moe", "register_all"]
+__all__ = ["attnres", "conv", "kda", "mla", "moe", "norm", "register_all"]
 
 
 def register_all() -> None:
     """(Re-)register every fast backend; the last registered per op is the one ``auto`` prefers."""
-    from openk3.modules.kda import FAST_KDA
+    from openk3.modules.kda import FAST_CONV, FAST_KDA
     from openk3.modules.mla import FAST_MHA
     from openk3.modules.moe import FAST_EXPERTS
+    from openk3.modules.norm import FAST_GATED_NORM, FAST_RMS_NORM
     from openk3.ops.attnres import FAST_READERS
 
     FAST_KDA["fla"] = kda.kda_core_fla
@@ -44,6 +47,13 @@ def register_all() -> None:
 
     FAST_READERS["triton"] = attnres.TritonAttnResReader
     _backend.register("attnres", Backend("triton", attnres.available))
+
+    FAST_RMS_NORM["fla"] = norm.rms_norm_fla
+    FAST_GATED_NORM["fla"] = norm.gated_rms_norm_fla
+    _backend.register("norm", Backend("fla", norm.available))
+
+    FAST_CONV["fla"] = conv.causal_conv1d_fla
+    _backend.register("conv", Backend("fla", conv.available))
 
 
 register_all()
