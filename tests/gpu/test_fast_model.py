@@ -5,7 +5,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-OPS = ("kda", "mla", "moe", "attnres")
+OPS = ("kda", "mla", "moe", "attnres", "norm", "conv")
 # Loss: measured bf16 1.7e-4 (packed 8.8e-4). Per-parameter gradients are NOT compared: at init (loss ~ ln V) the
 # model's gradient is ill-conditioned -- switching any ONE op to its fast backend (each matches its reference to
 # ~3e-3 in test_fast_ops.py) moves the median per-parameter gradient by 65-110 % in bf16 (router top-k flips),
