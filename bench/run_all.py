@@ -1,7 +1,8 @@
 # ruff: noqa: B023
-"""All GPU benchmarks in one process: ceilings, KDA, MLA, MoE, AttnRes, a `medium` training step, decode.
+"""All GPU benchmarks in one process: ceilings, KDA, MLA, MoE, AttnRes, norms + KDA short conv, a `medium` training
+step, decode.
 
-    python bench/run_all.py [--out DIR] [--sections ceil,kda,mla,moe,attnres,model,decode] [--tests]
+    python bench/run_all.py [--out DIR] [--sections ceil,kda,mla,moe,attnres,norm,model,decode] [--tests]
                             [--budget-s 540]
 
 Prints ONE table at the end (ours, the peer on the same inputs in the same run, ratio, roofline floor) and writes
@@ -515,6 +516,89 @@ def sec_attnres():
         free()
 
 
+def sec_norm():
+    """RMSNorm, the KDA gated output norm and the KDA short conv (+ SiLU) at `medium` shapes: fla backends (ours)
+    vs the plain-PyTorch references. Floors count the bytes each pass must move: norm fwd reads x and writes y, bwd
+    reads x and dy and writes dx (the gated norm also reads the gate and writes its gradient); conv the same as the
+    norm (weights and per-row statistics are negligible)."""
+    from openk3.config import K3Config
+    from openk3.fast.conv import causal_conv1d_fla
+    from openk3.fast.norm import gated_rms_norm_fla, rms_norm_fla
+    from openk3.ops.conv import causal_conv1d
+    from openk3.ops.norm import gated_rms_norm, rms_norm
+
+    cfg = K3Config.from_preset("medium")
+    B, T, D = 4, 4096, cfg.hidden_size
+    N = B * T
+    H, K, W, eps = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.rms_norm_eps
+    C = H * K
+    dt = torch.bfloat16
+    cap = os.environ.get("OPENK3_AUTOTUNE_MAX")
+    note = f"autotune capped at {cap} configs" if cap else ""
+
+    def bench(tag, shape, ours, ref, leaves, dy, bytes_fwd, bytes_fb):
+        def clear():
+            for t in leaves:
+                t.grad = None
+
+        with torch.no_grad():
+            t_of, t_rf = timeit(lambda: ours()), timeit(lambda: ref())
+        t_o = timeit(lambda: ours().backward(dy), setup=clear)
+        t_r = timeit(lambda: ref().backward(dy), setup=clear)
+        row("norm", f"{tag} fwd", shape, t_of, t_rf, "reference", 0, bytes_fwd, note=note)
+        row("norm", f"{tag} fwd+bwd", shape, t_o, t_r, "reference", 0, bytes_fb, note=note)
+
+    # every RMSNorm of the residual stream: bf16 activations, bf16 gain (model.to_dtype)
+    x = torch.randn(N, D, device="cuda", dtype=dt).requires_grad_()
+    w = (1 + 0.1 * torch.randn(D, device="cuda")).to(dt).requires_grad_()
+    dy = torch.randn(N, D, device="cuda", dtype=dt)
+    bench(
+        "RMSNorm [fla]",
+        f"N{N} D{D} bf16",
+        lambda: rms_norm_fla(x, w, eps),
+        lambda: rms_norm(x, w, eps),
+        [x, w],
+        dy,
+        N * D * 2 * 2,
+        N * D * 2 * 5,
+    )
+    x = w = dy = None
+    free()
+    # KDA output norm: o and gate bf16 [B, T, H, K], o_norm.weight fp32 [K]
+    o = torch.randn(B, T, H, K, device="cuda", dtype=dt).requires_grad_()
+    g = torch.randn(B, T, H, K, device="cuda", dtype=dt).requires_grad_()
+    w = (1 + 0.1 * torch.randn(K, device="cuda")).requires_grad_()
+    dy = torch.randn(B, T, H, K, device="cuda", dtype=dt)
+    bench(
+        "KDA gated RMSNorm [fla]",
+        f"B{B} T{T} H{H} K{K} bf16, fp32 gain",
+        lambda: gated_rms_norm_fla(o, w, g, eps),
+        lambda: gated_rms_norm(o, w, g, eps),
+        [o, g, w],
+        dy,
+        N * C * 2 * 3,
+        N * C * 2 * 8,
+    )
+    o = g = w = dy = None
+    free()
+    # KDA short conv + SiLU on one of q/k/v: bf16 activations [B, T, H*K], fp32 weight [H*K, 1, W]
+    x = torch.randn(B, T, C, device="cuda", dtype=dt).requires_grad_()
+    w = (torch.randn(C, 1, W, device="cuda") * W**-0.5).requires_grad_()
+    dy = torch.randn(B, T, C, device="cuda", dtype=dt)
+    bench(
+        "KDA short conv+SiLU [fla]",
+        f"B{B} T{T} C{C} W{W} bf16, fp32 weight",
+        lambda: causal_conv1d_fla(x, w)[0],
+        lambda: causal_conv1d(x, w)[0],
+        [x, w],
+        dy,
+        N * C * 2 * 2,
+        N * C * 2 * 5,
+    )
+    x = w = dy = None
+    free()
+
+
 def _medium_model(ckpt: bool):
     from openk3 import K3Config, K3ForCausalLM
 
@@ -635,6 +719,7 @@ SECTIONS = {
     "mla": sec_mla,
     "moe": sec_moe,
     "attnres": sec_attnres,
+    "norm": sec_norm,
     "model": None,
     "decode": sec_decode,
 }
@@ -662,7 +747,7 @@ def print_table():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "bench", "out"))
-    ap.add_argument("--sections", default="ceil,kda,mla,moe,attnres,model,decode")
+    ap.add_argument("--sections", default="ceil,kda,mla,moe,attnres,norm,model,decode")
     ap.add_argument("--tests", action="store_true", help="run tests/gpu first in this process")
     ap.add_argument("--test-paths", default="tests/gpu", help="pytest paths / node ids, run in this order")
     ap.add_argument("--test-args", default="", help="extra pytest arguments, space separated")
