@@ -277,3 +277,27 @@ def test_grouped_moe_plan(sparse, N, E, k):
     pad = torch.ones(plan.P, dtype=torch.bool)
     pad[rows.reshape(-1)] = False
     assert bool((tok[pad] == N).all())  # padding rows point at the zero row
+
+
+def test_env_command_reports_every_op_and_decode_step(capsys):
+    """`openk3 env --json`: versions, the backend chosen per op with the alternatives and why, and the decode steps
+    the inference engine would take (the reference everywhere on a CPU-only machine)."""
+    import json
+
+    from openk3.cli import main
+    from openk3.ops import backend
+
+    assert main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["cuda"] is torch.cuda.is_available()
+    assert set(info["backends"]) == set(backend.OPS)
+    for op, d in info["backends"].items():
+        assert d["chosen"] in d["backends"] and "reference" in d["backends"], op
+        if not info["cuda"]:
+            assert d["chosen"] == "reference", op
+    assert set(info["decode_steps"]) == {"kda", "mla"}
+    if not info["cuda"]:
+        assert all(d["chosen"] == "reference" for d in info["decode_steps"].values())
+    assert main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert "inference decode steps" in text and "op backends" in text

@@ -109,11 +109,12 @@ def cmd_env(args) -> int:
         except Exception:
             info[mod] = None
     info["backends"] = backend.describe(torch.cuda.is_available())
+    info["decode_steps"] = _decode_steps()
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     for k, v in info.items():
-        if k != "backends":
+        if k not in ("backends", "decode_steps"):
             print(f"{k:14s} {v if v is not None else '-'}")
     print("op backends (chosen for this machine; OPENK3_BACKEND_<OP>=name overrides):")
     for op, d in info["backends"].items():
@@ -122,7 +123,22 @@ def cmd_env(args) -> int:
             for n, a in d["backends"].items()
         )
         print(f"  {op:8s} -> {d['chosen']:12s} [{avail}]")
+    print("inference decode steps (openk3 generate / serve; --decode-backend overrides):")
+    for op, d in info["decode_steps"].items():
+        print(f"  {op:8s} -> {d['chosen']:12s} ({d['why']})")
     return 0
+
+
+def _decode_steps() -> dict:
+    """Which single-token decode step the inference engine takes per op on this machine, and why."""
+    try:
+        from openk3.infer import kernels
+    except Exception as e:  # pragma: no cover - import problems are reported, not raised
+        ok, why = False, f"decode kernels not importable: {e}"
+    else:
+        ok, why = kernels.available()
+    chosen = "triton" if ok else "reference"
+    return {op: {"chosen": chosen, "why": why} for op in ("kda", "mla")}
 
 
 def _import_fast_paths() -> None:
