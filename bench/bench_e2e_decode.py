@@ -16,7 +16,8 @@ decoding, greedy). Two numbers per row:
 Roofline: ``openk3.cost.predict_decode_time(cfg, batch, context)`` with this project's measured H200 ceilings (bf16
 matmul 790 TFLOP/s, copy 4.2 TB/s): bytes of the weights a step touches (the experts the batch is expected to route
 to) plus the KDA state and the MLA latent cache, over the copy bandwidth. "% of roofline" = predicted / measured.
-Prints one table and writes JSON to ``--out`` (default ``$OUT/e2e_decode.json`` or ``bench/out/e2e_decode.json``).
+``--profile`` adds a kernel table (kernels per step, top kernels by GPU time) for the smallest batch of each
+preset. Prints one table and writes JSON to ``--out`` (default ``$OUT/e2e_decode.json`` or ``bench/out/e2e_decode.json``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 
 ROWS: list[dict] = []
 ERRORS: list[str] = []
+INFO_PROFILE: dict[str, float] = {}
+PROFILE = ""  # directory for kernel profiles (--profile), empty: off
 DEV = "cuda"
 
 
@@ -135,6 +138,8 @@ def run_preset(preset: str, batches: list[int], context: int, steps: int, graphs
                 eng.step()
                 step_t.append(time.perf_counter() - t)
             n_fwd = list(fwd_times)
+            if PROFILE and B == min(batches):
+                profile_steps(eng, preset, B)
             for r in reqs:
                 eng.abort(r.id)
             while eng.has_work():
@@ -165,6 +170,30 @@ def run_preset(preset: str, batches: list[int], context: int, steps: int, graphs
     empty_cache()
 
 
+def profile_steps(eng, preset: str, B: int, steps: int = 5) -> None:
+    """Kernel-level breakdown of ``steps`` engine steps (all rows decoding): kernels per step and the top kernels by
+    GPU time, written next to the JSON (``profile_<preset>_b<B>.txt``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        sync()
+    events = prof.key_averages()
+    kernels = sum(
+        e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+    )
+    sort = "self_cuda_time_total" if DEV == "cuda" else "self_cpu_time_total"
+    table_txt = events.table(sort_by=sort, row_limit=30, max_name_column_width=70)
+    head = f"{preset} batch {B}: {kernels / steps:.0f} GPU kernels per engine step ({steps} steps profiled)\n"
+    INFO_PROFILE[f"{preset} b{B}"] = kernels / steps
+    path = os.path.join(PROFILE, f"profile_{preset}_b{B}.txt")
+    with open(path, "w") as f:
+        f.write(head + table_txt)
+    print(head + "\n".join(table_txt.splitlines()[:16]), flush=True)
+
+
 def table() -> str:
     lines = [
         "| preset | batch | context | step ms | fwd ms | tokens/s | roofline ms | % roofline (step / fwd) | graphs |",
@@ -188,13 +217,24 @@ def main():
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (no CUDA graphs)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile 5 steps at the smallest batch per preset (kernel table)",
+    )
     ap.add_argument("--out", default=default or os.path.join(ROOT, "bench", "out", "e2e_decode.json"))
     args = ap.parse_args()
-    global DEV
+    global DEV, PROFILE
     DEV = args.device
     if DEV == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_e2e_decode.py needs a CUDA device (or --device cpu for a smoke run)")
     batches = [int(b) for b in args.batches.split(",")]
+    out = args.out
+    if os.path.isdir(out):
+        out = os.path.join(out, "e2e_decode.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    if args.profile:
+        PROFILE = os.path.dirname(out) or "."
     for preset in args.presets.split(","):
         try:
             run_preset(preset, batches, args.context, args.steps, not args.no_graphs)
@@ -205,13 +245,19 @@ def main():
     print(table())
     if ERRORS:
         print("errors:", *ERRORS, sep="\n  ")
-    out = args.out
-    if os.path.isdir(out):
-        out = os.path.join(out, "e2e_decode.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
     with open(out, "w") as f:
-        json.dump({"device": dev, "torch": torch.__version__, "rows": ROWS, "errors": ERRORS}, f, indent=1)
+        json.dump(
+            {
+                "device": dev,
+                "torch": torch.__version__,
+                "rows": ROWS,
+                "kernels_per_step": INFO_PROFILE,
+                "errors": ERRORS,
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":
