@@ -453,3 +453,21 @@ def test_decode_step_refused_when_unsupported(monkeypatch):
     assert KN.mla_supports(tiny_cfg)[0] is False and "shared key" in KN.mla_supports(tiny_cfg)[1]
     assert KN.mla_supports(small_cfg) == (True, "") and KN.kda_supports(small_cfg) == (True, "")
     assert KN.kda_supports(get_preset("tiny").replace(kda_head_dim=24))[0] is False
+
+
+def test_pool_plan_from_free_gpu_memory(tiny, monkeypatch):
+    """On CUDA without --max-tokens the pool takes the free memory times the utilisation, minus the reserve and the
+    per-sequence state; too little memory is a clear error (the CUDA query is stubbed: runs on CPU)."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (10 * gib, 80 * gib))
+    lay = CacheLayout.from_config(tiny.config)
+    bpt, bps = lay.bytes_per_token(torch.bfloat16), lay.bytes_per_sequence()
+    plan = plan_pool(
+        tiny.config, device="cuda", dtype=torch.bfloat16, page_size=16, max_seqs=8,
+        gpu_memory_utilization=0.5, reserve_bytes=gib,
+    )  # fmt: skip
+    want = (5 * gib - gib - 9 * bps) // (bpt * 16)
+    assert plan.num_pages == want and "10.0 GiB free x 0.5" in plan.source
+    assert plan.num_pages * 16 * bpt + 9 * bps <= 4 * gib  # within the budget
+    with pytest.raises(RuntimeError, match="not enough free GPU memory"):
+        plan_pool(tiny.config, device="cuda", page_size=16, max_seqs=8, reserve_bytes=20 * gib)
