@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark in one go, on one CUDA machine, each step time-boxed so that one slow step cannot eat
+# the others (fla's Triton kernels compile and autotune on first use: cap that with OPENK3_AUTOTUNE_MAX=1).
+#
+#   OPENK3_AUTOTUNE_MAX=1 bash bench/run_gpu.sh OUT_DIR [steps]
+#
+# steps (comma separated, default all): tests, decode, e2e, train. Logs and JSON land in OUT_DIR:
+#   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
+#   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), bench.json + profile.txt
+#   (bench/run_all.py: ceilings, KDA, MLA, MoE, AttnRes, norms, medium training step).
+set -u
+OUT_DIR=${1:?usage: bash bench/run_gpu.sh OUT_DIR [tests,decode,e2e,train]}
+STEPS=${2:-tests,decode,e2e,train}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+T_TESTS=${T_TESTS:-300} T_DECODE=${T_DECODE:-150} T_E2E=${T_E2E:-200} T_TRAIN=${T_TRAIN:-400}
+
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+
+if has tests; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu tests/test_decode_kernels.py \
+    >"$OUT_DIR/tests.log" 2>&1
+  echo "tests: exit $? ($(tail -1 "$OUT_DIR/tests.log"))"
+fi
+if has decode; then
+  timeout "$T_DECODE" python3 bench/bench_decode.py --out "$OUT_DIR/decode.json" --budget-s $((T_DECODE - 30)) \
+    2>&1 | tail -60
+fi
+if has e2e; then
+  timeout "$T_E2E" python3 bench/bench_e2e_decode.py --profile --steps 12 --out "$OUT_DIR/e2e_decode.json" 2>&1 |
+    grep -v "^\[.*{'preset" | tail -40
+fi
+if has train; then
+  timeout "$T_TRAIN" python3 bench/run_all.py --out "$OUT_DIR" 2>&1 | tail -60
+fi
