@@ -76,8 +76,13 @@ __all__ = [
 
 # Launch parameters (the benchmark sweeps alternatives through the keyword overrides of the wrappers).
 # BV = 0: the whole head in one tile. split_below: use the two-launch split form when B * H is below this (0: never;
-# the split form is tested but its speed has not been measured yet, see bench/bench_decode.py's sweep)
-KDA_CONFIG = {"BV": 32, "num_warps": 4, "split_below": 0}
+# the split form is tested but its speed has not been measured yet, see bench/bench_decode.py's sweep; the
+# environment variable OPENK3_KDA_DECODE_SPLIT_BELOW sets it, e.g. to compare end-to-end decode both ways)
+KDA_CONFIG = {
+    "BV": 32,
+    "num_warps": 4,
+    "split_below": int(os.environ.get("OPENK3_KDA_DECODE_SPLIT_BELOW", "0")),
+}
 MLA_CONFIG = {
     # launch parameters by regime (chosen by measurement on an H200, bench/NOTES.md): few heads (H <= 16) stream
     # more tokens per block through Triton's pipeliner; many heads share each block's rows over 64 heads
