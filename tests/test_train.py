@@ -203,6 +203,16 @@ def test_run_file_export_and_plot(corpus, tmp_path):
     assert cfg["train"]["balance"] == "sign"
 
 
+def _run_ranks(cmd, env, timeout=900):
+    """Run a torchrun command; if a rank died of a signal inside the C++ runtime (gloo / libtorch, seen as rare
+    SIGSEGVs on loaded 2-core machines) run it once more -- the caller's assertions apply to the rerun's results."""
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0 and any(s in r.stderr for s in ("Signal 11", "SIGSEGV", "Signal 7 (SIGBUS)")):
+        print(f"rerunning after a rank crashed in the runtime:\n{r.stderr[-1500:]}")
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return r
+
+
 def test_torchrun_fsdp_ep_matches_single_process(corpus, tmp_path):
     """`openk3 train --nproc 2 --ep 2` (gloo, FSDP2 + expert parallel) follows the single-process loss curve on the
     same global batch; DCP checkpoints resume and export to the released format."""
@@ -211,20 +221,14 @@ def test_torchrun_fsdp_ep_matches_single_process(corpus, tmp_path):
     one = [*_cli(corpus, tmp_path / "one"), *args]
     two = [*_cli(corpus, tmp_path / "two"), *args, "--nproc", "2", "--ep", "2"]
     for cmd in (one, two):
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        r = _run_ranks(cmd, env)
         assert r.returncode == 0, r.stderr[-3000:]
     a = [r["loss"] for r in read_metrics(str(tmp_path / "one"))]
     b = [r["loss"] for r in read_metrics(str(tmp_path / "two"))]
     assert len(a) == len(b) == 3
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
     assert os.path.exists(tmp_path / "two" / "checkpoints" / "step_0000002" / "config.json")
-    r = subprocess.run(
-        [*two[:-4], "--steps", "4", "--nproc", "2", "--ep", "2", "--resume"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    r = _run_ranks([*two[:-4], "--steps", "4", "--nproc", "2", "--ep", "2", "--resume"], env)
     assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr[-3000:]
     r = subprocess.run(
         [sys.executable, "-m", "openk3", "export", str(tmp_path / "two"), str(tmp_path / "x")],

@@ -110,6 +110,11 @@ def train_main(tc: TrainConfig) -> int:
         dist = init_distributed()
     try:
         result = Trainer(tc, dist=dist).run()
+        if dist is not None:
+            import torch.distributed as td
+
+            if td.is_initialized():
+                td.barrier()  # every rank is done with collectives before any of them tears the group down
     finally:
         if dist is not None:
             import torch.distributed as td
