@@ -471,3 +471,11 @@ def test_pool_plan_from_free_gpu_memory(tiny, monkeypatch):
     assert plan.num_pages * 16 * bpt + 9 * bps <= 4 * gib  # within the budget
     with pytest.raises(RuntimeError, match="not enough free GPU memory"):
         plan_pool(tiny.config, device="cuda", page_size=16, max_seqs=8, reserve_bytes=20 * gib)
+
+
+def test_capture_graphs_is_a_noop_on_cpu(tiny):
+    eng = Engine(tiny, None, max_seqs=4, max_tokens=256)  # CUDA graphs on by default: ignored on CPU
+    assert eng.cfg.use_cuda_graphs and not eng.graphs_enabled
+    assert eng.capture_graphs() == 0
+    r = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    assert len(r.output_ids) == 3

@@ -88,6 +88,8 @@ def test_engine_fast_decode_bf16(graphs):
     from openk3.infer import kernels as KN
 
     assert eng._kda_step is KN.kda_decode_triton and eng._mla_step is KN.mla_decode_triton
+    if graphs:  # every bucket up front, as `openk3 serve` does at start-up
+        assert eng.capture_graphs() == len(eng._buckets) and eng.graphs_enabled
     # ragged prompts and lengths: the batch shrinks as requests finish (several graph buckets)
     lengths = [5, 130, 17, 64, 1, 200]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 24, 33, 8, 40, 16)]

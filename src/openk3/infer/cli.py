@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 _DTYPES = {
     "float32": "float32",
@@ -245,6 +246,10 @@ def cmd_serve(args) -> int:
 
     engine, name, source = _load(args)
     _describe(engine, name, source)
+    if engine.graphs_enabled:
+        t0 = time.perf_counter()
+        n = engine.capture_graphs()
+        _info(f"[openk3] captured {n} decode CUDA graphs (batch buckets) in {time.perf_counter() - t0:.1f}s")
     key = args.api_key or os.environ.get("OPENK3_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
         _info(f"[openk3] warning: listening on {args.host} without an API key (--api-key or OPENK3_API_KEY)")

@@ -844,6 +844,24 @@ class Engine:
         g.replay()
         return out[:B].clone()
 
+    def capture_graphs(self) -> int:
+        """Capture the decode graph of every batch bucket now (a server calls this at start-up, so that no request
+        waits for a capture). Returns the number of captured buckets; 0 off CUDA, with graphs off, or when a
+        capture fails (graphs are then disabled, as on the lazy path)."""
+        if not self.graphs_enabled:
+            return 0
+        try:
+            with torch.no_grad():
+                for b in self._buckets:
+                    if b not in self._graphs:
+                        self._capture(b)
+        except Exception as e:  # same fallback as the lazy capture in _decode_logits
+            log.warning("CUDA graph decode disabled: %s", e)
+            self.graphs_enabled = False
+            self._graphs.clear()
+            return 0
+        return len(self._graphs)
+
     def _capture(self, bucket: int) -> None:
         dev, pool = self.device, self.pool
         bufs = (
