@@ -78,7 +78,9 @@ def build(preset: str):
     return model.eval()
 
 
-def run_preset(preset: str, batches: list[int], context: int, steps: int, graphs: bool) -> None:
+def run_preset(
+    preset: str, batches: list[int], context: int, steps: int, graphs: bool, fuse: bool = False
+) -> None:
     from openk3.cost import predict_decode_time
     from openk3.infer.engine import Engine
     from openk3.infer.sampling import SamplingParams
@@ -105,6 +107,7 @@ def run_preset(preset: str, batches: list[int], context: int, steps: int, graphs
         prefix_cache=False,
         use_cuda_graphs=graphs,
         cuda_graph_max_batch=bmax,
+        fuse_projections=fuse,
     )
     print(f"[{preset}] engine: {eng.memory_report()}", flush=True)
     fwd_times: list[float] = []
@@ -148,7 +151,7 @@ def run_preset(preset: str, batches: list[int], context: int, steps: int, graphs
             pred = predict_decode_time(cfg, B, ctx)
             st, fw = statistics.median(step_t), statistics.median(n_fwd)
             row = {
-                "preset": preset,
+                "preset": preset + (" fused-proj" if fuse else ""),
                 "batch": B,
                 "context": ctx,
                 "step_ms": st * 1e3,
@@ -216,6 +219,11 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (no CUDA graphs)")
+    ap.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="also time each preset with EngineConfig.fuse_projections (one GEMM per layer input)",
+    )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
     ap.add_argument(
         "--profile",
@@ -237,7 +245,8 @@ def main():
         PROFILE = os.path.dirname(out) or "."
     for preset in args.presets.split(","):
         try:
-            run_preset(preset, batches, args.context, args.steps, not args.no_graphs)
+            for fuse in (False, True) if args.fuse_projections else (False,):
+                run_preset(preset, batches, args.context, args.steps, not args.no_graphs, fuse)
         except Exception as e:
             ERRORS.append(f"{preset}: {e!r}")
             traceback.print_exc()

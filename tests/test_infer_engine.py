@@ -479,3 +479,34 @@ def test_capture_graphs_is_a_noop_on_cpu(tiny):
     assert eng.capture_graphs() == 0
     r = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
     assert len(r.output_ids) == 3
+
+
+@pytest.mark.parametrize("variant", ["tiny", "low-rank gate, no q-lora, no MLA gate"])
+def test_fused_projections_match(tiny, variant):
+    """fuse_projections: one GEMM over the concatenated input projections per attention layer gives the decode
+    logits of the unfused engine and of a full re-forward; its memory is reported."""
+    model = tiny
+    if variant != "tiny":
+        torch.manual_seed(1)
+        cfg = get_preset("tiny").replace(
+            attn_res_init="normal", use_full_rank_gate=False, q_lora_rank=None, mla_use_output_gate=False
+        )
+        model = K3ForCausalLM(cfg).eval()
+    prompts = _prompts(21, [5, 23, 40], model.config.vocab_size)
+    runs = []
+    for fuse in (False, True):
+        eng = Engine(model, None, max_seqs=4, max_tokens=512, record_logits=True, fuse_projections=fuse)
+        reqs = eng.generate(prompts, GREEDY)
+        _check_against_full_forward(model, reqs)
+        runs.append((eng, reqs))
+    (e0, r0), (e1, r1) = runs
+    for a, b in zip(r0, r1):
+        assert a.output_ids == b.output_ids
+        assert _rel(torch.stack(b.logits_log), torch.stack(a.logits_log)) < 1e-5
+    assert e0.memory_report()["fused_projection_bytes"] == 0
+    want = sum(
+        m.weight.numel() * m.weight.element_size()
+        for layer in model.model.layers
+        for m in Engine._input_projections(layer)
+    )
+    assert e1.memory_report()["fused_projection_bytes"] == want > 0

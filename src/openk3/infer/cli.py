@@ -68,6 +68,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="capture the decode step in CUDA graphs per batch bucket (default on; no effect on CPU)",
     )
     g.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="decode: one GEMM per attention layer over its concatenated input projections (more weight memory)",
+    )
+    g.add_argument(
         "--decode-backend", default=None, help="decode steps: auto (default), reference, or a registered name"
     )
 
@@ -108,6 +113,7 @@ def _load(args):
         prefix_cache=not args.no_prefix_cache,
         prefix_interval=args.prefix_interval,
         use_cuda_graphs=args.cuda_graphs,
+        fuse_projections=args.fuse_projections,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     engine = Engine(model, tok, cfg)

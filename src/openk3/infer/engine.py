@@ -78,6 +78,9 @@ class EngineConfig:
     cache_dtype: torch.dtype | None = None  # default: the model's dtype
     decode_backend: str | None = None  # None: auto; "reference"; or a FAST_*_DECODE name
     record_logits: bool = False  # keep each decode step's logits on the request (tests / debugging)
+    # decode step: each attention layer's input projections (KDA q/k/v/f_a/b/g, MLA q/latent/gate) as one GEMM over
+    # a concatenated copy of their weights (fewer, larger kernels; costs that copy's memory, see memory_report)
+    fuse_projections: bool = False
 
 
 @dataclass
@@ -253,6 +256,9 @@ class Engine:
             for i, layer in enumerate(inner.layers)
             if self.mcfg.use_attn_res and layer.seal
         }
+        self._fused: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        if cfg.fuse_projections:
+            self._build_fused_projections()
         self._kda_step = resolve_kda_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
         self._mla_step = resolve_mla_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
@@ -270,6 +276,24 @@ class Engine:
         )
 
     # ------------------------------------------------------------------------------------------------ setup helpers
+    @staticmethod
+    def _input_projections(layer) -> list:
+        """The Linear layers of one attention layer that read the layer input, in the decode step's order."""
+        m = layer.self_attn
+        if layer.attn_type == "kda":
+            g = m.g_proj if m.full_rank_gate else m.g_a_proj
+            return [m.q_proj, m.k_proj, m.v_proj, m.f_a_proj, m.b_proj, g]
+        q = m.q_proj if m.q_lora_rank is None else m.q_a_proj
+        return [q, m.kv_a_proj_with_mqa] + ([m.g_proj] if m.use_gate else [])
+
+    @torch.no_grad()
+    def _build_fused_projections(self) -> None:
+        """Concatenated input-projection weights per attention layer (a copy: later changes to the model's weights
+        are not seen by this engine)."""
+        for i, layer in enumerate(self.model.model.layers):
+            mods = self._input_projections(layer)
+            self._fused[i] = (torch.cat([m.weight for m in mods], 0), [m.weight.shape[0] for m in mods])
+
     def _reserve_bytes(self) -> int:
         if self.device.type != "cuda":
             return 0
@@ -294,6 +318,7 @@ class Engine:
         r["max_model_len"] = self.max_model_len
         r["plan"] = self.plan.source
         r["prefix_cache_bytes"] = self.prefix.max_bytes if self.prefix else 0
+        r["fused_projection_bytes"] = sum(w.numel() * w.element_size() for w, _ in self._fused.values())
         return r
 
     # ------------------------------------------------------------------------------------------------ public API
@@ -792,25 +817,27 @@ class Engine:
             B = xx.shape[0]
             m = layer.self_attn
             j = pool.pool_index[i]
+            fused = self._fused.get(i)
+            if fused is not None:  # one GEMM for every projection of the layer input
+                parts = F.linear(xx, fused[0]).split(fused[1], dim=-1)
             if layer.attn_type == "kda":
-                z = m.f_b_proj(m.f_a_proj(xx))
-                gate = m.g_proj(xx) if m.full_rank_gate else m.g_b_proj(m.g_a_proj(xx))
-                o = self._kda_step(
-                    m,
-                    m.q_proj(xx),
-                    m.k_proj(xx),
-                    m.v_proj(xx),
-                    z,
-                    m.b_proj(xx),
-                    gate,
-                    pool.conv[j],
-                    pool.state[j],
-                    slots,
-                )
+                if fused is not None:
+                    q, k, v, fa, bl, ga = parts
+                else:
+                    q, k, v, fa, bl = m.q_proj(xx), m.k_proj(xx), m.v_proj(xx), m.f_a_proj(xx), m.b_proj(xx)
+                    ga = m.g_proj(xx) if m.full_rank_gate else m.g_a_proj(xx)
+                gate = ga if m.full_rank_gate else m.g_b_proj(ga)
+                o = self._kda_step(m, q, k, v, m.f_b_proj(fa), bl, gate, pool.conv[j], pool.state[j], slots)
                 return m.o_proj(o)[:, None]
             H = m.num_heads
-            q = m.project_q(xx).view(B, H, m.dn + m.dr)
-            c, kr = m.latent(xx)
+            if fused is not None:
+                qx = parts[0] if m.q_lora_rank is None else m.q_b_proj(m.q_a_layernorm(parts[0]))
+                q = qx.reshape(B, H, m.dn + m.dr)
+                c, kr = parts[1].split([m.dc, m.dr], dim=-1)
+                c = m.kv_a_layernorm(c)
+            else:
+                q = m.project_q(xx).view(B, H, m.dn + m.dr)
+                c, kr = m.latent(xx)
             pool.write_latent(j, rows, torch.cat([c, kr.to(c.dtype)], dim=-1))
             w_uk, w_uv = m.absorbed_weights()
             qa = torch.einsum("bhn,hnc->bhc", q[..., : m.dn].float(), w_uk.float())
@@ -818,7 +845,7 @@ class Engine:
             cbar = self._mla_step(ql, pool.kv[j], table, lengths, scale=m.scale, kv_lora_rank=dc)
             o = torch.einsum("bhc,hvc->bhv", cbar, w_uv.float()).to(xx.dtype).reshape(B, H * m.dv)
             if m.use_gate:
-                o = torch.sigmoid(m.g_proj(xx)) * o
+                o = torch.sigmoid(parts[2] if fused is not None else m.g_proj(xx)) * o
             return m.o_proj(o)[:, None]
 
         h = self._walk(self.model.model.embed_tokens(ids)[:, None], attn)
