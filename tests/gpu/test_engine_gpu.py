@@ -104,12 +104,15 @@ def test_engine_fast_decode_bf16(graphs):
     assert e_eng < max(1.5 * e_full, 1e-2), (e_eng, e_full)
 
 
-def test_engine_fast_decode_fp32():
-    """fp32: Triton decode steps against a full forward of the same model, tightly."""
+@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused-proj"])
+def test_engine_fast_decode_fp32(fuse):
+    """fp32: Triton decode steps against a full forward of the same model, tightly (also with the input projections
+    fused into one GEMM per layer)."""
     model = _model("small", torch.float32)
     eng = Engine(
-        model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, prefix_cache=False
-    )
+        model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, prefix_cache=False,
+        fuse_projections=fuse,
+    )  # fmt: skip
     from openk3.infer import kernels as KN
 
     assert eng._kda_step is KN.kda_decode_triton and eng._mla_step is KN.mla_decode_triton
