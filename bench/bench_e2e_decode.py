@@ -141,7 +141,7 @@ def run_preset(
                 eng.step()
                 step_t.append(time.perf_counter() - t)
             n_fwd = list(fwd_times)
-            if PROFILE and B == min(batches):
+            if PROFILE and B == min(batches) and not fuse:
                 profile_steps(eng, preset, B)
             for r in reqs:
                 eng.abort(r.id)

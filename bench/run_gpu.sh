@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one go, on one CUDA machine, each step time-boxed so that one slow step cannot eat
-# the others (fla's Triton kernels compile and autotune on first use: cap that with OPENK3_AUTOTUNE_MAX=1).
+# the others (fla's Triton kernels compile and autotune on first use: cap that with OPENK3_AUTOTUNE_MAX=1). All steps
+# together leave 8 files in OUT_DIR (a remote runner that returns at most 8 files gets them all).
 #
 #   OPENK3_AUTOTUNE_MAX=1 bash bench/run_gpu.sh OUT_DIR [steps]
 #
