@@ -510,3 +510,37 @@ def test_fused_projections_match(tiny, variant):
         for m in Engine._input_projections(layer)
     )
     assert e1.memory_report()["fused_projection_bytes"] == want > 0
+
+
+def test_cli_backend_choice_is_checked(tmp_path):
+    """`openk3 generate --backend OP=NAME`: a clear one-line error for an unknown op or a backend this device
+    cannot run; a valid choice is applied."""
+    import subprocess
+    import sys
+
+    def run(*extra):
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "openk3",
+                "generate",
+                "--prompt",
+                "def f",
+                "--max-new-tokens",
+                "2",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
+
+    r = run("--backend", "nope=x")
+    assert r.returncode != 0 and "unknown op 'nope'" in r.stderr
+    if not torch.cuda.is_available():
+        r = run("--backend", "mla=sdpa")
+        assert r.returncode != 0 and "not available" in r.stderr
+    r = run("--backend", "kda=reference", "--backend", "moe=auto")
+    assert r.returncode == 0, r.stderr

@@ -238,3 +238,30 @@ def test_torchrun_fsdp_ep_matches_single_process(corpus, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert K3ForCausalLM.from_pretrained(tmp_path / "x").config.num_experts == 8
+
+
+def test_backend_choices(corpus, tmp_path):
+    """Per-op backends from the run config (`backends`, `--backend OP=NAME`): applied to the model, recorded in
+    run.json, and checked up front (unknown op, unknown name, a backend that cannot run on this device)."""
+    from openk3.cli import build_parser
+    from openk3.modules.moe import SparseMoE
+    from openk3.ops import backend
+    from openk3.train.cli import train_config_from_args
+
+    t = Trainer(_tc(corpus, tmp_path / "b", steps=1, backends={"moe": "reference", "kda": "auto"}))
+    t.run()
+    moes = [m for m in t.model.modules() if isinstance(m, SparseMoE)]
+    assert moes and all(m.backend == "reference" for m in moes)
+    run = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert run["train"]["backends"] == {"moe": "reference", "kda": "auto"}
+    with pytest.raises(TrainError, match="unknown op 'nope'"):
+        Trainer(_tc(corpus, tmp_path / "c", backends={"nope": "reference"}))
+    with pytest.raises(TrainError, match="unknown backend 'foo' for moe"):
+        Trainer(_tc(corpus, tmp_path / "c", backends={"moe": "foo"}))
+    if not torch.cuda.is_available():
+        with pytest.raises(TrainError, match="not available"):
+            Trainer(_tc(corpus, tmp_path / "c", backends={"moe": "grouped_mm"}))
+    args = build_parser().parse_args(["train", "--backend", "moe=reference", "--backend", "attnres=auto"])
+    assert train_config_from_args(args).backends == {"moe": "reference", "attnres": "auto"}
+    with pytest.raises(ValueError, match="OP=NAME"):
+        backend.parse_choices(["moe"])

@@ -73,6 +73,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="decode: one GEMM per attention layer over its concatenated input projections (more weight memory)",
     )
     g.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="OP=NAME",
+        help="force a backend for one op of the prefill path (kda, mla, moe, attnres, norm, conv), e.g. "
+        "--backend kda=reference; `openk3 env` lists the names (default: auto)",
+    )
+    g.add_argument(
         "--decode-backend", default=None, help="decode steps: auto (default), reference, or a registered name"
     )
 
@@ -103,6 +111,10 @@ def _load(args):
     model, tok, name, source = load_for_inference(
         args.ckpt, device=args.device, dtype=dtype, tokenizer=args.tokenizer, seed=args.seed_init
     )
+    from openk3.ops.backend import parse_choices
+
+    for op, name in parse_choices(args.backend, next(model.parameters()).is_cuda).items():
+        model.set_backend(op, name)
     cfg = EngineConfig(
         page_size=args.page_size,
         max_seqs=args.max_seqs,

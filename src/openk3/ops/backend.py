@@ -84,3 +84,34 @@ def describe(is_cuda: bool) -> dict[str, dict]:
             "backends": {k: {"available": v[0], "why": v[1]} for k, v in rows.items()},
         }
     return out
+
+
+def parse_choices(items, is_cuda: bool | None = None) -> dict[str, str | None]:
+    """Per-op backend choices from ``["op=name", ...]`` (command lines) or ``{"op": "name"}`` (run files), checked
+    against the registry: ``{op: name}``, with ``"auto"`` as None. Unknown ops or names raise ``ValueError`` with
+    the valid choices; with ``is_cuda`` given, so does a backend that cannot run on that device."""
+    try:  # register the fast paths, so that their names are known even before a model is built
+        import openk3.fast  # noqa: F401
+    except Exception:
+        pass
+    pairs = []
+    if isinstance(items, dict):
+        pairs = list(items.items())
+    else:
+        for item in items:
+            if not isinstance(item, str) or item.count("=") != 1:
+                raise ValueError(f"backend choices are OP=NAME, e.g. kda=reference; got {item!r}")
+            pairs.append(tuple(s.strip() for s in item.split("=")))
+    out: dict[str, str | None] = {}
+    for op, name in pairs:
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r} in a backend choice; ops are {', '.join(OPS)}")
+        if name != "auto" and name not in names(op):
+            raise ValueError(f"unknown backend {name!r} for {op}; choose from {', '.join(names(op))} or auto")
+        out[op] = None if name == "auto" else name
+        if is_cuda is not None and out[op] is not None:
+            try:
+                resolve(op, is_cuda, out[op])
+            except RuntimeError as e:
+                raise ValueError(str(e)) from None
+    return out

@@ -45,7 +45,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "ep": "expert-parallel degree (divides nproc)",
     }
     for f in dataclasses.fields(TrainConfig):
-        if f.name == "overrides":
+        if f.name in ("overrides", "backends"):
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
@@ -65,6 +65,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a model config field, e.g. --set attn_res_block_size=2 (JSON values)",
     )
+    p.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="OP=NAME",
+        help="force a backend for one op (kda, mla, moe, attnres, norm, conv), e.g. --backend moe=reference; "
+        "`openk3 env` lists the names (default: auto)",
+    )
     p.add_argument("--run-file", default=None, help="TOML/YAML file with the same keys as these options")
 
 
@@ -74,7 +82,7 @@ def train_config_from_args(args) -> TrainConfig:
         d.update(TrainConfig.from_file(args.run_file))
     for f in dataclasses.fields(TrainConfig):
         v = getattr(args, f.name, None)
-        if v is not None and f.name != "overrides":
+        if v is not None and f.name not in ("overrides", "backends"):
             d[f.name] = v
     over = dict(d.get("overrides", {}))
     for item in args.set:
@@ -86,6 +94,13 @@ def train_config_from_args(args) -> TrainConfig:
         except json.JSONDecodeError:
             over[k] = v
     d["overrides"] = over
+    backends = dict(d.get("backends", {}))
+    for item in args.backend:
+        if "=" not in item:
+            raise TrainError(f"--backend expects OP=NAME, got {item!r}")
+        op, name = item.split("=", 1)
+        backends[op.strip()] = name.strip()
+    d["backends"] = backends
     if d.get("qk_clip_tau") == 0:
         d["qk_clip_tau"] = None
     return TrainConfig(**d)

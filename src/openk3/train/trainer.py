@@ -78,6 +78,9 @@ class TrainConfig:
     nproc: int = 1
     ep: int = 1
     overrides: dict[str, Any] = field(default_factory=dict)  # model config overrides
+    backends: dict[str, str] = field(
+        default_factory=dict
+    )  # per-op backend, e.g. {"kda": "reference"}; default auto
 
     @classmethod
     def from_file(cls, path: str) -> dict[str, Any]:
@@ -221,6 +224,12 @@ class Trainer:
             raise TrainError(f"--schedule must be cosine or wsd, got {tc.schedule!r}")
         if tc.balance not in ("qb", "sign", "none"):
             raise TrainError(f"--balance must be qb, sign or none, got {tc.balance!r}")
+        from openk3.ops import backend as _backend
+
+        try:
+            self.backends = _backend.parse_choices(tc.backends, self.device.type == "cuda")
+        except ValueError as e:
+            raise TrainError(f"--backend: {e}") from None
 
     def _tokenizer(self):
         from openk3.train.tokenizer import Tokenizer
@@ -302,6 +311,8 @@ class Trainer:
 
         tc, cfg = self.tc, self.model_config
         model = K3ForCausalLM(cfg)  # same seed on every rank -> identical initial weights
+        for op, name in self.backends.items():
+            model.set_backend(op, name)
         self.mesh = None
         if self.distributed:
             from openk3.train import distributed as D
