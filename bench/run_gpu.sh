@@ -5,6 +5,8 @@
 #
 #   OPENK3_AUTOTUNE_MAX=1 bash bench/run_gpu.sh OUT_DIR [steps]
 #
+# Time limits per step (seconds): T_TESTS=300 T_DECODE=150 T_E2E=300 (e2e and e2e_split each) T_TRAIN=400, about
+# 25 minutes in all; under a shorter per-command limit pass a subset of steps per call.
 # steps (comma separated, default all): tests, decode, e2e, e2e_split, train. Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile --fuse-projections),
