@@ -156,6 +156,24 @@ if HAS_TRITON:
         return a0 + a1, b0 + b1, c0 + c1
 
     @triton.jit
+    def _kda_prep(
+        q, k, z_row, dt_bias_ptr, a_log_ptr, beta_row, ch, h, lower_bound, q_scale, LB_GATE: tl.constexpr
+    ):
+        """Per-head scalars of one step (fp32): L2-normalised q (times ``q_scale``) and k, the per-channel decay
+        ``exp(g)`` (``lowerbound``: ``lb * sigmoid(exp(A) (z + dt_bias))``, else ``-exp(A) softplus(z + dt_bias)``),
+        ``beta = sigmoid(beta_logit)`` and ``q . k``."""
+        zz = tl.load(z_row + ch).to(tl.float32) + tl.load(dt_bias_ptr + ch).to(tl.float32)
+        a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+        if LB_GATE:
+            g = lower_bound * tl.sigmoid(a * zz)
+        else:
+            g = -a * tl.where(zz > 20.0, zz, tl.log(1.0 + tl.exp(tl.minimum(zz, 20.0))))
+        beta = tl.sigmoid(tl.load(beta_row + h).to(tl.float32))
+        q = q * (q_scale / tl.sqrt(tl.sum(q * q) + 1e-6))
+        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+        return q, k, tl.exp(g), beta, tl.sum(q * k)
+
+    @triton.jit
     def _kda_tile(S, sp, v, q, k, decay, beta, qk, dtype: tl.constexpr, SEL: tl.constexpr):
         """One ``[K, BV]`` tile ``S`` of a head's state (loaded from ``sp``): decay, delta update (written back to
         ``sp``), output. ``v``: this tile's values ``[BV]``, or with ``SEL`` a ``[K, BV]`` tile holding them on the
@@ -198,17 +216,10 @@ if HAS_TRITON:
         k, win_k = _conv_silu(k_ptr + b * s_k, wk_ptr, conv + HK * (W - 1), ch, cw, W, dtype)
         v, win_v = _conv_silu(v_ptr + b * s_v, wv_ptr, conv + 2 * HK * (W - 1), ch, cw, W, dtype)
         # 2. gate, beta, L2 norms, query scale (fp32)
-        zz = tl.load(z_ptr + b * s_z + ch).to(tl.float32) + tl.load(dt_bias_ptr + ch).to(tl.float32)
-        a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-        if LB_GATE:
-            g = lower_bound * tl.sigmoid(a * zz)
-        else:
-            g = -a * tl.where(zz > 20.0, zz, tl.log(1.0 + tl.exp(tl.minimum(zz, 20.0))))
-        decay = tl.exp(g)
-        beta = tl.sigmoid(tl.load(beta_ptr + b * s_beta + h).to(tl.float32))
-        q = q * (q_scale / tl.sqrt(tl.sum(q * q) + 1e-6))
-        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-        qk = tl.sum(q * k)
+        q, k, decay, beta, qk = _kda_prep(
+            q, k, z_ptr + b * s_z, dt_bias_ptr, a_log_ptr, beta_ptr + b * s_beta, ch, h, lower_bound, q_scale,
+            LB_GATE,
+        )  # fmt: skip
         # every thread has consumed the history it loaded: shift it
         tl.debug_barrier()
         _shift_hist(conv, win_q, ch, cw, W)
@@ -270,16 +281,11 @@ if HAS_TRITON:
         q, _wq = _conv_silu(q_ptr + b * s_q, wq_ptr, conv, ch, cw, W, dtype)
         k, _wk = _conv_silu(k_ptr + b * s_k, wk_ptr, conv + HK * (W - 1), ch, cw, W, dtype)
         v, _wv = _conv_silu(v_ptr + b * s_v, wv_ptr, conv + 2 * HK * (W - 1), h * K + cols, cw, W, dtype)
-        zz = tl.load(z_ptr + b * s_z + ch).to(tl.float32) + tl.load(dt_bias_ptr + ch).to(tl.float32)
-        a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-        if LB_GATE:
-            g = lower_bound * tl.sigmoid(a * zz)
-        else:
-            g = -a * tl.where(zz > 20.0, zz, tl.log(1.0 + tl.exp(tl.minimum(zz, 20.0))))
-        beta = tl.sigmoid(tl.load(beta_ptr + b * s_beta + h).to(tl.float32))
-        q = q * (q_scale / tl.sqrt(tl.sum(q * q) + 1e-6))
-        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-        o, ss = _kda_tile(S, sp, v, q, k, tl.exp(g), beta, tl.sum(q * k), dtype, False)
+        q, k, decay, beta, qk = _kda_prep(
+            q, k, z_ptr + b * s_z, dt_bias_ptr, a_log_ptr, beta_ptr + b * s_beta, ch, h, lower_bound, q_scale,
+            LB_GATE,
+        )  # fmt: skip
+        o, ss = _kda_tile(S, sp, v, q, k, decay, beta, qk, dtype, False)
         tl.store(o_ptr + b * s_o + h * K + cols, o.to(dtype))
         tl.store(ss_ptr + (b * H + h) * NT + j, ss)
 
