@@ -802,9 +802,7 @@ class Engine:
                 try:
                     return self._graph_decode(bucket, ids, slots, table, lengths, rows)
                 except Exception as e:  # capture failed (host sync in some op): run eagerly from now on
-                    log.warning("CUDA graph decode disabled: %s", e)
-                    self.graphs_enabled = False
-                    self._graphs.clear()
+                    self._disable_graphs(e)
         return self._decode_forward(ids.to(dev), slots.to(dev), table.to(dev), lengths.to(dev), rows.to(dev))
 
     def _decode_forward(self, ids, slots, table, lengths, rows) -> torch.Tensor:
@@ -883,11 +881,14 @@ class Engine:
                     if b not in self._graphs:
                         self._capture(b)
         except Exception as e:  # same fallback as the lazy capture in _decode_logits
-            log.warning("CUDA graph decode disabled: %s", e)
-            self.graphs_enabled = False
-            self._graphs.clear()
+            self._disable_graphs(e)
             return 0
         return len(self._graphs)
+
+    def _disable_graphs(self, err: Exception) -> None:
+        log.warning("CUDA graph decode disabled: %s", err)
+        self.graphs_enabled = False
+        self._graphs.clear()
 
     def _capture(self, bucket: int) -> None:
         dev, pool = self.device, self.pool

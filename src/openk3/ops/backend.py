@@ -86,6 +86,18 @@ def describe(is_cuda: bool) -> dict[str, dict]:
     return out
 
 
+def split_choices(items) -> dict[str, str]:
+    """``["op=name", ...]`` -> ``{"op": "name"}`` (names as given, ``auto`` included); ``ValueError`` on an item
+    that is not ``OP=NAME``."""
+    out: dict[str, str] = {}
+    for item in items:
+        if not isinstance(item, str) or item.count("=") != 1:
+            raise ValueError(f"backend choices are OP=NAME, e.g. kda=reference; got {item!r}")
+        op, name = (t.strip() for t in item.split("="))
+        out[op] = name
+    return out
+
+
 def parse_choices(items, is_cuda: bool | None = None) -> dict[str, str | None]:
     """Per-op backend choices from ``["op=name", ...]`` (command lines) or ``{"op": "name"}`` (run files), checked
     against the registry: ``{op: name}``, with ``"auto"`` as None. Unknown ops or names raise ``ValueError`` with
@@ -94,16 +106,9 @@ def parse_choices(items, is_cuda: bool | None = None) -> dict[str, str | None]:
         import openk3.fast  # noqa: F401
     except Exception:
         pass
-    pairs = []
-    if isinstance(items, dict):
-        pairs = list(items.items())
-    else:
-        for item in items:
-            if not isinstance(item, str) or item.count("=") != 1:
-                raise ValueError(f"backend choices are OP=NAME, e.g. kda=reference; got {item!r}")
-            pairs.append(tuple(s.strip() for s in item.split("=")))
+    chosen = items if isinstance(items, dict) else split_choices(items)
     out: dict[str, str | None] = {}
-    for op, name in pairs:
+    for op, name in chosen.items():
         if op not in OPS:
             raise ValueError(f"unknown op {op!r} in a backend choice; ops are {', '.join(OPS)}")
         if name != "auto" and name not in names(op):

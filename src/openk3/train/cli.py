@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from openk3.ops.backend import split_choices
 from openk3.train.trainer import TrainConfig, TrainError
 
 _EPILOG = """examples:
@@ -94,13 +95,10 @@ def train_config_from_args(args) -> TrainConfig:
         except json.JSONDecodeError:
             over[k] = v
     d["overrides"] = over
-    backends = dict(d.get("backends", {}))
-    for item in args.backend:
-        if "=" not in item:
-            raise TrainError(f"--backend expects OP=NAME, got {item!r}")
-        op, name = item.split("=", 1)
-        backends[op.strip()] = name.strip()
-    d["backends"] = backends
+    try:
+        d["backends"] = {**d.get("backends", {}), **split_choices(args.backend)}
+    except ValueError as e:
+        raise TrainError(f"--backend: {e}") from None
     if d.get("qk_clip_tau") == 0:
         d["qk_clip_tau"] = None
     return TrainConfig(**d)
