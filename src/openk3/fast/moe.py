@@ -305,9 +305,11 @@ if HAS_TRITON:
         tl.store(out_ptr + n * W + cols, acc.to(out_ptr.dtype.element_ty), mask=cm)
 
     @triton.jit
-    def _plan_hist_kernel(e_ptr, hist_ptr, nk, E: tl.constexpr, BLK: tl.constexpr, BE: tl.constexpr):
-        """hist[b, e] = number of pairs of block b (BLK consecutive (token, slot) pairs) routed to expert e
-        (one-hot compare + sum over BE experts at a time: plain loads/reductions, no histogram op)."""
+    def _plan_hist_kernel(e_ptr, hist_ptr, nk, nb, E: tl.constexpr, BLK: tl.constexpr, BE: tl.constexpr):
+        """hist[e, b] = number of pairs of block b (BLK consecutive (token, slot) pairs) routed to expert e
+        (one-hot compare + sum over BE experts at a time: plain loads/reductions, no histogram op). Expert-major,
+        so the running count over blocks is a scan along the contiguous dimension (an outer-dimension scan of a
+        [blocks, E] table took ~0.18 ms at 1024 blocks on an H200)."""
         b = tl.program_id(0)
         offs = b * BLK + tl.arange(0, BLK)
         m = offs < nk
@@ -315,16 +317,16 @@ if HAS_TRITON:
         for e0 in range(0, E, BE):
             bins = e0 + tl.arange(0, BE)
             h = tl.sum((e[:, None] == bins[None, :]).to(tl.int32), axis=0)
-            tl.store(hist_ptr + b * E + bins, h, mask=bins < E)
+            tl.store(hist_ptr + bins * nb + b, h, mask=bins < E)
 
     @triton.jit
     def _plan_offs_kernel(
-        counts_ptr, pstart_ptr, offs_ptr, E, ALIGN: tl.constexpr, MIN_ROWS: tl.constexpr, EP: tl.constexpr
+        counts_ptr, c_stride, pstart_ptr, offs_ptr, E, ALIGN: tl.constexpr, MIN_ROWS: tl.constexpr, EP: tl.constexpr
     ):
         """Group sizes (count rounded up to ALIGN, at least MIN_ROWS), their ends (int32 offs) and starts."""
         e = tl.arange(0, EP)
         m = e < E
-        c = tl.load(counts_ptr + e, mask=m, other=0)
+        c = tl.load(counts_ptr + e * c_stride, mask=m, other=0)
         padded = tl.maximum((c + ALIGN - 1) // ALIGN * ALIGN, MIN_ROWS)
         padded = tl.where(m, padded, 0)
         ends = tl.cumsum(padded, 0)
@@ -342,6 +344,7 @@ if HAS_TRITON:
         tok_ptr,
         scale_ptr,
         nk,
+        nb,
         E,
         K,
         HAS_W: tl.constexpr,
@@ -357,8 +360,8 @@ if HAS_TRITON:
         same_before = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
         rank = tl.sum(same_before.to(tl.int32), axis=1)
         ec = tl.where(m, e, 0)
-        before = tl.load(cum_ptr + b * E + ec, mask=m, other=0) - tl.load(
-            hist_ptr + b * E + ec, mask=m, other=0
+        before = tl.load(cum_ptr + ec * nb + b, mask=m, other=0) - tl.load(
+            hist_ptr + ec * nb + b, mask=m, other=0
         )
         row = tl.load(pstart_ptr + ec, mask=m, other=0) + before + rank
         tl.store(rows_ptr + offs, row, mask=m)
@@ -561,13 +564,13 @@ class RowPlan:
         flat = idx.reshape(-1)
         nb = triton.cdiv(nk, _PLAN_BLK)
         EP = triton.next_power_of_2(E)
-        hist = torch.empty(nb, E, dtype=torch.int32, device=dev)
-        _plan_hist_kernel[(nb,)](flat, hist, nk, E, BLK=_PLAN_BLK, BE=min(EP, 64))
-        cum = torch.cumsum(hist, 0, dtype=torch.int32)
+        hist = torch.empty(E, nb, dtype=torch.int32, device=dev)  # expert-major: the scan runs along blocks
+        _plan_hist_kernel[(nb,)](flat, hist, nk, nb, E, BLK=_PLAN_BLK, BE=min(EP, 64))
+        cum = torch.cumsum(hist, 1, dtype=torch.int32)
         offs = torch.empty(E, dtype=torch.int32, device=dev)
         pstart = torch.empty(E, dtype=torch.int32, device=dev)
         _plan_offs_kernel[(1,)](
-            cum[nb - 1], pstart, offs, E, ALIGN=align, MIN_ROWS=0 if sparse else align, EP=EP
+            cum[:, nb - 1], nb, pstart, offs, E, ALIGN=align, MIN_ROWS=0 if sparse else align, EP=EP
         )
         self.P = nk + (align - 1) * min(E, nk) if sparse else nk + E * align
         tok = torch.full((self.P,), N, dtype=torch.int32, device=dev)
@@ -584,6 +587,7 @@ class RowPlan:
             tok,
             scale if scale is not None else hist,
             nk,
+            nb,
             E,
             K,
             HAS_W=wf is not None,
