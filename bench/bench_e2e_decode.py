@@ -79,7 +79,7 @@ def build(preset: str):
 
 
 def run_preset(
-    preset: str, batches: list[int], context: int, steps: int, graphs: bool, fuse: bool = False
+    preset: str, batches: list[int], context: int, steps: int, graphs: bool, fuse: bool = True
 ) -> None:
     from openk3.cost import predict_decode_time
     from openk3.infer.engine import Engine
@@ -141,7 +141,7 @@ def run_preset(
                 eng.step()
                 step_t.append(time.perf_counter() - t)
             n_fwd = list(fwd_times)
-            if PROFILE and B == min(batches) and not fuse:
+            if PROFILE and B == min(batches) and fuse:
                 profile_steps(eng, preset, B)
             for r in reqs:
                 eng.abort(r.id)
@@ -151,7 +151,7 @@ def run_preset(
             pred = predict_decode_time(cfg, B, ctx)
             st, fw = statistics.median(step_t), statistics.median(n_fwd)
             row = {
-                "preset": preset + (" fused-proj" if fuse else ""),
+                "preset": preset + ("" if fuse else " unfused-proj"),
                 "batch": B,
                 "context": ctx,
                 "step_ms": st * 1e3,
@@ -220,9 +220,9 @@ def main():
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (no CUDA graphs)")
     ap.add_argument(
-        "--fuse-projections",
+        "--compare-unfused",
         action="store_true",
-        help="also time each preset with EngineConfig.fuse_projections (one GEMM per layer input)",
+        help="also time each preset with EngineConfig.fuse_projections off (one GEMM per projection)",
     )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
     ap.add_argument(
@@ -245,7 +245,7 @@ def main():
         PROFILE = os.path.dirname(out) or "."
     for preset in args.presets.split(","):
         try:
-            for fuse in (False, True) if args.fuse_projections else (False,):
+            for fuse in (True, False) if args.compare_unfused else (True,):
                 run_preset(preset, batches, args.context, args.steps, not args.no_graphs, fuse)
         except Exception as e:
             ERRORS.append(f"{preset}: {e!r}")

@@ -311,10 +311,12 @@ def sec_moe():
         logits = torch.randn(N, E, device="cuda")
         idx = logits.topk(K, dim=-1).indices
         w = torch.softmax(logits.gather(1, idx), -1).requires_grad_()
+        # gate and up as the two halves of one [E, 2I, W] buffer: the layout of openk3.modules.moe.Experts
+        w13 = torch.randn(E, 2 * I, W, device="cuda", dtype=dt) * W**-0.5
         ws = [
-            (torch.randn(E, I, W, device="cuda", dtype=dt) * W**-0.5).requires_grad_(),
+            w13[:, :I].requires_grad_(),
             (torch.randn(E, W, I, device="cuda", dtype=dt) * I**-0.5).requires_grad_(),
-            (torch.randn(E, I, W, device="cuda", dtype=dt) * W**-0.5).requires_grad_(),
+            w13[:, I:].requires_grad_(),
         ]
         dy = torch.randn(N, W, device="cuda", dtype=dt)
         fl = 2 * N * K * 3 * W * I
@@ -327,9 +329,14 @@ def sec_moe():
         d2 = (torch.randn(I, W, device="cuda", dtype=dt) * I**-0.5).requires_grad_()
         dyr = torch.randn(N * K, W, device="cuda", dtype=dt)
         dense = lambda: ((xr @ d1) * (xr @ d3)) @ d2  # noqa: E731
+
+        def clear():  # a training step starts from cleared gradients (zero_grad(set_to_none=True))
+            for t in (x, w, *ws, xr, d1, d2, d3):
+                t.grad = None
+
         with torch.no_grad():
             t_df = timeit(dense)
-        t_dfb = timeit(lambda: dense().backward(dyr))
+        t_dfb = timeit(lambda: dense().backward(dyr), setup=clear)
         shape = f"E{E} top{K} W{W} I{I} N{N} bf16"
         res = {}
         for v in variants:
@@ -337,7 +344,7 @@ def sec_moe():
             try:
                 with torch.no_grad():
                     t_f = timeit(f_fwd, rep=10)
-                t_fb = timeit(lambda: f_fwd().backward(dy), rep=10)
+                t_fb = timeit(lambda: f_fwd().backward(dy), rep=10, setup=clear)
             except torch.OutOfMemoryError as e:
                 print(f"    moe {tag} [{v}] OOM: {str(e)[:200]}")
                 free()
@@ -358,7 +365,9 @@ def sec_moe():
                 )
         if with_ref and res:
             best = min(res, key=res.get)
-            t_r = timeit(lambda: experts_reference(x, idx, w, *ws, act="situ").backward(dy), warmup=1, rep=3)
+            t_r = timeit(
+                lambda: experts_reference(x, idx, w, *ws, act="situ").backward(dy), warmup=1, rep=3, setup=clear
+            )
             row(
                 "moe",
                 f"{tag} experts fwd+bwd [{best}] vs reference loop",
@@ -369,7 +378,7 @@ def sec_moe():
                 3 * fl,
                 0,
             )
-        x = w = ws = dy = xr = d1 = d2 = d3 = dyr = None
+        x = w = ws = w13 = dy = xr = d1 = d2 = d3 = dyr = None
 
     bench_experts(64, 8, 1024, 640, 16384, True, "medium", variants)
     free()

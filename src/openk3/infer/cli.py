@@ -69,8 +69,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--fuse-projections",
-        action="store_true",
-        help="decode: one GEMM per attention layer over its concatenated input projections (more weight memory)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode: one GEMM per attention layer over its input projections, stored side by side (default on)",
     )
     g.add_argument(
         "--backend",

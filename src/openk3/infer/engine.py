@@ -79,8 +79,9 @@ class EngineConfig:
     decode_backend: str | None = None  # None: auto; "reference"; or a FAST_*_DECODE name
     record_logits: bool = False  # keep each decode step's logits on the request (tests / debugging)
     # decode step: each attention layer's input projections (KDA q/k/v/f_a/b/g, MLA q/latent/gate) as one GEMM over
-    # a concatenated copy of their weights (fewer, larger kernels; costs that copy's memory, see memory_report)
-    fuse_projections: bool = False
+    # their weights stored side by side (fewer, larger kernels; no extra memory: the model's projection weights become
+    # views into the concatenated buffer)
+    fuse_projections: bool = True
 
 
 @dataclass
@@ -288,11 +289,20 @@ class Engine:
 
     @torch.no_grad()
     def _build_fused_projections(self) -> None:
-        """Concatenated input-projection weights per attention layer (a copy: later changes to the model's weights
-        are not seen by this engine)."""
+        """Per attention layer, one buffer holding its input-projection weights side by side. The modules' weights
+        are re-pointed to views of it (same values, no second copy), so the model's own forward (prefill) and the
+        fused decode GEMM read the same memory. A layer whose projection weights differ in dtype or device, or are
+        not plain tensors, is left unfused."""
         for i, layer in enumerate(self.model.model.layers):
             mods = self._input_projections(layer)
-            self._fused[i] = (torch.cat([m.weight for m in mods], 0), [m.weight.shape[0] for m in mods])
+            ws = [m.weight for m in mods]
+            if any(type(w.data) is not torch.Tensor or w.dtype != ws[0].dtype or w.device != ws[0].device for w in ws):
+                continue
+            buf = torch.cat([w.data for w in ws], 0)
+            sizes = [w.shape[0] for w in ws]
+            for m, part in zip(mods, buf.split(sizes, 0)):
+                m.weight.data = part
+            self._fused[i] = (buf, sizes)
 
     def _reserve_bytes(self) -> int:
         if self.device.type != "cuda":
@@ -318,7 +328,7 @@ class Engine:
         r["max_model_len"] = self.max_model_len
         r["plan"] = self.plan.source
         r["prefix_cache_bytes"] = self.prefix.max_bytes if self.prefix else 0
-        r["fused_projection_bytes"] = sum(w.numel() * w.element_size() for w, _ in self._fused.values())
+        r["fused_projection_layers"] = len(self._fused)
         return r
 
     # ------------------------------------------------------------------------------------------------ public API

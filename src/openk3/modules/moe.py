@@ -45,13 +45,58 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts stacked: ``w1`` (gate) and ``w3`` (up) [E, I, W], ``w2`` (down) [E, W, I]. The checkpoint holds
-    them per expert as ``experts.{e}.w{1,2,3}.weight`` (see openk3.checkpoint)."""
+    them per expert as ``experts.{e}.w{1,2,3}.weight`` (see openk3.checkpoint).
+
+    ``w1`` and ``w3`` are separate parameters (Muon orthogonalises each expert's gate and up matrix on its own) that
+    live as the two halves of one ``[E, 2I, W]`` buffer, so the grouped-GEMM path reads them as one stacked gate|up
+    operand without a per-call copy (``openk3.fast.moe.stack13``). Device / dtype moves re-pack them (:meth:`_apply`);
+    where the halves cannot be adjacent (e.g. sharded parameters) the fast path falls back to one copy per call."""
 
     def __init__(self, num: int, width: int, inter: int):
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num, inter, width))
+        w13 = torch.empty(num, 2 * inter, width)
+        self.w1 = nn.Parameter(w13[:, :inter])
         self.w2 = nn.Parameter(torch.empty(num, width, inter))
-        self.w3 = nn.Parameter(torch.empty(num, inter, width))
+        self.w3 = nn.Parameter(w13[:, inter:])
+        self.keep_packed = True
+
+    def unpack13(self) -> None:
+        """Give ``w1`` and ``w3`` their own contiguous storage and stop re-packing them (FSDP2 shards only
+        contiguous parameters)."""
+        self.keep_packed = False
+        with torch.no_grad():
+            for p in (self.w1, self.w3):
+                if type(p.data) is torch.Tensor and not p.is_contiguous():
+                    p.data = p.data.contiguous()
+
+    def pack13(self) -> bool:
+        """Make ``w1`` and ``w3`` the two halves of one buffer again (values unchanged); True when they are."""
+        if not self.keep_packed:
+            return False
+        w1, w3 = self.w1, self.w3
+        plain = type(w1.data) is torch.Tensor and type(w3.data) is torch.Tensor
+        if not plain or w1.shape != w3.shape or w1.dtype != w3.dtype or w1.device != w3.device:
+            return False
+        if w1.device.type == "meta":
+            return False
+        I = w1.shape[1]
+        st = (2 * I * w1.shape[2], w1.shape[2], 1)
+        if (
+            w1.stride() == st
+            and w3.stride() == st
+            and w1.untyped_storage().data_ptr() == w3.untyped_storage().data_ptr()
+            and w3.storage_offset() == w1.storage_offset() + I * w1.shape[2]
+        ):
+            return True
+        with torch.no_grad():
+            buf = torch.cat([w1.data, w3.data], 1)
+        w1.data, w3.data = buf[:, :I], buf[:, I:]
+        return True
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.pack13()
+        return out
 
 
 class SparseMoE(nn.Module):

@@ -487,6 +487,8 @@ def apply_fsdp(
     for m in model.modules():
         if hasattr(m, "_openk3_ep"):
             ignored.update((m.experts.w1, m.experts.w2, m.experts.w3))
+        elif hasattr(m, "experts") and hasattr(m.experts, "unpack13"):
+            m.experts.unpack13()  # FSDP2 shards contiguous parameters only
     if replicate_fp32_params:
         ignored.update(p for p in model.parameters() if getattr(p, "_keep_fp32", False))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

@@ -592,8 +592,8 @@ class Trainer:
                 b = moe.gate.e_score_correction_bias
                 b.copy_(sign_update_bias(b, counts[li].float(), rate=self.tc.sign_rate))
         return {
-            "load_max_ratio": max_r,
-            "load_min_ratio": min_r,
+            "load_max_ratio": round(max_r, 4),  # rounded like the per-layer lists, so max(per layer) == this
+            "load_min_ratio": round(min_r, 4),
             "load_max_ratio_per_layer": [round(x, 4) for x in per_max],
             "load_min_ratio_per_layer": [round(x, 4) for x in per_min],
         }
