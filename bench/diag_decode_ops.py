@@ -42,7 +42,7 @@ def main():
 
     def wrapped(*args, **kw):
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
             out = orig(*args, **kw)
             torch.cuda.synchronize()
         steps[0] += 1
@@ -52,9 +52,10 @@ def main():
             kids = [k for k in ev.cpu_children if k.name.startswith("aten::")]
             if kids or ev.device_time_total <= 0:  # leaf aten ops that ran GPU work
                 continue
-            chain, p = [], ev.cpu_parent
-            while p is not None and len(chain) < 3:
-                chain.append(p.name)
+            chain, p = [], ev.cpu_parent  # the nearest two openk3 source lines above the op
+            while p is not None and len(chain) < 2:
+                if "openk3/" in p.name:
+                    chain.append(p.name.split("openk3/", 1)[1])
                 p = p.cpu_parent
             key = (ev.name, " <- ".join(chain))
             stats[key][0] += 1

@@ -180,3 +180,39 @@ def test_fla_tap_order_matches_reference():
     want, final = causal_conv1d(x, w, initial_state=h0, activation=None, output_final_state=True)
     assert torch.allclose(y, want, atol=1e-6)
     assert torch.equal(conv_state_from_fla(fla_final), final)
+
+
+def test_glu_op_hook_and_set_backend(monkeypatch):
+    """The "glu" op: every dense gated FFN (layer-0 FFN, shared experts) calls the registered fast activation when
+    its backend is chosen, with the reference's arguments; set_backend reaches every GLUMLP; CPU auto = reference."""
+    from openk3.modules import ffn as ffn_mod
+    from openk3.ops.activations import glu_act
+
+    assert "glu" in backend.OPS and backend.names("glu")[0] == "triton"
+    assert backend.describe(is_cuda=False)["glu"]["chosen"] == "reference"
+    seen = []
+
+    def fake(g, u, kind, b1, b2):
+        seen.append((tuple(g.shape), kind, b1, b2))
+        return glu_act(g, u, kind, b1, b2)
+
+    monkeypatch.setitem(ffn_mod.FAST_GLU, "test_cpu", fake)
+    backend.register("glu", backend.Backend("test_cpu", lambda: (True, "test"), cuda_only=False))
+    try:
+        m = _tiny()
+        ids = torch.randint(0, m.config.vocab_size, (2, 9))
+        with torch.no_grad():
+            ref = m(ids).logits
+            assert not seen
+            m.set_backend("glu", "test_cpu")
+            mlps = [x for x in m.modules() if isinstance(x, ffn_mod.GLUMLP)]
+            assert mlps and all(x.backend == "test_cpu" for x in mlps)
+            out = m(ids).logits
+        assert torch.equal(out, ref)
+        assert len(seen) == len(mlps)
+        cfg = m.config
+        assert all(k == cfg.hidden_act and b1 == cfg.activation_situ_beta for _, k, b1, _ in seen)
+        m.set_backend("glu", None)
+        assert all(x.backend is None for x in mlps)
+    finally:
+        backend._REGISTRY["glu"] = [b for b in backend._REGISTRY["glu"] if b.name != "test_cpu"]

@@ -239,8 +239,9 @@ class K3ForCausalLM(nn.Module):
         return self
 
     def set_backend(self, op: str, name: str | None) -> None:
-        """Force a backend for one op ("kda", "mla", "moe", "attnres", "norm", "conv") on every layer; ``None`` =
-        auto. "norm" covers every RMSNorm and the KDA gated output norm, "conv" the KDA short convolutions."""
+        """Force a backend for one op ("kda", "mla", "moe", "attnres", "norm", "conv", "glu") on every layer; ``None``
+        = auto. "norm" covers every RMSNorm and the KDA gated output norm, "conv" the KDA short convolutions, "glu" the
+        activation of every dense gated FFN (layer-0 FFN, shared experts)."""
         if op not in _backend.OPS:
             raise ValueError(f"unknown op {op!r}; ops are {_backend.OPS}")
         for m in self.modules():
@@ -249,6 +250,7 @@ class K3ForCausalLM(nn.Module):
                 or (op == "mla" and isinstance(m, MLAttention))
                 or (op == "moe" and isinstance(m, SparseMoE))
                 or (op == "norm" and isinstance(m, RMSNorm))
+                or (op == "glu" and isinstance(m, GLUMLP))
             ):
                 m.backend = name
             if isinstance(m, KimiDeltaAttention):

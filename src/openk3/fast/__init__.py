@@ -9,6 +9,7 @@ mla       ``flex``        FlexAttention with causal / document block masks
 moe       ``grouped_mm``  token permutation + ``torch._grouped_mm`` forward/backward, Triton SiTU-GLU
 attnres   ``triton``      two-phase Block AttnRes reader (Triton, exact fp32 mixing, forward/backward)
 norm      ``fla``         fla-core fused ``rms_norm`` (every RMSNorm) and ``rms_norm_gated`` (KDA output norm)
+glu       ``triton``      fused SiTU-GLU / SwiGLU of the dense FFN and shared experts (one kernel fwd, one bwd)
 conv      ``fla``         fla-core ``causal_conv1d`` + SiLU (KDA q/k/v short conv, packed docs, carried state)
 ========  ==============  ==========================================================================
 
@@ -28,6 +29,7 @@ __all__ = ["attnres", "conv", "kda", "mla", "moe", "norm", "register_all"]
 
 def register_all() -> None:
     """(Re-)register every fast backend; the last registered per op is the one ``auto`` prefers."""
+    from openk3.modules.ffn import FAST_GLU
     from openk3.modules.kda import FAST_CONV, FAST_KDA
     from openk3.modules.mla import FAST_MHA
     from openk3.modules.moe import FAST_EXPERTS
@@ -54,6 +56,9 @@ def register_all() -> None:
 
     FAST_CONV["fla"] = conv.causal_conv1d_fla
     _backend.register("conv", Backend("fla", conv.available))
+
+    FAST_GLU["triton"] = moe.glu_act_triton
+    _backend.register("glu", Backend("triton", moe.glu_available))
 
 
 register_all()

@@ -59,6 +59,11 @@ def grouped_mm_ok(dtype=torch.bfloat16) -> bool:
     return torch.cuda.get_device_capability()[0] >= 9
 
 
+def glu_available() -> tuple[bool, str]:
+    ok, why = triton_ok()
+    return (True, "fused Triton SiTU-GLU / SwiGLU") if ok else (False, why)
+
+
 def available() -> tuple[bool, str]:
     ok, why = triton_ok()
     if not ok:
@@ -484,6 +489,43 @@ def glu2_bwd(g, u, da, dg, du, act, b1, b2, want_a: bool):
         BC=_GLU_BC,
     )
     return a
+
+
+class _GLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, u, act, b1, b2):
+        ctx.save_for_backward(g, u)
+        ctx.cfg = (act, b1, b2)
+        return glu2_fwd(g, u, act, b1, b2)
+
+    @staticmethod
+    def backward(ctx, da):
+        g, u = ctx.saved_tensors
+        act, b1, b2 = ctx.cfg
+        dg, du = torch.empty_like(g), torch.empty_like(u)
+        glu2_bwd(g, u, da, dg, du, act, b1, b2, want_a=False)
+        return dg, du, None, None, None
+
+
+def glu_act_triton(
+    gate: torch.Tensor, up: torch.Tensor, kind: str, beta1: float = 4.0, beta2: float = 25.0
+) -> torch.Tensor:
+    """The "glu" op's Triton backend: ``openk3.ops.activations.glu_act`` (SiTU-GLU or SwiGLU, fp32 math, result in
+    the input dtype) as one fused kernel forward and one backward, with the fast-math tanh / sigmoid of the expert
+    path. Inputs of different shapes / dtypes or other activations raise like the reference."""
+    if kind not in ("situ", "silu", "swiglu"):
+        raise ValueError(f"unknown activation {kind!r}; expected 'situ' or 'silu'")
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"glu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
+    C = gate.shape[-1]
+    g, u = gate.reshape(-1, C), up.reshape(-1, C)
+    if g.stride(-1) != 1:
+        g = g.contiguous()
+    if u.stride(-1) != 1:
+        u = u.contiguous()
+    if g.shape[0] == 0:
+        return gate.new_empty(gate.shape)
+    return _GLU.apply(g, u, kind, float(beta1), float(beta2)).view(gate.shape)
 
 
 def combine2(y: torch.Tensor, rows: torch.Tensor, w: torch.Tensor | None, dtype) -> torch.Tensor:

@@ -78,7 +78,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="OP=NAME",
-        help="force a backend for one op of the prefill path (kda, mla, moe, attnres, norm, conv), e.g. "
+        help="force a backend for one op of the prefill path (kda, mla, moe, attnres, norm, conv, glu), e.g. "
         "--backend kda=reference; `openk3 env` lists the names (default: auto)",
     )
     g.add_argument(

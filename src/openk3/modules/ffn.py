@@ -3,12 +3,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from openk3.ops import backend as _backend
 from openk3.ops.activations import glu_act
+
+
+# Fast-path hook for the "glu" op (the gated activation of GLUMLP): name -> fn with the signature of
+# ``openk3.ops.activations.glu_act(gate, up, kind, beta1, beta2)``; filled by openk3.fast.
+FAST_GLU: dict[str, callable] = {}
 
 
 class GLUMLP(nn.Module):
     """Dense gated FFN (layer-0 FFN and the fused shared experts): ``down(act(gate x, up x))``.
-    gate_proj/up_proj: [I, D]; down_proj: [D, I]."""
+    gate_proj/up_proj: [I, D]; down_proj: [D, I]. ``backend``: "glu" op backend of the activation (``None`` = auto).
+    """
 
     def __init__(self, hidden: int, inter: int, act: str, beta1: float = 4.0, beta2: float = 25.0):
         super().__init__()
@@ -16,6 +23,9 @@ class GLUMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.act, self.beta1, self.beta2 = act, beta1, beta2
+        self.backend: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu_act(self.gate_proj(x), self.up_proj(x), self.act, self.beta1, self.beta2))
+        be = _backend.resolve("glu", x.is_cuda, self.backend)
+        fn = glu_act if be == "reference" else FAST_GLU.get(be, glu_act)
+        return self.down_proj(fn(self.gate_proj(x), self.up_proj(x), self.act, self.beta1, self.beta2))

@@ -1,7 +1,8 @@
 """Backend selection per op: a fast path on CUDA when available, the plain reference elsewhere.
 
 Each op has a registry of named backends: "kda", "mla", "moe", "attnres", "norm" (every RMSNorm module and the KDA
-gated output norm) and "conv" (the KDA short convolution). ``auto`` picks the first available non-reference backend
+gated output norm), "conv" (the KDA short convolution) and "glu" (the gated activation of the dense FFN and the shared
+experts; the routed experts' activation belongs to "moe"). ``auto`` picks the first available non-reference backend
 for CUDA inputs and ``reference`` otherwise. Override per op with the environment variable ``OPENK3_BACKEND_<OP>``
 (e.g. ``OPENK3_BACKEND_KDA=reference``) or per model with ``model.set_backend(op, name)``.
 """
@@ -13,7 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-OPS = ("kda", "mla", "moe", "attnres", "norm", "conv")
+OPS = ("kda", "mla", "moe", "attnres", "norm", "conv", "glu")
 
 
 @dataclass

@@ -71,7 +71,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="OP=NAME",
-        help="force a backend for one op (kda, mla, moe, attnres, norm, conv), e.g. --backend moe=reference; "
+        help="force a backend for one op (kda, mla, moe, attnres, norm, conv, glu), e.g. --backend moe=reference; "
         "`openk3 env` lists the names (default: auto)",
     )
     p.add_argument("--run-file", default=None, help="TOML/YAML file with the same keys as these options")
