@@ -61,16 +61,21 @@ def main():
 
     t_dense = timeit(lambda: (((xr @ d1) * (xr @ d3)) @ d2).backward(dyr), setup=clear)
     print(f"dense peer fwd+bwd (grads cleared each run): {t_dense * 1e3:.3f} ms")
+    from openk3.fast import moe as fast_moe
+
     rows = []
     for v in [s for s in a.variants.split(",") if s]:
         for lay, ws in (("separate w1/w3", sep), ("adjacent w1/w3", adj)):
-            f = lambda: experts_grouped(x, idx, w, *ws, variant=v).backward(dy)  # noqa: E731
-            t_acc = timeit(f)
-            t_clr = timeit(f, setup=clear)
-            rows.append((v, lay, t_acc, t_clr))
-    print(f"{'variant':12} | {'layout':15} | {'ms (grads accumulate)':>22} | {'ms (grads cleared)':>19} | % of dense")
+            for split in (True, False):
+                fast_moe.SPLIT_DW13 = split
+                f = lambda: experts_grouped(x, idx, w, *ws, variant=v).backward(dy)  # noqa: E731
+                t_acc = timeit(f)
+                t_clr = timeit(f, setup=clear)
+                rows.append((v + (" dW split" if split else " dW one"), lay, t_acc, t_clr))
+    fast_moe.SPLIT_DW13 = True
+    print(f"{'variant':22} | {'layout':15} | {'ms (grads accumulate)':>22} | {'ms (grads cleared)':>19} | % of dense")
     for v, lay, t_acc, t_clr in rows:
-        print(f"{v:12} | {lay:15} | {t_acc * 1e3:22.3f} | {t_clr * 1e3:19.3f} | {t_dense / t_clr * 100:.1f} %")
+        print(f"{v:22} | {lay:15} | {t_acc * 1e3:22.3f} | {t_clr * 1e3:19.3f} | {t_dense / t_clr * 100:.1f} %")
     from torch.profiler import ProfilerActivity, profile
 
     for v in [s for s in a.variants.split(",") if s]:

@@ -49,6 +49,9 @@ ALIGN = 16
 VARIANTS = ("base", "lean", "fused", "fused_keepx")
 VARIANT = os.environ.get("OPENK3_MOE_VARIANT", "fused_keepx")
 FUSE_MIN_ROWS_PER_EXPERT = 1024
+# fused variants: gate and up weight gradients as two grouped GEMMs, each writing its parameter's contiguous gradient,
+# instead of one [E, 2I, W] GEMM whose two halves autograd then copies into contiguous gradients (OPENK3_MOE_SPLIT_DW=0)
+SPLIT_DW13 = os.environ.get("OPENK3_MOE_SPLIT_DW", "1") != "0"
 
 
 def grouped_mm_ok(dtype=torch.bfloat16) -> bool:
@@ -813,7 +816,7 @@ class _ExpertsV2(torch.autograd.Function):
         dx = dw1 = dw3 = None
         if need_w1 or need_w3:
             xs = xk if keep_x else gather_rows(xk, tok)
-            if need_w1 and need_w3 and w13 is not None:
+            if need_w1 and need_w3 and w13 is not None and not SPLIT_DW13:
                 dw13 = _mm(dh.t(), xs, offs, "v2_dhT_x")  # [E, 2I, W]
                 dw1, dw3 = dw13[:, :I], dw13[:, I:]
             else:
