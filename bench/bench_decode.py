@@ -47,7 +47,6 @@ DEV = "cuda"
 KDA_SHAPE = dict(H=32, K=128, W=4)
 KDA_BATCHES = (1, 16, 64, 256)
 KDA_SWEEP_AT = (64, 256)
-KDA_SPLIT_BV = (32, 16)  # the split form (one program per state column tile), timed at every batch size
 KDA_SWEEP = [(32, 2), (64, 4), (32, 8), (16, 4), (128, 8)]  # (BV, num_warps); BV 0: the whole head
 MLA_DIMS = dict(DC=512, DR=64, page_size=16)
 MLA_TARGETS = [(64, 16, 8192), (64, 96, 8192)]  # (B, H, L): swept
@@ -238,23 +237,6 @@ def kda_section(sweep: bool):
             except Exception as e:
                 INFO["errors"].append(f"fla peer B={B}: {type(e).__name__}: {e}")
                 print(f"  fla peer failed: {e}", flush=True)
-        for bv_s in KDA_SPLIT_BV if sweep else ():  # the two-launch split form, every batch size
-            try:
-                c1, s1, c2, s2 = conv.clone(), state.clone(), conv.clone(), state.clone()
-                o1 = kda_decode_triton(layer, q, k, v, z, beta, gate, c1, s1, slots, BV=bv_s, split=True)
-                o2 = kda_decode_reference(layer, q, k, v, z, beta, gate, c2, s2, slots)
-                err = max(rel(o1, o2), rel(s1[slots], s2[slots]))
-                INFO["checks"][f"kda {shape} split BV={bv_s}"] = err
-                c1 = s1 = c2 = s2 = None
-                t = bench(ours(BV=bv_s, split=True))
-                bad = "" if err < 1e-2 else f"; WRONG (rel err {err:.2g})"
-                row(
-                    f"kda [split BV={bv_s}]", shape, t, t_ours, "ours default", nbytes, flops,
-                    f"state-only {state_bytes / t / 1e12:.2f} TB/s{bad}",
-                )  # fmt: skip
-            except Exception as e:
-                INFO["errors"].append(f"kda split BV={bv_s}: {type(e).__name__}: {e}")
-                print(f"  split BV={bv_s} failed: {e}", flush=True)
         if B in KDA_SWEEP_AT:
             for bv, nw in configs:
                 if time.time() - T0 > BUDGET:

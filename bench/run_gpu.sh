@@ -5,16 +5,16 @@
 #
 #   OPENK3_AUTOTUNE_MAX=1 bash bench/run_gpu.sh OUT_DIR [steps]
 #
-# Time limits per step (seconds): T_TESTS=300 T_DECODE=150 T_E2E=300 (e2e and e2e_split each) T_TRAIN=400, about
-# 25 minutes in all; under a shorter per-command limit pass a subset of steps per call.
-# steps (comma separated, default all): tests, decode, e2e, e2e_split, train. Logs and JSON land in OUT_DIR:
+# Time limits per step (seconds): T_TESTS=300 T_DECODE=150 T_E2E=300 T_TRAIN=400, about
+# 20 minutes in all; under a shorter per-command limit pass a subset of steps per call.
+# steps (comma separated, default all): tests, decode, e2e, train. Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile --compare-unfused),
-#   e2e_split.json (the same at batch 1 and 4 with the KDA split form on), bench.json + profile.txt
+#   bench.json + profile.txt
 #   (bench/run_all.py: ceilings, KDA, MLA, MoE, AttnRes, norms, medium training step).
 set -u
 OUT_DIR=${1:?usage: bash bench/run_gpu.sh OUT_DIR [tests,decode,e2e,train]}
-STEPS=${2:-tests,decode,e2e,e2e_split,train}
+STEPS=${2:-tests,decode,e2e,train}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -35,10 +35,6 @@ fi
 if has e2e; then
   timeout "$T_E2E" python3 bench/bench_e2e_decode.py --profile --compare-unfused --steps 12 \
     --out "$OUT_DIR/e2e_decode.json" 2>&1 | grep -v "^\[.*{'preset" | tail -40
-fi
-if has e2e_split; then
-  OPENK3_KDA_DECODE_SPLIT_BELOW=4096 timeout "$T_E2E" python3 bench/bench_e2e_decode.py --batches 1,4 --steps 12 \
-    --out "$OUT_DIR/e2e_split.json" 2>&1 | grep -v "^\[.*{'preset" | tail -20
 fi
 if has train; then
   timeout "$T_TRAIN" python3 bench/run_all.py --out "$OUT_DIR" 2>&1 | tail -60

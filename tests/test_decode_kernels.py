@@ -106,7 +106,7 @@ def make_kda_layer(H: int, K: int, W: int, gate_kind: str, gen: torch.Generator)
     )
 
 
-def run_kda_case(B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_warps=None, split=None):
+def run_kda_case(B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_warps=None):
     gen = torch.Generator().manual_seed(seed)
     HK = H * K
     layer = make_kda_layer(H, K, W, gate_kind, gen)
@@ -131,12 +131,12 @@ def run_kda_case(B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_wa
     c2, s2 = conv_state.clone(), state.clone()
     with poisoned_empty():
         o1 = KN.kda_decode_triton(
-            layer, q, k, v, z, beta_logits, gate, c1, s1, slots, BV=bv, num_warps=num_warps, split=split
+            layer, q, k, v, z, beta_logits, gate, c1, s1, slots, BV=bv, num_warps=num_warps
         )
     assert torch.isfinite(o1).all(), "kda: output not fully written"
     o2 = kda_decode_reference(layer, q, k, v, z, beta_logits, gate, c2, s2, slots)
     assert o1.dtype == dtype and o1.shape == (B, HK)
-    tag = f"kda B={B} H={H} K={K} W={W} {dtype} {gate_kind} BV={bv} split={split}"
+    tag = f"kda B={B} H={H} K={K} W={W} {dtype} {gate_kind} BV={bv}"
     errs = {"o": check(f"{tag} o", o1[is_real], o2[is_real], tol_o)}
     rs = slots[is_real]
     errs["state"] = check(f"{tag} state", s1[rs], s2[rs], tol_s)
@@ -155,13 +155,12 @@ KDA_TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-2, 2e-3)}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gate_kind", ["lowerbound", "softplus"])
 @pytest.mark.parametrize(
-    "bv,split", [(0, False), (16, False), (16, True), (8, True)], ids=["head", "tiles", "split", "split8"]
+    "bv", [0, 16, 8], ids=["head", "tiles", "tiles8"]
 )
-def test_kda_decode(dtype, gate_kind, bv, split):
-    """One program per (row, head) walking the state in tiles, or the split form (one program per tile, then the
-    norm and the history shift)."""
-    seed = seed_of(str(dtype), gate_kind, bv, split)
-    run_kda_case(6, 2, 32, 4, 9, dtype, gate_kind, bv, seed, *KDA_TOL[dtype], split=split)
+def test_kda_decode(dtype, gate_kind, bv):
+    """One program per (row, head) walking the state in tiles of BV columns (0: the whole head)."""
+    seed = seed_of(str(dtype), gate_kind, bv)
+    run_kda_case(6, 2, 32, 4, 9, dtype, gate_kind, bv, seed, *KDA_TOL[dtype])
 
 
 @here
@@ -169,12 +168,11 @@ def test_kda_decode_short_conv_and_single_row():
     """Conv width 3 (history 2, padded tap tile) and a batch of one real row."""
     run_kda_case(1, 2, 16, 3, 3, torch.bfloat16, "lowerbound", 0, 11, *KDA_TOL[torch.bfloat16])
     run_kda_case(3, 2, 16, 2, 4, torch.float32, "softplus", 4, 12, *KDA_TOL[torch.float32])
-    run_kda_case(1, 2, 16, 3, 3, torch.bfloat16, "lowerbound", 8, 13, *KDA_TOL[torch.bfloat16], split=True)
+    run_kda_case(1, 2, 16, 3, 3, torch.bfloat16, "lowerbound", 8, 13, *KDA_TOL[torch.bfloat16])
 
 
 @here
-@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
-def test_kda_decode_two_steps(split):
+def test_kda_decode_two_steps():
     """Two consecutive steps: the second reads the history and state the first wrote."""
     gen = torch.Generator().manual_seed(5)
     B, H, K, W, S = 4, 2, 16, 4, 5
@@ -186,7 +184,7 @@ def test_kda_decode_two_steps(split):
     for step in range(2):
         ins = [torch.randn(B, H * K, generator=gen).to(DEV) for _ in range(5)]
         bl = torch.randn(B, H, generator=gen).to(DEV)
-        o1 = KN.kda_decode_triton(layer, *ins[:4], bl, ins[4], c1, s1, slots, BV=8, split=split)
+        o1 = KN.kda_decode_triton(layer, *ins[:4], bl, ins[4], c1, s1, slots, BV=8)
         o2 = kda_decode_reference(layer, *ins[:4], bl, ins[4], c2, s2, slots)
         check(f"step {step} o", o1, o2, 1e-5)
     check("state", s1, s2, 1e-6)
@@ -274,22 +272,6 @@ def test_register_only_with_cuda():
 def test_kda_decode_gpu(dtype, gate_kind, bv, num_warps):
     seed = seed_of(str(dtype), gate_kind, bv, num_warps)
     run_kda_case(37, 32, 128, 4, 48, dtype, gate_kind, bv, seed, *KDA_TOL[dtype], num_warps=num_warps)
-    if bv and bv < 128:  # the split form at the same launch parameters, one and a few rows
-        for B in (1, 5):
-            run_kda_case(
-                B,
-                32,
-                128,
-                4,
-                8,
-                dtype,
-                gate_kind,
-                bv,
-                seed + B,
-                *KDA_TOL[dtype],
-                num_warps=num_warps,
-                split=True,
-            )
 
 
 @pytest.mark.gpu

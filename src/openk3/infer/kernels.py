@@ -21,12 +21,6 @@ gated RMSNorm ``rmsnorm(o) * o_norm.weight * sigmoid(gate)`` (o rounded to the m
 does; the raw tiles are staged in the output row and normalised by a second sweep of the same program). Minimal
 traffic: ``2 * B * H * K * V * 4`` bytes of state plus the conv history and the activations.
 
-Split form (``split=True``, for small batches where ``B * H`` programs leave most SMs idle): a first launch
-``[B, H, K / BV]`` gives every state column tile its own program (each recomputes its head's conv, gates and norms,
-updates its tile and writes the raw output tile and its sum of squares, reading the conv history only), a second
-``[B, H]`` applies the gated RMSNorm from the tiles' sums and shifts the conv history. Same results, same state
-traffic, ``K / BV`` times the parallelism.
-
 MLA (SPEC.md §2.4), FlashDecoding-style: program ``(head block, split, row)`` takes ``BLOCK_H`` heads of one row and
 one contiguous share of that row's context (``lengths[b]`` split in ``num_splits`` parts of whole ``BLOCK_N``-token
 blocks; the number of splits depends on shapes only, see :func:`mla_num_splits`). Per block it gathers the latent
@@ -75,14 +69,9 @@ __all__ = [
 ]
 
 # Launch parameters (the benchmark sweeps alternatives through the keyword overrides of the wrappers).
-# BV = 0: the whole head in one tile. split_below: use the two-launch split form when B * H is below this (0: never;
-# the split form is tested but its speed has not been measured yet, see bench/bench_decode.py's sweep; the
-# environment variable OPENK3_KDA_DECODE_SPLIT_BELOW sets it, e.g. to compare end-to-end decode both ways)
-KDA_CONFIG = {
-    "BV": 32,
-    "num_warps": 4,
-    "split_below": int(os.environ.get("OPENK3_KDA_DECODE_SPLIT_BELOW", "0")),
-}
+# BV = 0: the whole head in one tile. (A two-launch form with one program per state column tile, meant for small
+# batches, measured 1.3-3.9x slower than this one at B = 1..256 on an H200 and was removed; bench/NOTES.md.)
+KDA_CONFIG = {"BV": 32, "num_warps": 4}
 MLA_CONFIG = {
     # launch parameters by regime (chosen by measurement on an H200, bench/NOTES.md): few heads (H <= 16) stream
     # more tokens per block through Triton's pipeliner; many heads share each block's rows over 64 heads
@@ -251,80 +240,6 @@ if HAS_TRITON:
                 y = tl.load(obase + cols).to(tl.float32) * r * tl.load(norm_w_ptr + cols).to(tl.float32)
                 y = y * tl.sigmoid(tl.load(gate_ptr + b * s_gate + h * K + cols).to(tl.float32))
                 tl.store(obase + cols, _round(y, dtype).to(dtype))
-
-    @triton.jit
-    def _kda_split_kernel(
-        q_ptr, k_ptr, v_ptr, z_ptr, beta_ptr, o_ptr, ss_ptr,
-        s_q, s_k, s_v, s_z, s_beta, s_o,
-        wq_ptr, wk_ptr, wv_ptr, a_log_ptr, dt_bias_ptr,
-        conv_ptr, state_ptr, slots_ptr, s_conv, s_state,
-        lower_bound, q_scale,
-        H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr, NT: tl.constexpr,
-        LB_GATE: tl.constexpr,
-    ):  # fmt: skip
-        """Split form, part 1, grid ``[B, H, K // BV]``: one program per state column tile. Each recomputes the
-        conv, gates and norms of its head (cheap) and updates its tile; it writes the raw output tile (rounded to
-        the model dtype) and the tile's sum of squares. The conv history is read only (part 2 shifts it)."""
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        j = tl.program_id(2)
-        dtype = o_ptr.dtype.element_ty
-        HK: tl.constexpr = H * K
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        ck = tl.arange(0, K)
-        cols = j * BV + tl.arange(0, BV)
-        sp = state_ptr + slot * s_state + h * (K * K) + ck[:, None] * K + cols[None, :]
-        S = tl.load(sp)  # requested first
-        conv = conv_ptr + slot * s_conv
-        cw = tl.arange(0, WP)
-        ch = h * K + ck
-        q, _wq = _conv_silu(q_ptr + b * s_q, wq_ptr, conv, ch, cw, W, dtype)
-        k, _wk = _conv_silu(k_ptr + b * s_k, wk_ptr, conv + HK * (W - 1), ch, cw, W, dtype)
-        v, _wv = _conv_silu(v_ptr + b * s_v, wv_ptr, conv + 2 * HK * (W - 1), h * K + cols, cw, W, dtype)
-        q, k, decay, beta, qk = _kda_prep(
-            q, k, z_ptr + b * s_z, dt_bias_ptr, a_log_ptr, beta_ptr + b * s_beta, ch, h, lower_bound, q_scale,
-            LB_GATE,
-        )  # fmt: skip
-        o, ss = _kda_tile(S, sp, v, q, k, decay, beta, qk, dtype, False)
-        tl.store(o_ptr + b * s_o + h * K + cols, o.to(dtype))
-        tl.store(ss_ptr + (b * H + h) * NT + j, ss)
-
-    @triton.jit
-    def _kda_finish_kernel(
-        q_ptr, k_ptr, v_ptr, gate_ptr, o_ptr, ss_ptr,
-        s_q, s_k, s_v, s_gate, s_o,
-        norm_w_ptr, conv_ptr, slots_ptr, s_conv, eps,
-        H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, NT: tl.constexpr,
-        NTP: tl.constexpr,
-    ):  # fmt: skip
-        """Split form, part 2, grid ``[B, H]``: the gated RMSNorm of the head from the tiles' sums of squares, and
-        the conv history shift (after every tile program has read the old history)."""
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        dtype = o_ptr.dtype.element_ty
-        HK: tl.constexpr = H * K
-        ck = tl.arange(0, K)
-        ch = h * K + ck
-        jt = tl.arange(0, NTP)
-        ss = tl.sum(tl.load(ss_ptr + (b * H + h) * NT + jt, mask=jt < NT, other=0.0))
-        ob = o_ptr + b * s_o + h * K + ck
-        y = (
-            tl.load(ob).to(tl.float32)
-            * (1.0 / tl.sqrt(ss / K + eps))
-            * tl.load(norm_w_ptr + ck).to(tl.float32)
-        )
-        y = y * tl.sigmoid(tl.load(gate_ptr + b * s_gate + ch).to(tl.float32))
-        tl.store(ob, _round(y, dtype).to(dtype))
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        conv = conv_ptr + slot * s_conv
-        cw = tl.arange(0, WP)
-        win_q = _window(q_ptr + b * s_q, conv, ch, cw, W)
-        win_k = _window(k_ptr + b * s_k, conv + HK * (W - 1), ch, cw, W)
-        win_v = _window(v_ptr + b * s_v, conv + 2 * HK * (W - 1), ch, cw, W)
-        tl.debug_barrier()  # every thread has loaded the history it reads
-        _shift_hist(conv, win_q, ch, cw, W)
-        _shift_hist(conv + HK * (W - 1), win_k, ch, cw, W)
-        _shift_hist(conv + 2 * HK * (W - 1), win_v, ch, cw, W)
 
     @triton.jit
     def _mla_pages(bt, n0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr):
@@ -564,12 +479,9 @@ def kda_decode_triton(
     *,
     BV: int | None = None,
     num_warps: int | None = None,
-    split: bool | None = None,
 ) -> torch.Tensor:
     """Fused single-token KDA step (signature and layouts: :mod:`openk3.infer.decode`). ``BV`` (state columns per
-    tile, a power of two; 0: the whole head) and ``num_warps`` override :data:`KDA_CONFIG`. ``split``: the two-launch
-    form (one program per state column tile, then the norm and the conv-history shift), which puts ``K / BV`` times
-    more programs on the GPU for small batches; default: when ``B * H`` is below ``KDA_CONFIG["split_below"]``."""
+    tile, a power of two; 0: the whole head) and ``num_warps`` override :data:`KDA_CONFIG`."""
     B, HK = q.shape
     H, K = layer.num_heads, layer.head_dim
     wq, wk, wv = (c.weight.reshape(HK, -1) for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d))
@@ -600,26 +512,6 @@ def kda_decode_triton(
         return o
     lb_gate = layer.gate_kind == "lowerbound"
     nw = cfg["num_warps"] if num_warps is None else num_warps
-    if split is None:
-        split = B * H < cfg["split_below"]
-    if split and bv < K:
-        nt = K // bv
-        ss = torch.empty(B, H, nt, dtype=torch.float32, device=q.device)
-        _kda_split_kernel[(B, H, nt)](
-            q, k, v, z, beta_logits, o, ss,
-            q.stride(0), k.stride(0), v.stride(0), z.stride(0), beta_logits.stride(0), o.stride(0),
-            wq, wk, wv, a_log, dt_bias,
-            conv_state, state, slots, conv_state.stride(0), state.stride(0),
-            float(layer.lower_bound) if lb_gate else 0.0, K**-0.5,
-            H=H, K=K, W=W, WP=triton.next_power_of_2(W), BV=bv, NT=nt, LB_GATE=lb_gate, num_warps=nw,
-        )  # fmt: skip
-        _kda_finish_kernel[(B, H)](
-            q, k, v, gate, o, ss,
-            q.stride(0), k.stride(0), v.stride(0), gate.stride(0), o.stride(0),
-            norm_w, conv_state, slots, conv_state.stride(0), float(layer.eps),
-            H=H, K=K, W=W, WP=triton.next_power_of_2(W), NT=nt, NTP=triton.next_power_of_2(nt), num_warps=4,
-        )  # fmt: skip
-        return o
     _kda_decode_kernel[(B, H)](
         q, k, v, z, beta_logits, gate, o,
         q.stride(0), k.stride(0), v.stride(0), z.stride(0), beta_logits.stride(0), gate.stride(0), o.stride(0),
