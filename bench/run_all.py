@@ -606,6 +606,28 @@ def sec_norm():
     )
     x = w = dy = None
     free()
+    # SiTU-GLU of the shared experts / dense FFN: gate and up bf16 [N, I] (the "glu" op), medium shared-expert width
+    from openk3.fast.moe import glu_act_triton
+    from openk3.ops.activations import glu_act
+
+    from openk3.config import K3Config
+
+    Ig = K3Config.from_preset("medium").moe_intermediate_size * max(1, K3Config.from_preset("medium").num_shared_experts)
+    gg = torch.randn(N, Ig, device="cuda", dtype=dt).requires_grad_()
+    uu = (torch.randn(N, Ig, device="cuda", dtype=dt) * 10).requires_grad_()
+    dy = torch.randn(N, Ig, device="cuda", dtype=dt)
+    bench(
+        "SiTU-GLU [triton]",
+        f"N{N} I{Ig} bf16",
+        lambda: glu_act_triton(gg, uu, "situ"),
+        lambda: glu_act(gg, uu, "situ"),
+        [gg, uu],
+        dy,
+        N * Ig * 2 * 3,
+        N * Ig * 2 * 7,
+    )
+    gg = uu = dy = None
+    free()
 
 
 def _medium_model(ckpt: bool):
