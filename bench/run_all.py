@@ -488,8 +488,12 @@ def sec_attnres():
         data = block(B, T, D, S, Q)
         N = B * T
         shape = f"N{N} D{D} S{S} sealed Q{Q} sites bf16"
-        # bytes: phase 1 reads S sources, writes Q fp32 partials; each read reads r + partial, writes out
+        # bytes per element of [N, D] (bf16 e = 2, fp32 partials): forward = phase 1 reads the S sources and writes
+        # Q partials, each read reads r + its partial and writes out; backward = each read's backward reads dout, r,
+        # partial and writes dr, dPn; phase-1 coefficients read the sources and all dPn; the source gradients read
+        # both again and write dV. Floor: the phase-1 second pass over the sources assumed to hit L2.
         by_f = N * D * (2 * S + Q * (4 + 4 + 2 + 2))
+        by_fb = by_f + N * D * (Q * (3 * 2 + 4 + 4) + (2 * S + 4 * Q) + (2 * S + 4 * Q + 2 * S))
         res = {}
         cands = {
             "ours": lambda g: run_reader(TritonAttnResReader, *data, grad=g),
@@ -518,9 +522,43 @@ def sec_attnres():
                 tb,
                 name,
                 0,
-                3 * by_f,
+                by_fb,
             )
         INFO.setdefault("attnres", {})[shape] = {k: [v[0] * 1e3, v[1] * 1e3] for k, v in res.items()}
+        data = None
+        free()
+    # decode: N = batch tokens, latency bound; forward only (phase 1 once per block + Q reads), per block and per read
+    for N, D, S, Q in [(1, 2048, 4, 8), (64, 2048, 4, 8)]:
+        data = block(N, 1, D, S, Q)
+        shape = f"N{N} D{D} S{S} sealed Q{Q} sites bf16 decode"
+        by_f = N * D * (2 * S + Q * (4 + 4 + 2 + 2))
+        res = {}
+        for name, cls in (("ours", TritonAttnResReader), ("reference", AttnResReader)):
+            try:
+                with torch.no_grad():
+                    res[name] = timeit(lambda cls=cls: run_reader(cls, *data, grad=False), rep=50)
+            except Exception as e:
+                print(f"    attnres decode {name} failed: {type(e).__name__}: {str(e)[:300]}")
+        if "ours" in res:
+            rd = TritonAttnResReader(1e-5)
+            srcs, lives, qs, nws, _ = data
+            with torch.no_grad():
+                for s in srcs[:-1]:
+                    rd.sealed.append(s)
+                rd.seal(srcs[-1], [(j, qs[j], nws[j]) for j in range(Q)])
+                t_read = timeit(lambda: rd.read(0, qs[0], nws[0], lives[0]), rep=50)
+            row("attnres", "AttnRes decode read [ours, one site]", shape, t_read, None, "", 0, N * D * 8)
+            row(
+                "attnres",
+                "AttnRes decode block fwd [ours vs reference]",
+                shape,
+                res["ours"],
+                res.get("reference"),
+                "reference",
+                0,
+                by_f,
+            )
+        INFO.setdefault("attnres", {})[shape] = {k: [v * 1e3] for k, v in res.items()}
         data = None
         free()
 

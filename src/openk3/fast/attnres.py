@@ -323,9 +323,10 @@ ROW_CHUNK = 1024  # width chunk of phase-2 programs for wider rows (two passes o
 WAVE = 528  # programs that fill an H200 (132 SMs x 4); the reducing kernels aim at one to two waves
 
 
-def _p1_tiles(N: int, QP: int, D: int) -> tuple[int, int]:
-    """(BN, BD) of the phase-1 kernels: [QP, BN, BD] tiles of about E3 elements; few tokens -> wide chunks."""
-    BN = min(_pow2(N, 1), 32, max(1, E3 // (QP * 64)))
+def _p1_tiles(N: int, QP: int, D: int, BDT: int = 64) -> tuple[int, int]:
+    """(BN, BD) of the phase-1 kernels: [QP, BN, BD] tiles of about E3 elements with chunks of about BDT columns;
+    few tokens -> wider chunks."""
+    BN = min(_pow2(N, 1), 32, max(1, E3 // (QP * BDT)))
     BD = min(_pow2(D, 16), max(16, E3 // (QP * BN)))
     return BN, BD
 
@@ -383,7 +384,7 @@ class _Phase1(torch.autograd.Function):
         dev = vs[0].device
         lse = torch.empty(Q, N, dtype=torch.float32, device=dev)
         block.pn = torch.empty(Q, N, D, dtype=PARTIAL_DTYPE, device=dev)
-        BN, BD = _p1_tiles(N, QP, D)
+        BN, BD = _p1_tiles(N, QP, D, 128)  # few tokens per tile: the second pass finds the sources in L2
         _p1_fwd[(triton.cdiv(N, BN),)](
             vs, W, block.pn, lse, N, block.eps, S=S, SP=SP, Q=Q, QP=QP, D=D, BN=BN, BD=BD, num_warps=8
         )
