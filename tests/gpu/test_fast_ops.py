@@ -315,26 +315,20 @@ def _attnres_walk(cls, srcs, qs, nws, live, eps=1e-5):
 
 
 @pytest.mark.parametrize(
-    "dtype,S,Q,D,B,T",
+    "dtype,S,Q,D,T",
     [
-        (torch.float32, 3, 8, 2048, 2, 100),
-        (torch.bfloat16, 5, 8, 2048, 2, 257),
-        (torch.bfloat16, 9, 24, 1000, 2, 64),
-        (torch.float32, 1, 3, 512, 2, 33),
-        # decode sizes (one program per read, whole rows in registers), K3 width (7168 padded to 8192), and a row
-        # wider than the register budget (chunked two-pass kernels)
-        (torch.float32, 4, 8, 2048, 1, 1),
-        (torch.bfloat16, 4, 8, 2048, 64, 1),
-        (torch.float32, 8, 24, 7168, 3, 1),
-        (torch.bfloat16, 8, 24, 7168, 2, 300),
-        (torch.float32, 2, 3, 9000, 1, 37),
+        (torch.float32, 3, 8, 2048, 100),
+        (torch.bfloat16, 5, 8, 2048, 257),
+        (torch.bfloat16, 9, 24, 1000, 64),
+        (torch.float32, 1, 3, 512, 33),
     ],
 )
-def test_attnres_reader(dtype, S, Q, D, B, T, check):
+def test_attnres_reader(dtype, S, Q, D, T, check):
     from openk3.fast.attnres import TritonAttnResReader
     from openk3.ops.attnres import AttnResReader
 
     g = _fresh()
+    B = 2
     srcs = [_rand(B, T, D, dtype=dtype, scale=1 + i % 3, g=g) for i in range(S)]
     live = _rand(B, T, D, dtype=dtype, scale=2, g=g)
     qs = [_rand(1, D, scale=0.05, g=g) for _ in range(Q)]
@@ -348,17 +342,14 @@ def test_attnres_reader(dtype, S, Q, D, B, T, check):
         loss.backward()
         res.append((outs, [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]))
     tol = AR_TOL[dtype]
-    tag = f"attnres.{str(dtype)[6:]}.S{S}.Q{Q}.D{D}.N{B * T}"
+    tag = f"attnres.{str(dtype)[6:]}.S{S}.Q{Q}.D{D}"
     for j, (a, b) in enumerate(zip(res[0][0], res[1][0])):
         check(f"{tag}.out{j}", a, b, tol)
     names = (
         [f"src{i}" for i in range(S)] + ["live"] + [f"q{j}" for j in range(Q)] + [f"nw{j}" for j in range(Q)]
     )
-    # query / norm-weight gradients are sums over tokens with cancellation: ill-conditioned at a handful of tokens
-    # (CPU interpreter vs float64: up to 1.5e-5 at one token, fp32)
-    ptol = 3 * tol if B * T > 4 else 30 * tol
     for n, a, b in zip(names, res[0][1], res[1][1]):
         if b.abs().sum() == 0:
             assert a.abs().sum() == 0, n
             continue
-        check(f"{tag}.d{n}", a, b, ptol if n[0] in "qn" else 3 * tol)
+        check(f"{tag}.d{n}", a, b, 3 * tol)

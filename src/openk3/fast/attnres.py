@@ -5,33 +5,18 @@ scored against all sealed sources in one batched pass. Per site and token it kee
 ``lse = max + log(sum exp(score - max))`` and the normalised numerator ``Pn = sum_i softmax_i * v_i`` (fp32 by
 default; ``PARTIAL_DTYPE``) -- the online-softmax state with the max folded in.
 Phase 2 runs at each read: it scores the live partial sum ``r`` and merges,
-``out = lam * Pn + (1 - lam) * r`` with ``lam = sigmoid(lse - score(r))`` (``1 - lam`` is taken as
-``sigmoid(score(r) - lse)``, without cancellation) -- the same softmax over ``[sealed..., r]`` as the reference.
+``out = lam * Pn + (1 - lam) * r`` with ``lam = sigmoid(lse - score(r))`` -- the same softmax over
+``[sealed..., r]`` as the reference.
 
 Backward: phase 2 writes its numerator gradient ``lam * dout`` straight into the block's buffer (one fp32
 ``[Q, N, D]`` buffer instead of Q full-size autograd gradients) and hands ``d lse`` back through autograd; phase 1's
 backward then produces the gradients of every sealed source and of every site's folded query in two kernels:
-per-(source, site, token) coefficients (one pass over D), then the source / query gradients (elementwise over D,
-queries reduced over token groups).
+per-(token, site) coefficients (one pass over D), then the source / query gradients (elementwise over D, queries
+reduced over token groups).
 
-The sealed sources reach the kernels as a tuple of pointers (no stacked copy). Kernels (all fp32 arithmetic; ``S``
-sources, ``Q`` sites, ``N`` tokens, width ``D``; tiles from ``_p1_tiles`` / ``_row_tiles`` / ``_groups``):
-
-- ``_p1_fwd`` [N/BN]: per token tile, scores of all (source, site) pairs (each source tile loaded once for all
-  sites), softmax over the sources, then a second pass over D writing every site's ``Pn`` (sources again, from L2);
-  stores ``lse`` [Q, N] and ``Pn`` [Q, N, D].
-- ``_p2_fwd`` [N/BN]: the read; BN whole rows (width padded to a power of two) in registers when ``D`` fits
-  (``ROW_MAX``), so ``r`` and ``Pn`` are read once; wider rows are walked in chunks twice. Stores ``out`` and
-  per-token ``score(r)``, ``1/rms(r)`` for the backward. At decode sizes (N = 1..64) this is one program.
-- ``_p2_bwd`` [G]: G programs of NB strided token tiles; reads ``dout``, ``r``, ``Pn`` once (whole rows), writes
-  ``dr`` and ``dPn`` (accumulating when a site is read twice), ``d lse`` and one query-gradient partial row per
-  program (summed by torch).
-- ``_p1_bwd_coef`` [N/BN]: per token tile, one pass over D reading every source and every site's ``dPn`` once;
-  stores ``p``, ``d score / rms`` [Q, S, N] and the per-(source, token) RMS-gradient coefficient [S, N].
-- ``_p1_bwd_dv`` [G, D/BD]: source gradients for all sources (reads sources and all sites' ``dPn`` once, writes
-  ``dV``) and per-group query-gradient partials [G, Q, D].
-
-They also run under ``TRITON_INTERPRET=1`` on CPU.
+Kernels (all fp32 arithmetic; ``S`` sources, ``Q`` sites, ``N`` tokens, width ``D``):
+``_p1_scores`` [N/BN, Q], ``_p1_mix`` [N/BN, D/BD], ``_p2_fwd`` [N/BN], ``_p2_bwd`` [N/BN],
+``_p1_bwd_coef`` [N/BN, Q], ``_p1_bwd_dv`` [groups, D/BD]. They also run under ``TRITON_INTERPRET=1`` on CPU.
 """
 
 from __future__ import annotations
@@ -42,6 +27,7 @@ from openk3.fast._triton import HAS_TRITON, INTERPRET, tl, triton, triton_ok
 from openk3.ops.attnres.reference import attnres_read
 
 PARTIAL_DTYPE = torch.float32
+NBG = 8  # token blocks per program in the source-gradient kernel (query gradients are reduced over these groups)
 
 
 def available() -> tuple[bool, str]:
@@ -52,304 +38,245 @@ def available() -> tuple[bool, str]:
 if HAS_TRITON:
 
     @triton.jit
-    def _p1_fwd(
-        vs, w_ptr, pn_ptr, lse_ptr, N, eps,
-        S: tl.constexpr, SP: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr,
-        BN: tl.constexpr, BD: tl.constexpr,
+    def _p1_scores(
+        v_ptr, w_ptr, p_ptr, lse_ptr, inv_ptr, N, eps,
+        S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     ):  # fmt: skip
-        n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+        pid_n = tl.program_id(0)
+        q = tl.program_id(1)
+        n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         nm = n < N
-        qs = tl.arange(0, QP)
-        qm = qs < Q
-        src = tl.arange(0, SP)
-        # pass 1: scores of every (source, site, token); each source tile is loaded once for all sites
-        dots = tl.zeros([SP, QP, BN], dtype=tl.float32)
-        sqs = tl.zeros([SP, BN], dtype=tl.float32)
-        for i in tl.static_range(S):
-            dot = tl.zeros([QP, BN], dtype=tl.float32)
-            sq = tl.zeros([BN], dtype=tl.float32)
-            for d0 in tl.range(0, D, BD):
-                d = d0 + tl.arange(0, BD)
-                dm = d < D
-                v = tl.load(vs[i] + n[:, None] * D + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
-                v = v.to(tl.float32)
-                w = tl.load(w_ptr + qs[:, None] * D + d[None, :], mask=qm[:, None] & dm[None, :], other=0.0)
-                dot += tl.sum(w[:, None, :] * v[None, :, :], axis=2)
-                sq += tl.sum(v * v, axis=1)
-            dots = tl.where(src[:, None, None] == i, dot[None, :, :], dots)
-            sqs = tl.where(src[:, None] == i, sq[None, :], sqs)
-        valid = (src < S)[:, None, None]
-        inv = tl.rsqrt(sqs / D + eps)
-        sc = tl.where(valid, dots * inv[:, None, :], float("-inf"))
-        m = tl.max(sc, axis=0)
-        e = tl.where(valid, tl.exp(sc - m[None, :, :]), 0.0)
-        z = tl.sum(e, axis=0)
-        p = e / z[None, :, :]
-        tl.store(lse_ptr + qs[:, None] * N + n[None, :], m + tl.log(z), mask=qm[:, None] & nm[None, :])
-        # pass 2: normalised numerators of every site (the source tiles come back from L2)
+        cols = tl.arange(0, SP)
+        dots = tl.zeros([BN, SP], dtype=tl.float32)
+        sqs = tl.zeros([BN, SP], dtype=tl.float32)
         for d0 in tl.range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             dm = d < D
-            o = tl.zeros([QP, BN, BD], dtype=tl.float32)
+            w = tl.load(w_ptr + q * D + d, mask=dm, other=0.0)
             for i in tl.static_range(S):
-                v = tl.load(vs[i] + n[:, None] * D + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
-                pi = tl.sum(tl.where(src[:, None, None] == i, p, 0.0), axis=0)
-                o += pi[:, :, None] * v.to(tl.float32)[None, :, :]
+                v = tl.load(
+                    v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0
+                )
+                v = v.to(tl.float32)
+                sel = cols[None, :] == i
+                dots = tl.where(sel, dots + tl.sum(v * w[None, :], axis=1)[:, None], dots)
+                sqs = tl.where(sel, sqs + tl.sum(v * v, axis=1)[:, None], sqs)
+        valid = cols[None, :] < S
+        inv = tl.rsqrt(sqs / D + eps)
+        s = tl.where(valid, dots * inv, float("-inf"))
+        m = tl.max(s, axis=1)
+        e = tl.where(valid, tl.exp(s - m[:, None]), 0.0)
+        z = tl.sum(e, axis=1)
+        p = e / z[:, None]
+        tl.store(lse_ptr + q * N + n, m + tl.log(z), mask=nm)
+        pm = nm[:, None] & valid
+        tl.store(p_ptr + q * S * N + cols[None, :] * N + n[:, None], p, mask=pm)
+        tl.store(inv_ptr + cols[None, :] * N + n[:, None], inv, mask=pm & (q == 0))
+
+    @triton.jit
+    def _p1_mix(
+        v_ptr, p_ptr, o_ptr, N,
+        S: tl.constexpr, SP: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    ):  # fmt: skip
+        n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        nm = n < N
+        dm = d < D
+        i = tl.arange(0, SP)
+        im = i < S
+        m3 = im[:, None, None] & nm[None, :, None] & dm[None, None, :]
+        v = tl.load(
+            v_ptr + i[:, None, None] * N * D + n[None, :, None] * D + d[None, None, :], mask=m3, other=0.0
+        )
+        v = v.to(tl.float32)
+        for q in tl.range(0, Q):
+            p = tl.load(
+                p_ptr + q * S * N + i[:, None] * N + n[None, :], mask=im[:, None] & nm[None, :], other=0.0
+            )
+            o = tl.sum(p[:, :, None] * v, axis=0)
             tl.store(
-                pn_ptr + qs[:, None, None] * N * D + n[None, :, None] * D + d[None, None, :],
-                o.to(pn_ptr.dtype.element_ty),
-                mask=qm[:, None, None] & nm[None, :, None] & dm[None, None, :],
+                o_ptr + q * N * D + n[:, None] * D + d[None, :],
+                o.to(o_ptr.dtype.element_ty),
+                mask=nm[:, None] & dm[None, :],
             )
 
     @triton.jit
     def _p2_fwd(
         r_ptr, w_ptr, pn_ptr, lse_ptr, out_ptr, s_ptr, inv_ptr, N, eps,
-        D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ONE: tl.constexpr,
+        D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     ):  # fmt: skip
         n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
         nm = n < N
-        lse = tl.load(lse_ptr + n, mask=nm, other=0.0)
-        if ONE:  # the whole row lives in registers: r is read once
-            d = tl.arange(0, BD)
+        dot = tl.zeros([BN], dtype=tl.float32)
+        sq = tl.zeros([BN], dtype=tl.float32)
+        for d0 in tl.range(0, D, BD):
+            d = d0 + tl.arange(0, BD)
             dm = d < D
             m2 = nm[:, None] & dm[None, :]
             r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + d, mask=dm, other=0.0)
-            inv = tl.rsqrt(tl.sum(r * r, axis=1) / D + eps)
-            s = tl.sum(r * w[None, :], axis=1) * inv
-            lam = tl.sigmoid(lse - s)  # weight of the sealed part; its complement taken without cancellation
-            lamc = tl.sigmoid(s - lse)
+            dot += tl.sum(r * w[None, :], axis=1)
+            sq += tl.sum(r * r, axis=1)
+        inv = tl.rsqrt(sq / D + eps)
+        s = dot * inv
+        lam = tl.sigmoid(tl.load(lse_ptr + n, mask=nm, other=0.0) - s)
+        tl.store(s_ptr + n, s, mask=nm)
+        tl.store(inv_ptr + n, inv, mask=nm)
+        for d0 in tl.range(0, D, BD):
+            d = d0 + tl.arange(0, BD)
+            dm = d < D
+            m2 = nm[:, None] & dm[None, :]
+            r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
             pn = tl.load(pn_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-            o = lam[:, None] * pn + lamc[:, None] * r
+            o = lam[:, None] * pn + (1.0 - lam[:, None]) * r
             tl.store(out_ptr + n[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=m2)
-            tl.store(s_ptr + n, s, mask=nm)
-            tl.store(inv_ptr + n, inv, mask=nm)
-        else:  # wide rows: reductions, then the merge (r comes back from L2)
-            dot = tl.zeros([BN], dtype=tl.float32)
-            sq = tl.zeros([BN], dtype=tl.float32)
-            for d0 in tl.range(0, D, BD):
-                d = d0 + tl.arange(0, BD)
-                dm = d < D
-                r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
-                r = r.to(tl.float32)
-                w = tl.load(w_ptr + d, mask=dm, other=0.0)
-                dot += tl.sum(r * w[None, :], axis=1)
-                sq += tl.sum(r * r, axis=1)
-            inv = tl.rsqrt(sq / D + eps)
-            s = dot * inv
-            lam = tl.sigmoid(lse - s)  # weight of the sealed part; its complement taken without cancellation
-            lamc = tl.sigmoid(s - lse)
-            tl.store(s_ptr + n, s, mask=nm)
-            tl.store(inv_ptr + n, inv, mask=nm)
-            for d0 in tl.range(0, D, BD):
-                d = d0 + tl.arange(0, BD)
-                dm = d < D
-                m2 = nm[:, None] & dm[None, :]
-                r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-                pn = tl.load(pn_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-                o = lam[:, None] * pn + lamc[:, None] * r
-                tl.store(out_ptr + n[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
     def _p2_bwd(
-        dout_ptr, r_ptr, w_ptr, pn_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, dpn_ptr, dl_ptr, dwp_ptr, N, G,
-        D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, NB: tl.constexpr, ONE: tl.constexpr,
-        ACCUM: tl.constexpr,
+        dout_ptr, r_ptr, w_ptr, pn_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, dpn_ptr, dl_ptr, dwp_ptr, N,
+        D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACCUM: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
-        if ONE:  # whole rows in registers: dout, r and pn are read once; query gradient summed in registers
-            d = tl.arange(0, BD)
+        n = (pid * BN + tl.arange(0, BN)).to(tl.int64)
+        nm = n < N
+        s = tl.load(s_ptr + n, mask=nm, other=0.0)
+        inv = tl.load(inv_ptr + n, mask=nm, other=0.0)
+        lam = tl.sigmoid(tl.load(lse_ptr + n, mask=nm, other=0.0) - s)
+        dl = tl.zeros([BN], dtype=tl.float32)
+        for d0 in tl.range(0, D, BD):
+            d = d0 + tl.arange(0, BD)
             dm = d < D
+            m2 = nm[:, None] & dm[None, :]
+            g = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            pn = tl.load(pn_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            dl += tl.sum(g * (pn - r), axis=1)
+        gl = dl * lam * (1.0 - lam)  # d lse; d score(r) = -gl
+        tl.store(dl_ptr + n, gl, mask=nm)
+        ds = -gl
+        c_r = ds * s * inv * inv / D
+        c_w = ds * inv
+        for d0 in tl.range(0, D, BD):
+            d = d0 + tl.arange(0, BD)
+            dm = d < D
+            m2 = nm[:, None] & dm[None, :]
+            g = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + d, mask=dm, other=0.0)
-            dw = tl.zeros([BD], dtype=tl.float32)
-            for t in tl.range(0, NB):
-                n = ((pid + t * G) * BN + tl.arange(0, BN)).to(tl.int64)
-                nm = n < N
-                m2 = nm[:, None] & dm[None, :]
-                s = tl.load(s_ptr + n, mask=nm, other=0.0)
-                inv = tl.load(inv_ptr + n, mask=nm, other=0.0)
-                x = tl.load(lse_ptr + n, mask=nm, other=0.0) - s
-                lam = tl.sigmoid(x)
-                lamc = tl.sigmoid(-x)
-                off = n[:, None] * D + d[None, :]
-                g = tl.load(dout_ptr + off, mask=m2, other=0.0).to(tl.float32)
-                r = tl.load(r_ptr + off, mask=m2, other=0.0).to(tl.float32)
-                pn = tl.load(pn_ptr + off, mask=m2, other=0.0).to(tl.float32)
-                gl = tl.sum(g * (pn - r), axis=1) * lam * lamc  # d lse; d score(r) = -gl
-                tl.store(dl_ptr + n, gl, mask=nm)
-                c_r = -gl * s * inv * inv / D
-                c_w = -gl * inv
-                dpn = lam[:, None] * g
-                if ACCUM:
-                    dpn += tl.load(dpn_ptr + off, mask=m2, other=0.0)
-                tl.store(dpn_ptr + off, dpn, mask=m2)
-                dr = lamc[:, None] * g + c_w[:, None] * w[None, :] - c_r[:, None] * r
-                tl.store(dr_ptr + off, dr.to(dr_ptr.dtype.element_ty), mask=m2)
-                dw += tl.sum(c_w[:, None] * r, axis=0)
-            tl.store(dwp_ptr + pid * D + d, dw, mask=dm)
-        else:  # wide rows: two passes over D per token tile; the query gradient accumulates in this program's row
-            for t in tl.range(0, NB):
-                n = ((pid + t * G) * BN + tl.arange(0, BN)).to(tl.int64)
-                nm = n < N
-                s = tl.load(s_ptr + n, mask=nm, other=0.0)
-                inv = tl.load(inv_ptr + n, mask=nm, other=0.0)
-                x = tl.load(lse_ptr + n, mask=nm, other=0.0) - s
-                lam = tl.sigmoid(x)
-                lamc = tl.sigmoid(-x)
-                dl = tl.zeros([BN], dtype=tl.float32)
-                for d0 in tl.range(0, D, BD):
-                    d = d0 + tl.arange(0, BD)
-                    m2 = nm[:, None] & (d < D)[None, :]
-                    off = n[:, None] * D + d[None, :]
-                    g = tl.load(dout_ptr + off, mask=m2, other=0.0).to(tl.float32)
-                    r = tl.load(r_ptr + off, mask=m2, other=0.0).to(tl.float32)
-                    pn = tl.load(pn_ptr + off, mask=m2, other=0.0).to(tl.float32)
-                    dl += tl.sum(g * (pn - r), axis=1)
-                gl = dl * lam * lamc
-                tl.store(dl_ptr + n, gl, mask=nm)
-                c_r = -gl * s * inv * inv / D
-                c_w = -gl * inv
-                for d0 in tl.range(0, D, BD):
-                    d = d0 + tl.arange(0, BD)
-                    dm = d < D
-                    m2 = nm[:, None] & dm[None, :]
-                    off = n[:, None] * D + d[None, :]
-                    g = tl.load(dout_ptr + off, mask=m2, other=0.0).to(tl.float32)
-                    r = tl.load(r_ptr + off, mask=m2, other=0.0).to(tl.float32)
-                    w = tl.load(w_ptr + d, mask=dm, other=0.0)
-                    dpn = lam[:, None] * g
-                    if ACCUM:
-                        dpn += tl.load(dpn_ptr + off, mask=m2, other=0.0)
-                    tl.store(dpn_ptr + off, dpn, mask=m2)
-                    dr = lamc[:, None] * g + c_w[:, None] * w[None, :] - c_r[:, None] * r
-                    tl.store(dr_ptr + off, dr.to(dr_ptr.dtype.element_ty), mask=m2)
-                    dwo = dwp_ptr + pid * D + d
-                    tl.store(
-                        dwo, tl.load(dwo, mask=dm, other=0.0) + tl.sum(c_w[:, None] * r, axis=0), mask=dm
-                    )
+            dpn = lam[:, None] * g
+            if ACCUM:
+                dpn += tl.load(dpn_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0)
+            tl.store(dpn_ptr + n[:, None] * D + d[None, :], dpn, mask=m2)
+            dr = (1.0 - lam[:, None]) * g + c_w[:, None] * w[None, :] - c_r[:, None] * r
+            tl.store(dr_ptr + n[:, None] * D + d[None, :], dr.to(dr_ptr.dtype.element_ty), mask=m2)
+            tl.store(dwp_ptr + pid * D + d, tl.sum(c_w[:, None] * r, axis=0), mask=dm)
 
     @triton.jit
     def _p1_bwd_coef(
-        vs, w_ptr, lse_ptr, dpn_ptr, dl_ptr, pc_ptr, dc_ptr, aa_ptr, N, eps,
-        S: tl.constexpr, SP: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr,
-        BN: tl.constexpr, BD: tl.constexpr,
+        v_ptr, w_ptr, lse_ptr, dpn_ptr, dl_ptr, pc_ptr, dc_ptr, ac_ptr, inv_ptr, N, eps,
+        S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     ):  # fmt: skip
-        n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+        pid_n = tl.program_id(0)
+        q = tl.program_id(1)
+        n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         nm = n < N
-        qs = tl.arange(0, QP)
-        qm = qs < Q
-        src = tl.arange(0, SP)
-        dots = tl.zeros([SP, QP, BN], dtype=tl.float32)
-        dps = tl.zeros([SP, QP, BN], dtype=tl.float32)
-        sqs = tl.zeros([SP, BN], dtype=tl.float32)
-        for d0 in tl.range(0, D, BD):  # one pass over D: every source and every site's dpn loaded once
+        cols = tl.arange(0, SP)
+        dots = tl.zeros([BN, SP], dtype=tl.float32)
+        sqs = tl.zeros([BN, SP], dtype=tl.float32)
+        dps = tl.zeros([BN, SP], dtype=tl.float32)
+        for d0 in tl.range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             dm = d < D
-            w = tl.load(w_ptr + qs[:, None] * D + d[None, :], mask=qm[:, None] & dm[None, :], other=0.0)
-            g = tl.load(
-                dpn_ptr + qs[:, None, None] * N * D + n[None, :, None] * D + d[None, None, :],
-                mask=qm[:, None, None] & nm[None, :, None] & dm[None, None, :],
-                other=0.0,
-            )
+            m2 = nm[:, None] & dm[None, :]
+            w = tl.load(w_ptr + q * D + d, mask=dm, other=0.0)
+            g = tl.load(dpn_ptr + q * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0)
             for i in tl.static_range(S):
-                v = tl.load(vs[i] + n[:, None] * D + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
-                v = v.to(tl.float32)
-                sel = src[:, None, None] == i
-                dots = tl.where(sel, dots + tl.sum(w[:, None, :] * v[None, :, :], axis=2)[None, :, :], dots)
-                dps = tl.where(sel, dps + tl.sum(g * v[None, :, :], axis=2)[None, :, :], dps)
-                sqs = tl.where(src[:, None] == i, sqs + tl.sum(v * v, axis=1)[None, :], sqs)
+                v = tl.load(v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(
+                    tl.float32
+                )
+                sel = cols[None, :] == i
+                dots = tl.where(sel, dots + tl.sum(v * w[None, :], axis=1)[:, None], dots)
+                sqs = tl.where(sel, sqs + tl.sum(v * v, axis=1)[:, None], sqs)
+                dps = tl.where(sel, dps + tl.sum(v * g, axis=1)[:, None], dps)
+        valid = cols[None, :] < S
         inv = tl.rsqrt(sqs / D + eps)
-        sc = dots * inv[:, None, :]
-        m2 = qm[:, None] & nm[None, :]
-        lse = tl.load(lse_ptr + qs[:, None] * N + n[None, :], mask=m2, other=0.0)
-        ok = (src < S)[:, None, None] & m2[None, :, :]
-        p = tl.where(ok, tl.exp(sc - lse[None, :, :]), 0.0)
-        pdp = tl.sum(p * dps, axis=0)
-        dlq = tl.load(dl_ptr + qs[:, None] * N + n[None, :], mask=m2, other=0.0)
-        ds = p * (dps - pdp[None, :, :] + dlq[None, :, :])
-        off = qs[None, :, None] * S * N + src[:, None, None] * N + n[None, None, :]
-        tl.store(pc_ptr + off, p, mask=ok)
-        tl.store(dc_ptr + off, ds * inv[:, None, :], mask=ok)
-        aa = tl.sum(ds * sc, axis=1) * inv * inv / D
-        tl.store(aa_ptr + src[:, None] * N + n[None, :], aa, mask=(src < S)[:, None] & nm[None, :])
+        s = dots * inv
+        lse = tl.load(lse_ptr + q * N + n, mask=nm, other=0.0)
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        pdp = tl.sum(p * dps, axis=1)
+        dlq = tl.load(dl_ptr + q * N + n, mask=nm, other=0.0)
+        ds = p * (dps - pdp[:, None] + dlq[:, None])
+        pm = nm[:, None] & valid
+        off = q * S * N + cols[None, :] * N + n[:, None]
+        tl.store(pc_ptr + off, p, mask=pm)
+        tl.store(dc_ptr + off, ds * inv, mask=pm)
+        tl.store(ac_ptr + off, ds * s, mask=pm)
+        tl.store(inv_ptr + cols[None, :] * N + n[:, None], inv, mask=pm & (q == 0))
 
     @triton.jit
     def _p1_bwd_dv(
-        vs, w_ptr, dpn_ptr, pc_ptr, dc_ptr, aa_ptr, dv_ptr, dwp_ptr, N, G,
-        S: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr,
+        v_ptr, w_ptr, dpn_ptr, pc_ptr, dc_ptr, ac_ptr, inv_ptr, dv_ptr, dwp_ptr, N,
+        S: tl.constexpr, SP: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr,
         BN: tl.constexpr, BD: tl.constexpr, NB: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0)
+        g = tl.program_id(0)
         d = tl.program_id(1) * BD + tl.arange(0, BD)
         dm = d < D
+        i = tl.arange(0, SP)
+        im = i < S
         qs = tl.arange(0, QP)
-        qm = qs < Q
-        w = tl.load(w_ptr + qs[:, None] * D + d[None, :], mask=qm[:, None] & dm[None, :], other=0.0)
         dw = tl.zeros([QP, BD], dtype=tl.float32)
-        for t in tl.range(0, NB):
-            n = ((pid + t * G) * BN + tl.arange(0, BN)).to(tl.int64)
+        for tb in tl.range(0, NB):
+            n = ((g * NB + tb) * BN + tl.arange(0, BN)).to(tl.int64)
             nm = n < N
-            m2 = nm[:, None] & dm[None, :]
-            mq = qm[:, None] & nm[None, :]
-            g = tl.load(
-                dpn_ptr + qs[:, None, None] * N * D + n[None, :, None] * D + d[None, None, :],
-                mask=mq[:, :, None] & dm[None, None, :],
-                other=0.0,
+            m2 = im[:, None] & nm[None, :]
+            m3 = m2[:, :, None] & dm[None, None, :]
+            v = tl.load(
+                v_ptr + i[:, None, None] * N * D + n[None, :, None] * D + d[None, None, :], mask=m3, other=0.0
             )
-            for i in tl.static_range(S):
-                v = tl.load(vs[i] + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-                off = qs[:, None] * S * N + i * N + n[None, :]
-                pc = tl.load(pc_ptr + off, mask=mq, other=0.0)
-                dc = tl.load(dc_ptr + off, mask=mq, other=0.0)
-                aa = tl.load(aa_ptr + i * N + n, mask=nm, other=0.0)
-                acc = tl.sum(pc[:, :, None] * g, axis=0) + tl.sum(dc[:, :, None] * w[:, None, :], axis=0)
-                acc -= aa[:, None] * v
-                tl.store(
-                    dv_ptr + i * N * D + n[:, None] * D + d[None, :], acc.to(dv_ptr.dtype.element_ty), mask=m2
+            v = v.to(tl.float32)
+            inv = tl.load(inv_ptr + i[:, None] * N + n[None, :], mask=m2, other=0.0)
+            acc = tl.zeros([SP, BN, BD], dtype=tl.float32)
+            asum = tl.zeros([SP, BN], dtype=tl.float32)
+            for q in tl.range(0, Q):
+                off = q * S * N + i[:, None] * N + n[None, :]
+                pc = tl.load(pc_ptr + off, mask=m2, other=0.0)
+                dc = tl.load(dc_ptr + off, mask=m2, other=0.0)
+                asum += tl.load(ac_ptr + off, mask=m2, other=0.0)
+                gq = tl.load(
+                    dpn_ptr + q * N * D + n[:, None] * D + d[None, :],
+                    mask=nm[:, None] & dm[None, :],
+                    other=0.0,
                 )
-                dw += tl.sum(dc[:, :, None] * v[None, :, :], axis=1)
-        tl.store(dwp_ptr + pid * Q * D + qs[:, None] * D + d[None, :], dw, mask=qm[:, None] & dm[None, :])
+                wq = tl.load(w_ptr + q * D + d, mask=dm, other=0.0)
+                acc += pc[:, :, None] * gq[None, :, :] + dc[:, :, None] * wq[None, None, :]
+                dwq = tl.sum(tl.sum(dc[:, :, None] * v, axis=0), axis=0)
+                dw = tl.where(qs[:, None] == q, dw + dwq[None, :], dw)
+            acc -= (asum * inv * inv / D)[:, :, None] * v
+            tl.store(
+                dv_ptr + i[:, None, None] * N * D + n[None, :, None] * D + d[None, None, :],
+                acc.to(dv_ptr.dtype.element_ty),
+                mask=m3,
+            )
+        tl.store(
+            dwp_ptr + g * QP * D + qs[:, None] * D + d[None, :], dw, mask=(qs[:, None] < Q) & dm[None, :]
+        )
 
 
 def _pow2(x: int, lo: int = 2) -> int:
     return max(lo, triton.next_power_of_2(x))
 
 
-# Tile budgets (module attributes, read at each call; the interpreter tests shrink them to reach every code path).
-E3 = 4096  # elements of the [sites, tokens, width] register tiles of the phase-1 kernels
-ROW = 4096  # elements per operand of a phase-2 tile (tokens x padded width)
-ROW_MAX = 8192  # widest padded row a phase-2 program holds in registers whole (K3: 7168 -> 8192)
-ROW_CHUNK = 1024  # width chunk of phase-2 programs for wider rows (two passes over D per token tile)
-WAVE = 528  # programs that fill an H200 (132 SMs x 4); the reducing kernels aim at one to two waves
+def _tiles(SP: int) -> tuple[int, int]:
+    """(BN, BD) for the [SP, BN, BD] register tiles of the mix / source-gradient kernels."""
+    if SP <= 4:
+        return 16, 64
+    if SP <= 8:
+        return 16, 32
+    return 8, 32
 
 
-def _p1_tiles(N: int, QP: int, D: int, BDT: int = 64) -> tuple[int, int]:
-    """(BN, BD) of the phase-1 kernels: [QP, BN, BD] tiles of about E3 elements with chunks of about BDT columns;
-    few tokens -> wider chunks."""
-    BN = min(_pow2(N, 1), 32, max(1, E3 // (QP * BDT)))
-    BD = min(_pow2(D, 16), max(16, E3 // (QP * BN)))
-    return BN, BD
-
-
-def _row_tiles(N: int, D: int) -> tuple[int, int, bool, int]:
-    """(BN, BD, ONE, num_warps) of the phase-2 kernels. ONE: a program holds BN whole rows (padded to a power of
-    two) in registers and reads every operand once; otherwise it walks D in ROW_CHUNK-wide chunks twice."""
-    DP = _pow2(D, 16)
-    if DP <= ROW_MAX:
-        BN = min(_pow2(N, 1), max(1, ROW // DP))
-        BD = DP
-    else:
-        BN, BD = min(_pow2(N, 1), 4), ROW_CHUNK
-    return BN, BD, BD == DP, min(16, max(1, BN * BD // 512))
-
-
-def _groups(ntiles: int, target: int) -> tuple[int, int]:
-    """(G, NB): G programs of NB (a power of two) strided token tiles each, G >= target where ntiles allows; the
-    query-gradient partials are per program, so fewer programs mean fewer partial rows to sum."""
-    NB = 1
-    while NB * 2 * max(1, target) <= ntiles:
-        NB *= 2
-    return triton.cdiv(ntiles, NB), NB
+BN_ROW, BD_ROW = 16, 128  # tiles of the per-token kernels that loop over D
 
 
 class _Block:
@@ -368,25 +295,25 @@ def _fold(query: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
     return norm_weight.float() * query.float().reshape(-1)
 
 
-def _sources(sealed, D: int) -> tuple[torch.Tensor, ...]:
-    """The sealed sources as [N, D] rows, passed to the kernels as a tuple of pointers (no stacked copy)."""
-    return tuple(s.reshape(-1, D).contiguous() for s in sealed)
-
-
 class _Phase1(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block, W, *sealed):
         D = sealed[0].shape[-1]
-        vs = _sources(sealed, D)
-        S, N, Q = len(vs), vs[0].shape[0], W.shape[0]
-        SP, QP = _pow2(S), _pow2(Q)
+        V = torch.stack([s.reshape(-1, D) for s in sealed])  # [S, N, D]
+        S, N = V.shape[0], V.shape[1]
+        Q = W.shape[0]
+        SP = _pow2(S)
         W = W.contiguous()
-        dev = vs[0].device
-        lse = torch.empty(Q, N, dtype=torch.float32, device=dev)
-        block.pn = torch.empty(Q, N, D, dtype=PARTIAL_DTYPE, device=dev)
-        BN, BD = _p1_tiles(N, QP, D, 128)  # few tokens per tile: the second pass finds the sources in L2
-        _p1_fwd[(triton.cdiv(N, BN),)](
-            vs, W, block.pn, lse, N, block.eps, S=S, SP=SP, Q=Q, QP=QP, D=D, BN=BN, BD=BD, num_warps=8
+        p = torch.empty(Q, S, N, dtype=torch.float32, device=V.device)
+        lse = torch.empty(Q, N, dtype=torch.float32, device=V.device)
+        inv = torch.empty(S, N, dtype=torch.float32, device=V.device)
+        _p1_scores[(triton.cdiv(N, BN_ROW), Q)](
+            V, W, p, lse, inv, N, block.eps, S=S, SP=SP, D=D, BN=BN_ROW, BD=BD_ROW
+        )
+        BN, BD = _tiles(SP)
+        block.pn = torch.empty(Q, N, D, dtype=PARTIAL_DTYPE, device=V.device)
+        _p1_mix[(triton.cdiv(N, BN), triton.cdiv(D, BD))](
+            V, p, block.pn, N, S=S, SP=SP, Q=Q, D=D, BN=BN, BD=BD
         )
         ctx.block = block
         ctx.save_for_backward(W, lse, *sealed)
@@ -397,37 +324,35 @@ class _Phase1(torch.autograd.Function):
         W, lse, *sealed = ctx.saved_tensors
         block = ctx.block
         D = sealed[0].shape[-1]
-        vs = _sources(sealed, D)
-        S, N, Q = len(vs), vs[0].shape[0], W.shape[0]
+        V = torch.stack([s.reshape(-1, D) for s in sealed])
+        S, N = V.shape[0], V.shape[1]
+        Q = W.shape[0]
         SP, QP = _pow2(S), _pow2(Q)
-        dev = vs[0].device
         dpn = block.dpn
         if dpn is None:
-            dpn = torch.zeros(Q, N, D, dtype=torch.float32, device=dev)
+            dpn = torch.zeros(Q, N, D, dtype=torch.float32, device=V.device)
         else:
             for j in range(Q):
                 if j not in block.written:
                     dpn[j].zero_()
         dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
-        pc = torch.empty(Q, S, N, dtype=torch.float32, device=dev)
-        dc = torch.empty_like(pc)
-        aa = torch.empty(S, N, dtype=torch.float32, device=dev)
-        BN, BD = _p1_tiles(N, QP, D)
-        _p1_bwd_coef[(triton.cdiv(N, BN),)](
-            vs, W, lse, dpn, dlse, pc, dc, aa, N, block.eps,
-            S=S, SP=SP, Q=Q, QP=QP, D=D, BN=BN, BD=BD, num_warps=8,
-        )  # fmt: skip
-        nd = triton.cdiv(D, BD)
-        G, NB = _groups(triton.cdiv(N, BN), triton.cdiv(2 * WAVE, nd))
-        dv = torch.empty(S, N, D, dtype=vs[0].dtype, device=dev)
-        dwp = torch.empty(G, Q, D, dtype=torch.float32, device=dev)
-        _p1_bwd_dv[(G, nd)](
-            vs, W, dpn, pc, dc, aa, dv, dwp, N, G, S=S, Q=Q, QP=QP, D=D, BN=BN, BD=BD, NB=NB, num_warps=8
+        pc = torch.empty(Q, S, N, dtype=torch.float32, device=V.device)
+        dc, ac = torch.empty_like(pc), torch.empty_like(pc)
+        inv = torch.empty(S, N, dtype=torch.float32, device=V.device)
+        _p1_bwd_coef[(triton.cdiv(N, BN_ROW), Q)](
+            V, W, lse, dpn, dlse, pc, dc, ac, inv, N, block.eps, S=S, SP=SP, D=D, BN=BN_ROW, BD=BD_ROW
+        )
+        BN, BD = _tiles(SP)
+        G = triton.cdiv(N, BN * NBG)
+        dv = torch.empty_like(V)
+        dwp = torch.empty(G, QP, D, dtype=torch.float32, device=V.device)
+        _p1_bwd_dv[(G, triton.cdiv(D, BD))](
+            V, W, dpn, pc, dc, ac, inv, dv, dwp, N, S=S, SP=SP, Q=Q, QP=QP, D=D, BN=BN, BD=BD, NB=NBG
         )
         block.dpn = None
         block.written = set()
-        dW = dwp.sum(0) if G > 1 else dwp[0]
-        return (None, dW, *[dv[j].view_as(sealed[j]).to(sealed[j].dtype) for j in range(S)])
+        dW = dwp.sum(0)[:Q]
+        return (None, dW, *[dv[j].view_as(sealed[j]) for j in range(S)])
 
 
 class _Phase2(torch.autograd.Function):
@@ -439,11 +364,9 @@ class _Phase2(torch.autograd.Function):
         out = torch.empty_like(rf)
         s = torch.empty(N, dtype=torch.float32, device=r.device)
         inv = torch.empty_like(s)
-        BN, BD, one, nw = _row_tiles(N, D)
-        _p2_fwd[(triton.cdiv(N, BN),)](
-            rf, w, block.pn[qi], lse_all[qi], out, s, inv, N, block.eps,
-            D=D, BN=BN, BD=BD, ONE=one, num_warps=nw,
-        )  # fmt: skip
+        _p2_fwd[(triton.cdiv(N, BN_ROW),)](
+            rf, w, block.pn[qi], lse_all[qi], out, s, inv, N, block.eps, D=D, BN=BN_ROW, BD=BD_ROW
+        )
         ctx.block, ctx.qi = block, qi
         ctx.save_for_backward(r, w, lse_all, s, inv)
         return out.view_as(r)
@@ -462,15 +385,28 @@ class _Phase2(torch.autograd.Function):
         accum = qi in block.written
         dr = torch.empty_like(rf)
         dlse = torch.zeros_like(lse_all)
-        BN, BD, one, nw = _row_tiles(N, D)
-        G, NB = _groups(triton.cdiv(N, BN), WAVE)
-        dwp = (torch.empty if one else torch.zeros)(G, D, dtype=torch.float32, device=r.device)
-        _p2_bwd[(G,)](
-            dout.contiguous().view(-1, D), rf, w, block.pn[qi], lse_all[qi], s, inv, dr, block.dpn[qi], dlse[qi],
-            dwp, N, G, D=D, BN=BN, BD=BD, NB=NB, ONE=one, ACCUM=accum, num_warps=nw,
-        )  # fmt: skip
+        nprog = triton.cdiv(N, BN_ROW)
+        dwp = torch.empty(nprog, D, dtype=torch.float32, device=r.device)
+        _p2_bwd[(nprog,)](
+            dout.contiguous().view(-1, D),
+            rf,
+            w,
+            block.pn[qi],
+            lse_all[qi],
+            s,
+            inv,
+            dr,
+            block.dpn[qi],
+            dlse[qi],
+            dwp,
+            N,
+            D=D,
+            BN=BN_ROW,
+            BD=BD_ROW,
+            ACCUM=accum,
+        )
         block.written.add(qi)
-        return None, None, dr.view_as(r), dwp.sum(0) if G > 1 else dwp[0], dlse
+        return None, None, dr.view_as(r), dwp.sum(0), dlse
 
 
 class TritonAttnResReader:
