@@ -33,8 +33,12 @@ the same semantics and the same row layout:
   than the fusion saves; ``lean`` is used then).
 * ``fused_keepx`` (default): ``fused`` that keeps the permuted rows of x (``P x W``) for the backward instead of
   gathering them again (more activation memory, one gather less). Measured on an H200 (bench/NOTES.md, E64 top-8
-  W1024 I640, 16k tokens, fwd+bwd): base 5.65 ms, lean 4.79, fused 4.54, fused_keepx 4.34 ms (68 % of a dense GEMM
-  of the same FLOPs).
+  W1024 I640, 16k tokens, fwd+bwd from cleared gradients): 4.15 ms, 66 % of a dense GEMM of the same FLOPs.
+
+In the fused variants the gate and up weight gradients come from two grouped GEMMs writing each parameter's
+contiguous gradient (:data:`SPLIT_DW13`; one ``[E, 2I, W]`` GEMM would need autograd to copy its halves out).
+``openk3.modules.moe.Experts`` stores ``w1`` / ``w3`` as the two halves of one buffer, so the stacked gate|up
+operand of the forward is a view, not a per-call copy.
 """
 
 from __future__ import annotations
