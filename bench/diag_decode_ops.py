@@ -18,9 +18,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
 def main():
-    from bench_e2e_decode import build
     from torch.profiler import ProfilerActivity, profile
 
+    from bench_e2e_decode import build
     from openk3.infer.engine import Engine
     from openk3.infer.sampling import SamplingParams
 
@@ -67,7 +67,9 @@ def main():
     n = max(steps[0], 1)
     tot_k = sum(v[0] for v in stats.values()) / n
     tot_t = sum(v[1] for v in stats.values()) / n
-    print(f"{a.preset} batch {a.batch}: {tot_k:.0f} kernel-launching aten ops, {tot_t / 1e3:.3f} ms CUDA per step")
+    print(
+        f"{a.preset} batch {a.batch}: {tot_k:.0f} kernel-launching aten ops, {tot_t / 1e3:.3f} ms CUDA per step"
+    )
     print(f"{'per step':>8} | {'us/step':>8} | op <- parents")
     for (name, chain), (c, t) in sorted(stats.items(), key=lambda kv: -kv[1][1])[: a.rows]:
         print(f"{c / n:8.1f} | {t / n:8.1f} | {name} <- {chain}"[:230])

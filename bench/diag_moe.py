@@ -16,9 +16,8 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
 def main():
-    from run_all import timeit
-
     from openk3.fast.moe import experts_grouped
+    from run_all import timeit
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="fused_keepx")
@@ -68,19 +67,23 @@ def main():
         for lay, ws in (("separate w1/w3", sep), ("adjacent w1/w3", adj)):
             for split in (True, False):
                 fast_moe.SPLIT_DW13 = split
-                f = lambda: experts_grouped(x, idx, w, *ws, variant=v).backward(dy)  # noqa: E731
+                f = lambda ws=ws, v=v: experts_grouped(x, idx, w, *ws, variant=v).backward(dy)  # noqa: E731
                 t_acc = timeit(f)
                 t_clr = timeit(f, setup=clear)
                 rows.append((v + (" dW split" if split else " dW one"), lay, t_acc, t_clr))
     fast_moe.SPLIT_DW13 = True
-    print(f"{'variant':22} | {'layout':15} | {'ms (grads accumulate)':>22} | {'ms (grads cleared)':>19} | % of dense")
+    print(
+        f"{'variant':22} | {'layout':15} | {'ms (grads accumulate)':>22} | {'ms (grads cleared)':>19} | % of dense"
+    )
     for v, lay, t_acc, t_clr in rows:
-        print(f"{v:22} | {lay:15} | {t_acc * 1e3:22.3f} | {t_clr * 1e3:19.3f} | {t_dense / t_clr * 100:.1f} %")
+        print(
+            f"{v:22} | {lay:15} | {t_acc * 1e3:22.3f} | {t_clr * 1e3:19.3f} | {t_dense / t_clr * 100:.1f} %"
+        )
     from torch.profiler import ProfilerActivity, profile
 
     for v in [s for s in a.variants.split(",") if s]:
         for lay, ws in (("separate", sep), ("adjacent", adj)):
-            f = lambda: experts_grouped(x, idx, w, *ws, variant=v).backward(dy)  # noqa: E731
+            f = lambda ws=ws, v=v: experts_grouped(x, idx, w, *ws, variant=v).backward(dy)  # noqa: E731
             clear()
             f()
             torch.cuda.synchronize()
@@ -90,7 +93,11 @@ def main():
                     f()
                 torch.cuda.synchronize()
             print(f"\n== {v} / {lay} w1,w3: CUDA kernels over 5 fwd+bwd ==")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=70))
+            print(
+                prof.key_averages().table(
+                    sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=70
+                )
+            )
     clear()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):

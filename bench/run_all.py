@@ -366,7 +366,10 @@ def sec_moe():
         if with_ref and res:
             best = min(res, key=res.get)
             t_r = timeit(
-                lambda: experts_reference(x, idx, w, *ws, act="situ").backward(dy), warmup=1, rep=3, setup=clear
+                lambda: experts_reference(x, idx, w, *ws, act="situ").backward(dy),
+                warmup=1,
+                rep=3,
+                setup=clear,
             )
             row(
                 "moe",
@@ -645,12 +648,13 @@ def sec_norm():
     x = w = dy = None
     free()
     # SiTU-GLU of the shared experts / dense FFN: gate and up bf16 [N, I] (the "glu" op), medium shared-expert width
+    from openk3.config import K3Config
     from openk3.fast.moe import glu_act_triton
     from openk3.ops.activations import glu_act
 
-    from openk3.config import K3Config
-
-    Ig = K3Config.from_preset("medium").moe_intermediate_size * max(1, K3Config.from_preset("medium").num_shared_experts)
+    Ig = K3Config.from_preset("medium").moe_intermediate_size * max(
+        1, K3Config.from_preset("medium").num_shared_experts
+    )
     gg = torch.randn(N, Ig, device="cuda", dtype=dt).requires_grad_()
     uu = (torch.randn(N, Ig, device="cuda", dtype=dt) * 10).requires_grad_()
     dy = torch.randn(N, Ig, device="cuda", dtype=dt)

@@ -154,9 +154,7 @@ KDA_TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-2, 2e-3)}
 @here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gate_kind", ["lowerbound", "softplus"])
-@pytest.mark.parametrize(
-    "bv", [0, 16, 8], ids=["head", "tiles", "tiles8"]
-)
+@pytest.mark.parametrize("bv", [0, 16, 8], ids=["head", "tiles", "tiles8"])
 def test_kda_decode(dtype, gate_kind, bv):
     """One program per (row, head) walking the state in tiles of BV columns (0: the whole head)."""
     seed = seed_of(str(dtype), gate_kind, bv)

@@ -319,7 +319,9 @@ def test_expert_gate_up_halves_stay_adjacent():
     assert not torch.equal(w1, w3)
     e.to(torch.bfloat16)
     assert _adjacent13(e.w1, e.w3) is not None
-    assert torch.equal(e.w1.float(), w1.bfloat16().float()) and torch.equal(e.w3.float(), w3.bfloat16().float())
+    assert torch.equal(e.w1.float(), w1.bfloat16().float()) and torch.equal(
+        e.w3.float(), w3.bfloat16().float()
+    )
     e2 = Experts(5, 12, 7).to(torch.bfloat16)
     e2.load_state_dict(e.state_dict())
     assert _adjacent13(e2.w1, e2.w3) is not None and torch.equal(e2.w1, e.w1) and torch.equal(e2.w3, e.w3)

@@ -38,8 +38,8 @@ def test_glu_triton_matches_reference(dtype, shape, kind, check):
 
 def test_glumlp_fast_step(check):
     """GLUMLP (bf16 weights) on the triton "glu" backend vs the reference backend: output and every gradient."""
-    from openk3.modules.ffn import GLUMLP
     import openk3.fast  # noqa: F401
+    from openk3.modules.ffn import GLUMLP
 
     torch.manual_seed(torch.seed() % (2**31))
     m = GLUMLP(512, 1408, "situ").to(DEV, torch.bfloat16)

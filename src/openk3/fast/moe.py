@@ -333,7 +333,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _plan_offs_kernel(
-        counts_ptr, c_stride, pstart_ptr, offs_ptr, E, ALIGN: tl.constexpr, MIN_ROWS: tl.constexpr, EP: tl.constexpr
+        counts_ptr,
+        c_stride,
+        pstart_ptr,
+        offs_ptr,
+        E,
+        ALIGN: tl.constexpr,
+        MIN_ROWS: tl.constexpr,
+        EP: tl.constexpr,
     ):
         """Group sizes (count rounded up to ALIGN, at least MIN_ROWS), their ends (int32 offs) and starts."""
         e = tl.arange(0, EP)
@@ -523,7 +530,9 @@ def glu_act_triton(
     if kind not in ("situ", "silu", "swiglu"):
         raise ValueError(f"unknown activation {kind!r}; expected 'situ' or 'silu'")
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"glu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
+        raise ValueError(
+            f"glu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ"
+        )
     C = gate.shape[-1]
     g, u = gate.reshape(-1, C), up.reshape(-1, C)
     if g.stride(-1) != 1:

@@ -296,7 +296,10 @@ class Engine:
         for i, layer in enumerate(self.model.model.layers):
             mods = self._input_projections(layer)
             ws = [m.weight for m in mods]
-            if any(type(w.data) is not torch.Tensor or w.dtype != ws[0].dtype or w.device != ws[0].device for w in ws):
+            if any(
+                type(w.data) is not torch.Tensor or w.dtype != ws[0].dtype or w.device != ws[0].device
+                for w in ws
+            ):
                 continue
             buf = torch.cat([w.data for w in ws], 0)
             sizes = [w.shape[0] for w in ws]

@@ -6,7 +6,6 @@ from torch import nn
 from openk3.ops import backend as _backend
 from openk3.ops.activations import glu_act
 
-
 # Fast-path hook for the "glu" op (the gated activation of GLUMLP): name -> fn with the signature of
 # ``openk3.ops.activations.glu_act(gate, up, kind, beta1, beta2)``; filled by openk3.fast.
 FAST_GLU: dict[str, callable] = {}
