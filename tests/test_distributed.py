@@ -354,11 +354,23 @@ def _worker(rank: int, port: int, out_dir: str, tmp: str):
     destroy_distributed()
 
 
-@pytest.fixture(scope="module")
-def results():
+def _spawn_world():
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(_free_port(), out, tmp), nprocs=WORLD, join=True)
         return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def results():
+    # gloo on a loaded 2-core machine has, rarely, killed a rank with SIGSEGV inside the library (seen in CI, not
+    # reproducible locally: 3 of 3 reruns passed). A rank that dies of a signal gets one fresh run; a Python error
+    # in a scenario is never retried (it is reported by the tests below), and neither is a second signal death.
+    try:
+        return _spawn_world()
+    except mp.ProcessExitedException as e:
+        if not getattr(e, "signal_name", None):
+            raise
+        return _spawn_world()
 
 
 def _get(results, name):
