@@ -306,25 +306,24 @@ def test_env_command_reports_every_op_and_decode_step(capsys):
 def test_expert_gate_up_halves_stay_adjacent():
     """w1 / w3 are separate parameters stored as the halves of one [E, 2I, W] buffer (so the grouped-GEMM path
     needs no per-call copy); dtype moves and state-dict loads keep that layout and the values."""
-    from openk3.fast.moe import _adjacent13
-    from openk3.modules.moe import Experts
+    from openk3.modules.moe import Experts, gate_up_view
 
     torch.manual_seed(0)
     e = Experts(5, 12, 7)
     assert e.w1.shape == e.w3.shape == (5, 7, 12) and e.w2.shape == (5, 12, 7)
-    assert _adjacent13(e.w1, e.w3) is not None
+    assert gate_up_view(e.w1, e.w3) is not None
     torch.nn.init.normal_(e.w1)
     torch.nn.init.normal_(e.w3)
     w1, w3 = e.w1.detach().clone(), e.w3.detach().clone()
     assert not torch.equal(w1, w3)
     e.to(torch.bfloat16)
-    assert _adjacent13(e.w1, e.w3) is not None
+    assert gate_up_view(e.w1, e.w3) is not None
     assert torch.equal(e.w1.float(), w1.bfloat16().float()) and torch.equal(
         e.w3.float(), w3.bfloat16().float()
     )
     e2 = Experts(5, 12, 7).to(torch.bfloat16)
     e2.load_state_dict(e.state_dict())
-    assert _adjacent13(e2.w1, e2.w3) is not None and torch.equal(e2.w1, e.w1) and torch.equal(e2.w3, e.w3)
+    assert gate_up_view(e2.w1, e2.w3) is not None and torch.equal(e2.w1, e.w1) and torch.equal(e2.w3, e.w3)
     # gradients land on the right halves
     (e2.w1.float().sum() * 2 + e2.w3.float().sum() * 3).backward()
     assert bool((e2.w1.grad == 2).all()) and bool((e2.w3.grad == 3).all())

@@ -48,6 +48,7 @@ import os
 import torch
 
 from openk3.fast._triton import HAS_TRITON, tanh_f32, tl, triton, triton_ok
+from openk3.modules.moe import gate_up_view
 
 ALIGN = 16
 VARIANTS = ("base", "lean", "fused", "fused_keepx")
@@ -764,24 +765,9 @@ class _Experts(torch.autograd.Function):
         return dx, dweights, dw1, dw2, dw3, None, None, None, None
 
 
-def _adjacent13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
-    """A zero-copy [E, 2I, W] view when w1 and w3 already are the two halves of one buffer, else None."""
-    E, I, W = w1.shape
-    st = (2 * I * W, W, 1)
-    if w3.shape != w1.shape or w3.dtype != w1.dtype or w3.device != w1.device:
-        return None
-    if w1.stride() != st or w3.stride() != st or E < 2:
-        return None
-    if w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr():
-        return None
-    if w3.storage_offset() != w1.storage_offset() + I * W:
-        return None
-    return w1.as_strided((E, 2 * I, W), st)
-
-
 def stack13(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     """[E, 2I, W]: gate rows then up rows of each expert (a view when possible, else one copy)."""
-    v = _adjacent13(w1, w3)
+    v = gate_up_view(w1, w3)
     return v if v is not None else torch.cat([w1, w3], 1)
 
 
@@ -870,5 +856,5 @@ def experts_grouped(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2
     if v == "base":
         return _Experts.apply(*args)
     E = w1.shape[0]
-    fuse = v != "lean" and (_adjacent13(w1, w3) is not None or idx.numel() >= FUSE_MIN_ROWS_PER_EXPERT * E)
+    fuse = v != "lean" and (gate_up_view(w1, w3) is not None or idx.numel() >= FUSE_MIN_ROWS_PER_EXPERT * E)
     return _ExpertsV2.apply(*args, fuse, v == "fused_keepx")

@@ -43,6 +43,21 @@ class Router(nn.Module):
         )
 
 
+def gate_up_view(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
+    """A zero-copy [E, 2I, W] view when w1 and w3 already are the two halves of one buffer, else None."""
+    E, I, W = w1.shape
+    st = (2 * I * W, W, 1)
+    if w3.shape != w1.shape or w3.dtype != w1.dtype or w3.device != w1.device:
+        return None
+    if w1.stride() != st or w3.stride() != st or E < 2:
+        return None
+    if w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr():
+        return None
+    if w3.storage_offset() != w1.storage_offset() + I * W:
+        return None
+    return w1.as_strided((E, 2 * I, W), st)
+
+
 class Experts(nn.Module):
     """Routed experts stacked: ``w1`` (gate) and ``w3`` (up) [E, I, W], ``w2`` (down) [E, W, I]. The checkpoint holds
     them per expert as ``experts.{e}.w{1,2,3}.weight`` (see openk3.checkpoint).
@@ -79,15 +94,9 @@ class Experts(nn.Module):
             return False
         if w1.device.type == "meta":
             return False
-        I = w1.shape[1]
-        st = (2 * I * w1.shape[2], w1.shape[2], 1)
-        if (
-            w1.stride() == st
-            and w3.stride() == st
-            and w1.untyped_storage().data_ptr() == w3.untyped_storage().data_ptr()
-            and w3.storage_offset() == w1.storage_offset() + I * w1.shape[2]
-        ):
+        if gate_up_view(w1, w3) is not None:
             return True
+        I = w1.shape[1]
         with torch.no_grad():
             buf = torch.cat([w1.data, w3.data], 1)
         w1.data, w3.data = buf[:, :I], buf[:, I:]
