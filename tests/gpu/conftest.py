@@ -3,6 +3,8 @@ to the JSON file named by ``OPENK3_ERRLOG`` (bench/run_all.py sets it) so tolera
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -38,3 +40,26 @@ def check():
 def errlog():
     """The list the measured errors go to (append dicts with name/err/tol and anything else worth keeping)."""
     return _LOG
+
+
+@pytest.fixture
+def run_interpreted():
+    """run(script, hide_cuda=False) -> the float the script prints after "WORST": runs ``script`` in a fresh Python
+    under TRITON_INTERPRET=1 (the interpreter must be chosen before any Triton kernel is defined) with this checkout's
+    ``src`` first on PYTHONPATH; fails with the script's stderr when it exits non-zero. ``hide_cuda`` hides GPUs."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (os.path.join(root, "src"), os.environ.get("PYTHONPATH")) if p)
+
+    def _run(script: str, hide_cuda: bool = False) -> float:
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+        if hide_cuda:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        else:
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return float(out.stdout.split("WORST")[-1])
+
+    return _run

@@ -5,9 +5,6 @@ CPU-only machines too.
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -78,11 +75,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_triton_kernels_interpreted_on_cpu():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(root, "src"))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    worst = float(out.stdout.split("WORST")[-1])
+def test_triton_kernels_interpreted_on_cpu(run_interpreted):
+    worst = run_interpreted(SCRIPT)
     assert worst < 1e-5, worst
