@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 
 def main():
     from openk3.fast.moe import experts_grouped
-    from run_all import timeit
+    from run_all import timeit, timeit_pipelined
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="fused_keepx")
@@ -57,8 +57,13 @@ def main():
         for t in (x, w, *sep, *adj, xr, d1, d2, d3):
             t.grad = None
 
-    t_dense = timeit(lambda: (((xr @ d1) * (xr @ d3)) @ d2).backward(dyr), setup=clear)
-    print(f"dense peer fwd+bwd (grads cleared each run): {t_dense * 1e3:.3f} ms")
+    f_dense = lambda: (((xr @ d1) * (xr @ d3)) @ d2).backward(dyr)  # noqa: E731
+    t_dense = timeit(f_dense, setup=clear)
+    t_dense_p = timeit_pipelined(f_dense, setup=clear)
+    print(
+        f"dense peer fwd+bwd (grads cleared each run): {t_dense * 1e3:.3f} ms, "
+        f"back to back (pipelined): {t_dense_p * 1e3:.3f} ms"
+    )
     from openk3.fast import moe as fast_moe
 
     rows = []
@@ -69,14 +74,17 @@ def main():
                 f = lambda ws=ws, v=v: experts_grouped(x, idx, w, *ws, variant=v).backward(dy)  # noqa: E731
                 t_acc = timeit(f)
                 t_clr = timeit(f, setup=clear)
-                rows.append((v + (" dW split" if split else " dW one"), lay, t_acc, t_clr))
+                t_pip = timeit_pipelined(f, setup=clear)
+                rows.append((v + (" dW split" if split else " dW one"), lay, t_acc, t_clr, t_pip))
     fast_moe.SPLIT_DW13 = True
     print(
         f"{'variant':22} | {'layout':15} | {'ms (grads accumulate)':>22} | {'ms (grads cleared)':>19} | % of dense"
+        f" | {'ms (cleared, pipelined)':>24} | % of dense (pipelined)"
     )
-    for v, lay, t_acc, t_clr in rows:
+    for v, lay, t_acc, t_clr, t_pip in rows:
         print(
-            f"{v:22} | {lay:15} | {t_acc * 1e3:22.3f} | {t_clr * 1e3:19.3f} | {t_dense / t_clr * 100:.1f} %"
+            f"{v:22} | {lay:15} | {t_acc * 1e3:22.3f} | {t_clr * 1e3:19.3f} | {t_dense / t_clr * 100:9.1f} %"
+            f" | {t_pip * 1e3:24.3f} | {t_dense_p / t_pip * 100:.1f} %"
         )
     from torch.profiler import ProfilerActivity, profile
 

@@ -20,10 +20,16 @@ the same semantics and the same row layout:
 
 * ``base``: the path above -- torch planning (argsort, ~15 small launches), separate gate and up GEMMs,
   SiTU-GLU recomputed in the backward, gather-then-reduce combine.
-* ``lean``: planning by two Triton kernels + one cumsum (no sort; the row weights are scattered once, not rebuilt in
-  the backward), fast-math SiTU-GLU (approximate fp32 division; the result is rounded to bf16 anyway), a combine that
-  accumulates one expert row at a time, and a backward GLU kernel that re-emits ``a`` for the down-projection
-  weight gradient instead of a separate recompute pass. Gate and up stay two GEMMs.
+* ``lean``: planning by three small Triton kernels + one cumsum (:class:`RowPlan`: no sort), which records the
+  (token, slot) pair of each padded row (``pair_of_row``: ``n*k + j``, ``N*k`` on padding; the forward gather takes
+  the token as ``pair // k``, the backward the mixture weight as ``weights[pair]``), fast-math SiTU-GLU (approximate
+  fp32 division; the result is rounded to bf16 anyway), a combine that accumulates one expert row at a time, a
+  combine backward that is ONE kernel over the padded rows (:func:`dy_dweights`: reads the output gradient of the
+  row's token and, for the mixture-weight gradient, the row of ``y`` once, writes the weighted row gradient, zero
+  on padding, and the weight gradient's dot product in fp32; ``base`` reads the output gradient in two kernels, a
+  dot product and a gather; on an H200 at the ``fused_keepx`` shape below 0.195 ms against 0.229 ms for those two),
+  and a backward GLU kernel that re-emits ``a`` for the down-projection weight gradient instead of a separate
+  recompute pass. Gate and up stay two GEMMs.
 * ``fused``: ``lean`` + gate and up as ONE grouped GEMM over ``[E, 2I, W]`` (one read of the permuted rows, one
   launch, N = 2I per GEMM); in the backward one GEMM for the input gradient (K = 2I, no add) and one 2-D x 2-D GEMM
   for both weight gradients (returned as views of its halves). The parameters stay separate ``w1``/``w3``: the
@@ -34,6 +40,8 @@ the same semantics and the same row layout:
 * ``fused_keepx`` (default): ``fused`` that keeps the permuted rows of x (``P x W``) for the backward instead of
   gathering them again (more activation memory, one gather less). Measured on an H200 (bench/NOTES.md, E64 top-8
   W1024 I640, 16k tokens, fwd+bwd from cleared gradients): 4.15 ms, 66 % of a dense GEMM of the same FLOPs.
+  Timed back to back as in a training step (``timeit_pipelined`` in bench/run_all.py, host launch latency hidden;
+  one run): 3.81 ms, 75 % of the dense GEMMs timed the same way (4.11 ms, 69 %, synchronised in that run).
 
 In the fused variants the gate and up weight gradients come from two grouped GEMMs writing each parameter's
 contiguous gradient (:data:`SPLIT_DW13`; one ``[E, 2I, W]`` GEMM would need autograd to copy its halves out).
@@ -356,22 +364,18 @@ if HAS_TRITON:
     @triton.jit
     def _plan_scatter_kernel(
         e_ptr,
-        w_ptr,
         cum_ptr,
         hist_ptr,
         pstart_ptr,
         rows_ptr,
-        tok_ptr,
-        scale_ptr,
+        pair_ptr,
         nk,
         nb,
-        E,
-        K,
-        HAS_W: tl.constexpr,
         BLK: tl.constexpr,
     ):
         """Row of each pair = its group start + pairs of the same expert in earlier blocks + earlier in this block
-        (so rows within a group follow the pair order, like a stable sort). Writes rows, tok_of_row, row scale."""
+        (so rows within a group follow the pair order, like a stable sort). Writes rows and pair_of_row (the flat
+        (token, slot) index of each row's pair)."""
         b = tl.program_id(0)
         i = tl.arange(0, BLK)
         offs = b * BLK + i
@@ -385,9 +389,53 @@ if HAS_TRITON:
         )
         row = tl.load(pstart_ptr + ec, mask=m, other=0) + before + rank
         tl.store(rows_ptr + offs, row, mask=m)
-        tl.store(tok_ptr + row, offs // K, mask=m)
-        if HAS_W:
-            tl.store(scale_ptr + row, tl.load(w_ptr + offs, mask=m, other=0.0), mask=m)
+        tl.store(pair_ptr + row, offs, mask=m)
+
+    @triton.jit
+    def _gather_pairs_kernel(src_ptr, pair_ptr, out_ptr, nk, W, K: tl.constexpr, BLOCK_W: tl.constexpr):
+        """out[r] = src[pair[r] // K] (zero where pair[r] >= nk: padding)."""
+        r = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        cm = cols < W
+        p = tl.load(pair_ptr + r)
+        t = (p // K).to(tl.int64)
+        v = tl.load(src_ptr + t * W + cols, mask=cm & (p < nk), other=0.0)
+        tl.store(out_ptr + r * W + cols, v.to(out_ptr.dtype.element_ty), mask=cm)
+
+    @triton.jit
+    def _dy_dw_kernel(
+        dout_ptr,
+        y_ptr,
+        pair_ptr,
+        w_ptr,
+        dy_ptr,
+        dw_ptr,
+        nk,
+        s_y,
+        W: tl.constexpr,
+        K: tl.constexpr,
+        NEED_DW: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+    ):
+        """Backward of the weighted combine, one padded row r per program, pair p = pair[r], token n = p // K:
+        dy[r] = dout[n] * w[p] and (NEED_DW) dw[p] = <dout[n], y[r]> accumulated in fp32; dy[r] = 0 on padding
+        (p >= nk: every load masked off, so a padding row costs only its store)."""
+        r = tl.program_id(0).to(tl.int64)
+        p = tl.load(pair_ptr + r)
+        valid = p < nk
+        n = (p // K).to(tl.int64)
+        wt = tl.load(w_ptr + p, mask=valid, other=0.0).to(tl.float32)
+        acc = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for c0 in range(0, W, BLOCK_W):
+            cols = c0 + tl.arange(0, BLOCK_W)
+            cm = cols < W
+            d = tl.load(dout_ptr + n * W + cols, mask=cm & valid, other=0.0).to(tl.float32)
+            tl.store(dy_ptr + r * W + cols, (d * wt).to(dy_ptr.dtype.element_ty), mask=cm)
+            if NEED_DW:
+                yv = tl.load(y_ptr + r * s_y + cols, mask=cm & valid, other=0.0).to(tl.float32)
+                acc += d * yv
+        if NEED_DW:
+            tl.store(dw_ptr + p, tl.sum(acc, axis=0), mask=valid)
 
 
 _BLOCK = 1024
@@ -557,6 +605,58 @@ def combine2(y: torch.Tensor, rows: torch.Tensor, w: torch.Tensor | None, dtype)
     return out
 
 
+def gather_pairs(src: torch.Tensor, pair_of_row: torch.Tensor, K: int) -> torch.Tensor:
+    """[P, W]: row r = src[pair_of_row[r] // K] (the token of the row's pair), zero on padding rows."""
+    P, (N, W) = pair_of_row.shape[0], src.shape
+    out = torch.empty(P, W, dtype=src.dtype, device=src.device)
+    BW = _bw(W)
+    _gather_pairs_kernel[(P, triton.cdiv(W, BW))](
+        src.contiguous(), pair_of_row, out, N * K, W, K=K, BLOCK_W=BW
+    )
+    return out
+
+
+_DYDW_MAX_BW = 1024  # chunk of W per loop step of _dy_dw_kernel (a power of 2)
+# measured on an H200 at W = 1024 (bf16, 131k rows, with the weight gradient): 0.204 ms with 2 warps, 0.229 ms with
+# 4, 0.300 ms with 8; the same order at chunks of 256 and 512
+_DYDW_WARPS = 2
+
+
+def dy_dweights(
+    dout: torch.Tensor,
+    y: torch.Tensor,
+    pair_of_row: torch.Tensor,
+    weights: torch.Tensor,
+    need_dw: bool = True,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Backward of ``combine2(y, rows, weights)`` in one pass over the padded rows: ``dy`` [P, W] (dout's dtype,
+    or written into ``out``): dout[token] * weight of each row, zero on padding; ``dweights`` [N, K] fp32 (None
+    unless ``need_dw``): <dout[n], y[rows[n, j]]>. ``weights``: fp32 contiguous [N, K]; y may have a padded row
+    stride."""
+    N, K = weights.shape
+    P, W = pair_of_row.shape[0], dout.shape[1]
+    dout = dout.contiguous()
+    dy = out if out is not None else torch.empty(P, W, dtype=dout.dtype, device=dout.device)
+    dw = torch.empty(N, K, dtype=torch.float32, device=dout.device) if need_dw else None
+    _dy_dw_kernel[(P,)](
+        dout,
+        y,
+        pair_of_row,
+        weights,
+        dy,
+        dw if need_dw else weights,
+        N * K,
+        y.stride(0),
+        W=W,
+        K=K,
+        NEED_DW=need_dw,
+        BLOCK_W=min(_DYDW_MAX_BW, triton.next_power_of_2(W)),
+        num_warps=_DYDW_WARPS,
+    )
+    return dy, dw
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # planning and grouped GEMMs
 
@@ -603,19 +703,13 @@ _PLAN_BLK = 128
 
 
 class RowPlan:
-    """:class:`Plan`'s layout (the same rows in the same order) from two small Triton kernels and one cumsum: no
-    sort, no host synchronisation, six launches. Also scatters the fp32 mixture weight of each row (``scale``, 0 on
-    padding) when ``weights`` is given. ``rows`` and ``tok_of_row`` are int32."""
+    """:class:`Plan`'s layout (the same rows in the same order) from three small Triton kernels and one cumsum: no
+    sort, no host synchronisation, five launches. ``rows`` ([N, k]) and ``pair_of_row`` ([P]) are int32:
+    ``pair_of_row[r]`` is the flat (token, slot) index ``n * k + j`` of row r's pair (so its token is
+    ``pair // k`` and its mixture weight ``weights.reshape(-1)[pair]``), ``N * k`` on padding rows and on the rows
+    past the last group."""
 
-    def __init__(
-        self,
-        idx: torch.Tensor,
-        num_experts: int,
-        weights: torch.Tensor | None = None,
-        align: int = ALIGN,
-        *,
-        sparse: bool = False,
-    ):
+    def __init__(self, idx: torch.Tensor, num_experts: int, align: int = ALIGN, *, sparse: bool = False):
         N, K = idx.shape
         E = num_experts
         dev = idx.device
@@ -632,29 +726,11 @@ class RowPlan:
             cum[:, nb - 1], nb, pstart, offs, E, ALIGN=align, MIN_ROWS=0 if sparse else align, EP=EP
         )
         self.P = nk + (align - 1) * min(E, nk) if sparse else nk + E * align
-        tok = torch.full((self.P,), N, dtype=torch.int32, device=dev)
+        pair = torch.full((self.P,), nk, dtype=torch.int32, device=dev)
         rows = torch.empty(nk, dtype=torch.int32, device=dev)
-        wf = weights.reshape(-1) if weights is not None else None
-        scale = torch.zeros(self.P, dtype=torch.float32, device=dev) if wf is not None else None
-        _plan_scatter_kernel[(nb,)](
-            flat,
-            wf if wf is not None else hist,
-            cum,
-            hist,
-            pstart,
-            rows,
-            tok,
-            scale if scale is not None else hist,
-            nk,
-            nb,
-            E,
-            K,
-            HAS_W=wf is not None,
-            BLK=_PLAN_BLK,
-        )
+        _plan_scatter_kernel[(nb,)](flat, cum, hist, pstart, rows, pair, nk, nb, BLK=_PLAN_BLK)
         self.rows = rows.view(N, K)
-        self.tok_of_row = tok
-        self.scale = scale
+        self.pair_of_row = pair
         self.offs = offs
         self.N, self.K, self.E = N, K, E
 
@@ -778,9 +854,9 @@ class _ExpertsV2(torch.autograd.Function):
     def forward(ctx, x, weights, w1, w2, w3, idx, act, b1, b2, fuse, keep_x):
         E, I = w1.shape[0], w1.shape[1]
         train = any(ctx.needs_input_grad[:5])
-        plan = RowPlan(idx, E, weights, sparse=not train)
-        offs = plan.offs
-        xs = gather_rows(x, plan.tok_of_row)  # [P, W]
+        plan = RowPlan(idx, E, sparse=not train)
+        offs, K = plan.offs, plan.K
+        xs = gather_pairs(x, plan.pair_of_row, K)  # [P, W]
         w13 = None
         if fuse:
             w13 = stack13(w1, w3)
@@ -794,27 +870,27 @@ class _ExpertsV2(torch.autograd.Function):
         out = combine2(y, plan.rows, weights, x.dtype)
         if train:
             ctx.save_for_backward(
-                xs if keep_x else x, w1, w2, w3, w13, g, u, y, plan.rows, plan.tok_of_row, plan.scale, offs
+                xs if keep_x else x, weights, w1, w2, w3, w13, g, u, y, plan.rows, plan.pair_of_row, offs
             )
-        ctx.cfg = (act, b1, b2, keep_x, I)
+        ctx.cfg = (act, b1, b2, keep_x, I, K)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        xk, w1, w2, w3, w13, g, u, y, rows, tok, scale, offs = ctx.saved_tensors
-        act, b1, b2, keep_x, I = ctx.cfg
-        dout = dout.contiguous()
+        xk, weights, w1, w2, w3, w13, g, u, y, rows, pair, offs = ctx.saved_tensors
+        act, b1, b2, keep_x, I, K = ctx.cfg
         need_x, need_w, need_w1, need_w2, need_w3 = ctx.needs_input_grad[:5]
-        dweights = combine_dw(dout, y, rows) if need_w else None
-        dy = gather_rows(dout, tok, scale)  # [P, W]: dout[token] * weight, zero on padding
+        # one pass over the rows: dy [P, W] = dout[token] * weight (zero on padding) and, when needed, the
+        # mixture-weight gradient <dout[token], y[row]>
+        dy, dweights = dy_dweights(dout, y, pair, weights, need_dw=need_w)
         da = _mm(dy, w2, offs, "v2_dy_w2")  # [P, I]
-        dh = torch.empty(tok.shape[0], 2 * I, dtype=g.dtype, device=g.device)  # gate | up gradients
+        dh = torch.empty(pair.shape[0], 2 * I, dtype=g.dtype, device=g.device)  # gate | up gradients
         dg, du = dh[:, :I], dh[:, I:]
         a = glu2_bwd(g, u, da, dg, du, act, b1, b2, want_a=need_w2)  # a re-emitted here, not recomputed apart
         dw2 = _mm(dy.t(), a, offs, "v2_dyT_a") if need_w2 else None  # [E, W, I]
         dx = dw1 = dw3 = None
         if need_w1 or need_w3:
-            xs = xk if keep_x else gather_rows(xk, tok)
+            xs = xk if keep_x else gather_pairs(xk, pair, K)
             if need_w1 and need_w3 and w13 is not None and not SPLIT_DW13:
                 dw13 = _mm(dh.t(), xs, offs, "v2_dhT_x")  # [E, 2I, W]
                 dw1, dw3 = dw13[:, :I], dw13[:, I:]
