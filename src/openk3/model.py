@@ -150,6 +150,11 @@ class K3Model(nn.Module):
             self.output_attn_res_norm.weight,
         )
 
+    def num_sealed_sets(self) -> int:
+        """Sealed sources one forward creates (one per AttnRes block)."""
+        bs = self.config.attn_res_block_size
+        return -(-self.config.num_hidden_layers // bs) if bs else 0
+
     def block_sites(self, seal_layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Read sites that see the sealed set created at ``seal_layer``: its pre-FFN read, every read of the
         following layers up to and including the next sealing layer's pre-attention read (or the final read)."""
@@ -166,7 +171,11 @@ class K3Model(nn.Module):
     def forward(self, input_ids, *, cu_seqlens=None, cache=None, inputs_embeds=None) -> torch.Tensor:
         r = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cfg = self.config
-        reader = make_reader(cfg.rms_norm_eps, r.is_cuda, self.attnres_backend) if cfg.use_attn_res else None
+        reader = (
+            make_reader(cfg.rms_norm_eps, r.is_cuda, self.attnres_backend, max_sources=self.num_sealed_sets())
+            if cfg.use_attn_res
+            else None
+        )
         ck = self.gradient_checkpointing and self.training
         for i, layer in enumerate(self.layers):
             r = layer(

@@ -8,18 +8,25 @@ Phase 2 runs at each read: it scores the live partial sum ``r`` and merges,
 ``out = lam * Pn + (1 - lam) * r`` with ``lam = sigmoid(lse - score(r))`` -- the same softmax over
 ``[sealed..., r]`` as the reference.
 
-Backward: phase 2 writes its numerator gradient ``lam * dout`` straight into the block's buffer (one fp32
-``[Q, N, D]`` buffer instead of Q full-size autograd gradients) and hands ``d lse`` back through autograd; phase 1's
-backward then produces the gradients of every sealed source and of every site's folded query in two kernels:
-per-(token, site) coefficients (one pass over D), then the source / query gradients (elementwise over D, queries
-reduced over token groups).
+Backward: phase 2 copies its output gradient ``g`` (the output's dtype) into the block's ``[Q, N, D]`` buffer and
+keeps the merge weight ``lam`` per token; the numerator gradient ``lam * g`` is formed in fp32 where it is read (the
+same products the reference forms), so no fp32 ``[Q, N, D]`` gradient is written. ``d lse`` goes back through
+autograd. Phase 1's backward then produces the gradients of every sealed source and of every site's folded query in
+two kernels: per-(site, token) coefficients (one pass over D), then per source the source gradient and the query
+gradient partials (fp32 dots over the token tiles).
 
-Kernels (all fp32 arithmetic; ``S`` sources, ``Q`` sites, ``N`` tokens, width ``D``):
-``_p1_scores`` [N/BN, Q], ``_p1_mix`` [N/BN, D/BD], ``_p2_fwd`` [N/BN], ``_p2_bwd`` [N/BN],
-``_p1_bwd_coef`` [N/BN, Q], ``_p1_bwd_dv`` [groups, D/BD]. They also run under ``TRITON_INTERPRET=1`` on CPU.
+The reader copies each source into one ``[capacity, N, D]`` buffer when it is sealed, so phase 1 and its backward
+read the sources in place (no per-seal stack of all of them).
+
+Kernels (all fp32 arithmetic; ``S`` sources, ``Q`` sites, ``N`` tokens, width ``D``; launch tiles in :data:`TILES`):
+``_p1_scores`` [Q, N/BN] (sites fastest: the Q programs of one token tile read its sources once from memory, then
+from L2), ``_p1_mix`` [N/BN, D/BD], ``_p2_fwd`` [N/BN], ``_p2_bwd`` [N/(BN*RB)], ``_p1_bwd_coef`` [Q, N/BN],
+``_p1_bwd_dv`` [S, groups, D/BD]. They also run under ``TRITON_INTERPRET=1`` on CPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -27,7 +34,7 @@ from openk3.fast._triton import HAS_TRITON, INTERPRET, tl, triton, triton_ok
 from openk3.ops.attnres.reference import attnres_read
 
 PARTIAL_DTYPE = torch.float32
-NBG = 8  # token blocks per program in the source-gradient kernel (query gradients are reduced over these groups)
+NBG = 16  # token blocks per program in the source-gradient kernel (query gradients are reduced over these groups)
 
 
 def available() -> tuple[bool, str]:
@@ -42,8 +49,8 @@ if HAS_TRITON:
         v_ptr, w_ptr, p_ptr, lse_ptr, inv_ptr, N, eps,
         S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     ):  # fmt: skip
-        pid_n = tl.program_id(0)
-        q = tl.program_id(1)
+        q = tl.program_id(0)  # sites vary fastest: the Q programs of one token tile share its sources in L2
+        pid_n = tl.program_id(1)
         n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         nm = n < N
         cols = tl.arange(0, SP)
@@ -133,11 +140,24 @@ if HAS_TRITON:
 
     @triton.jit
     def _p2_bwd(
-        dout_ptr, r_ptr, w_ptr, pn_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, dpn_ptr, dl_ptr, dwp_ptr, N,
-        D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ACCUM: tl.constexpr,
+        dout_ptr, r_ptr, w_ptr, pn_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr, lam_ptr, dl_ptr, dwp_ptr, N,
+        D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
     ):  # fmt: skip
+        """RB blocks of BN tokens per program; the query-gradient partial of the program's tokens goes to one row
+        of dwp (accumulated there across the blocks: the program owns that row)."""
         pid = tl.program_id(0)
-        n = (pid * BN + tl.arange(0, BN)).to(tl.int64)
+        for rb in tl.range(0, RB):
+            _p2_bwd_rows(
+                dout_ptr, r_ptr, w_ptr, pn_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr, lam_ptr, dl_ptr, dwp_ptr,
+                N, pid, rb, D, BN, BD, RB,
+            )  # fmt: skip
+
+    @triton.jit
+    def _p2_bwd_rows(
+        dout_ptr, r_ptr, w_ptr, pn_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr, lam_ptr, dl_ptr, dwp_ptr, N, pid, rb,
+        D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
+    ):  # fmt: skip
+        n = ((pid * RB + rb) * BN + tl.arange(0, BN)).to(tl.int64)
         nm = n < N
         s = tl.load(s_ptr + n, mask=nm, other=0.0)
         inv = tl.load(inv_ptr + n, mask=nm, other=0.0)
@@ -153,6 +173,7 @@ if HAS_TRITON:
             dl += tl.sum(g * (pn - r), axis=1)
         gl = dl * lam * (1.0 - lam)  # d lse; d score(r) = -gl
         tl.store(dl_ptr + n, gl, mask=nm)
+        tl.store(lam_ptr + n, lam, mask=nm)
         ds = -gl
         c_r = ds * s * inv * inv / D
         c_w = ds * inv
@@ -163,33 +184,33 @@ if HAS_TRITON:
             g = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
             r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + d, mask=dm, other=0.0)
-            dpn = lam[:, None] * g
-            if ACCUM:
-                dpn += tl.load(dpn_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0)
-            tl.store(dpn_ptr + n[:, None] * D + d[None, :], dpn, mask=m2)
+            tl.store(g_ptr + n[:, None] * D + d[None, :], g.to(g_ptr.dtype.element_ty), mask=m2)
             dr = (1.0 - lam[:, None]) * g + c_w[:, None] * w[None, :] - c_r[:, None] * r
             tl.store(dr_ptr + n[:, None] * D + d[None, :], dr.to(dr_ptr.dtype.element_ty), mask=m2)
-            tl.store(dwp_ptr + pid * D + d, tl.sum(c_w[:, None] * r, axis=0), mask=dm)
+            prev = tl.load(dwp_ptr + pid * D + d, mask=dm & (rb > 0), other=0.0)
+            tl.store(dwp_ptr + pid * D + d, prev + tl.sum(c_w[:, None] * r, axis=0), mask=dm)
 
     @triton.jit
     def _p1_bwd_coef(
-        v_ptr, w_ptr, lse_ptr, dpn_ptr, dl_ptr, pc_ptr, dc_ptr, ac_ptr, inv_ptr, N, eps,
+        v_ptr, w_ptr, lse_ptr, g_ptr, lam_ptr, dl_ptr, pc_ptr, dc_ptr, ac_ptr, inv_ptr, N, eps,
         S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     ):  # fmt: skip
-        pid_n = tl.program_id(0)
-        q = tl.program_id(1)
+        q = tl.program_id(0)  # sites vary fastest: the Q programs of one token tile share its sources in L2
+        pid_n = tl.program_id(1)
         n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
         nm = n < N
         cols = tl.arange(0, SP)
         dots = tl.zeros([BN, SP], dtype=tl.float32)
         sqs = tl.zeros([BN, SP], dtype=tl.float32)
         dps = tl.zeros([BN, SP], dtype=tl.float32)
+        lam = tl.load(lam_ptr + q * N + n, mask=nm, other=0.0)
         for d0 in tl.range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             dm = d < D
             m2 = nm[:, None] & dm[None, :]
             w = tl.load(w_ptr + q * D + d, mask=dm, other=0.0)
-            g = tl.load(dpn_ptr + q * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0)
+            g = tl.load(g_ptr + q * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0)
+            g = g.to(tl.float32) * lam[:, None]  # the numerator gradient lam * dout, as phase 2 defines it
             for i in tl.static_range(S):
                 v = tl.load(v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(
                     tl.float32
@@ -215,51 +236,47 @@ if HAS_TRITON:
 
     @triton.jit
     def _p1_bwd_dv(
-        v_ptr, w_ptr, dpn_ptr, pc_ptr, dc_ptr, ac_ptr, inv_ptr, dv_ptr, dwp_ptr, N,
-        S: tl.constexpr, SP: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr,
+        v_ptr, w_ptr, g_ptr, lam_ptr, pc_ptr, dc_ptr, ac_ptr, inv_ptr, dv_ptr, dwp_ptr, N,
+        S: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr,
         BN: tl.constexpr, BD: tl.constexpr, NB: tl.constexpr,
     ):  # fmt: skip
-        g = tl.program_id(0)
-        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        """Gradient of source i over NB token tiles x BD columns (grid [S, groups, D/BD], sources fastest so the S
+        programs of a tile share the site gradients in L2):
+        dv_i = sum_q pc[q,i] * lam_q g_q + dc_i @ W - (sum_q ac[q,i]) inv_i^2 / D * v_i, and the query-gradient
+        partial dc_i^T @ v_i ([QP, BD], one fp32 dot per tile) summed over this program's tiles."""
+        i = tl.program_id(0)
+        grp = tl.program_id(1)
+        d = tl.program_id(2) * BD + tl.arange(0, BD)
         dm = d < D
-        i = tl.arange(0, SP)
-        im = i < S
         qs = tl.arange(0, QP)
+        qm = qs < Q
+        wt = tl.load(w_ptr + qs[:, None] * D + d[None, :], mask=qm[:, None] & dm[None, :], other=0.0)
         dw = tl.zeros([QP, BD], dtype=tl.float32)
         for tb in tl.range(0, NB):
-            n = ((g * NB + tb) * BN + tl.arange(0, BN)).to(tl.int64)
+            n = ((grp * NB + tb) * BN + tl.arange(0, BN)).to(tl.int64)
             nm = n < N
-            m2 = im[:, None] & nm[None, :]
-            m3 = m2[:, :, None] & dm[None, None, :]
-            v = tl.load(
-                v_ptr + i[:, None, None] * N * D + n[None, :, None] * D + d[None, None, :], mask=m3, other=0.0
-            )
-            v = v.to(tl.float32)
-            inv = tl.load(inv_ptr + i[:, None] * N + n[None, :], mask=m2, other=0.0)
-            acc = tl.zeros([SP, BN, BD], dtype=tl.float32)
-            asum = tl.zeros([SP, BN], dtype=tl.float32)
+            m2 = nm[:, None] & dm[None, :]
+            v = tl.load(v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            inv = tl.load(inv_ptr + i * N + n, mask=nm, other=0.0)
+            cm = nm[:, None] & qm[None, :]
+            off = qs[None, :] * S * N + i * N + n[:, None]  # [BN, QP]
+            dc = tl.load(dc_ptr + off, mask=cm, other=0.0)
+            asum = tl.sum(tl.load(ac_ptr + off, mask=cm, other=0.0), axis=1)
+            acc = tl.dot(dc, wt, input_precision="ieee")  # [BN, BD]
             for q in tl.range(0, Q):
-                off = q * S * N + i[:, None] * N + n[None, :]
-                pc = tl.load(pc_ptr + off, mask=m2, other=0.0)
-                dc = tl.load(dc_ptr + off, mask=m2, other=0.0)
-                asum += tl.load(ac_ptr + off, mask=m2, other=0.0)
-                gq = tl.load(
-                    dpn_ptr + q * N * D + n[:, None] * D + d[None, :],
-                    mask=nm[:, None] & dm[None, :],
-                    other=0.0,
-                )
-                wq = tl.load(w_ptr + q * D + d, mask=dm, other=0.0)
-                acc += pc[:, :, None] * gq[None, :, :] + dc[:, :, None] * wq[None, None, :]
-                dwq = tl.sum(tl.sum(dc[:, :, None] * v, axis=0), axis=0)
-                dw = tl.where(qs[:, None] == q, dw + dwq[None, :], dw)
-            acc -= (asum * inv * inv / D)[:, :, None] * v
+                lam = tl.load(lam_ptr + q * N + n, mask=nm, other=0.0)
+                pcq = tl.load(pc_ptr + q * S * N + i * N + n, mask=nm, other=0.0)
+                gq = tl.load(g_ptr + q * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0)
+                acc += pcq[:, None] * (gq.to(tl.float32) * lam[:, None])
+            acc -= (asum * inv * inv / D)[:, None] * v
             tl.store(
-                dv_ptr + i[:, None, None] * N * D + n[None, :, None] * D + d[None, None, :],
-                acc.to(dv_ptr.dtype.element_ty),
-                mask=m3,
+                dv_ptr + i * N * D + n[:, None] * D + d[None, :], acc.to(dv_ptr.dtype.element_ty), mask=m2
             )
+            dw += tl.dot(tl.trans(dc), v, input_precision="ieee")
         tl.store(
-            dwp_ptr + g * QP * D + qs[:, None] * D + d[None, :], dw, mask=(qs[:, None] < Q) & dm[None, :]
+            dwp_ptr + (grp * S + i) * QP * D + qs[:, None] * D + d[None, :],
+            dw,
+            mask=qm[:, None] & dm[None, :],
         )
 
 
@@ -276,30 +293,65 @@ def _tiles(SP: int) -> tuple[int, int]:
     return 8, 32
 
 
-BN_ROW, BD_ROW = 16, 128  # tiles of the per-token kernels that loop over D
+# (tokens, columns, warps) per program of each kernel; OPENK3_ATTNRES_TILES="p2_bwd=32x64x8,..." overrides
+# (measured on an H200 at N=16384 D=2048, bench/diag_attnres.py --sweep; columns are capped at D's power of 2)
+TILES = {
+    "p1_scores": (16, 128, 4),
+    "p1_bwd_coef": (8, 256, 4),
+    "p1_bwd_dv": (16, 128, 4),
+    "p2_fwd": (1, 2048, 4),
+    "p2_bwd": (2, 2048, 8),
+}
+
+
+def _parse_tiles(spec: str) -> None:
+    for item in filter(None, (t.strip() for t in spec.split(","))):
+        name, _, val = item.partition("=")
+        if name not in TILES:
+            raise ValueError(
+                f"OPENK3_ATTNRES_TILES: unknown kernel {name!r}; expected one of {sorted(TILES)}"
+            )
+        bn, bd, nw = (int(x) for x in val.split("x"))
+        TILES[name] = (bn, bd, nw)
+
+
+_parse_tiles(os.environ.get("OPENK3_ATTNRES_TILES", ""))
 
 
 class _Block:
-    """State of one sealed set: the announced sites, phase-1 partials and the numerator-gradient buffer."""
+    """State of one sealed set: the announced sites, phase-1 partials and the buffers phase 2's backward fills."""
 
     def __init__(self, sites, eps):
         self.index = {sid: j for j, (sid, _, _) in enumerate(sites)}
         self.sites = sites
         self.eps = eps
         self.pn = None  # [Q, N, D] PARTIAL_DTYPE
-        self.dpn = None  # [Q, N, D] fp32, filled by phase-2 backward
-        self.written: set[int] = set()
+        self.g = None  # [Q, N, D] each site's output gradient (its dtype), filled by phase-2 backward
+        self.lam = None  # [Q, N] fp32 each site's merge weight; the numerator gradient is lam * g
+        self.written: set[int] = set()  # sites whose phase-2 backward has run
+        self.read: set[int] = set()  # sites read (phase 2) in the forward
 
 
 def _fold(query: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
     return norm_weight.float() * query.float().reshape(-1)
 
 
+def _sources(V, sealed) -> torch.Tensor:
+    """[S, N, D] sealed sources: the reader's source buffer when it holds them, else one stacked copy."""
+    if V is not None:
+        return V
+    D = sealed[0].shape[-1]
+    return torch.stack([s.reshape(-1, D) for s in sealed])
+
+
 class _Phase1(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, block, W, *sealed):
-        D = sealed[0].shape[-1]
-        V = torch.stack([s.reshape(-1, D) for s in sealed])  # [S, N, D]
+    def forward(ctx, block, W, V, *sealed):
+        # V: a view of the reader's source buffer, or None. Kept on ctx, not saved: later seals write other slots
+        # of the same buffer (which bumps the version counter the saved-tensor check would trip on).
+        ctx.V = V
+        V = _sources(V, sealed)
+        D = V.shape[-1]
         S, N = V.shape[0], V.shape[1]
         Q = W.shape[0]
         SP = _pow2(S)
@@ -307,8 +359,9 @@ class _Phase1(torch.autograd.Function):
         p = torch.empty(Q, S, N, dtype=torch.float32, device=V.device)
         lse = torch.empty(Q, N, dtype=torch.float32, device=V.device)
         inv = torch.empty(S, N, dtype=torch.float32, device=V.device)
-        _p1_scores[(triton.cdiv(N, BN_ROW), Q)](
-            V, W, p, lse, inv, N, block.eps, S=S, SP=SP, D=D, BN=BN_ROW, BD=BD_ROW
+        bn, bd, nw = TILES["p1_scores"]
+        _p1_scores[(Q, triton.cdiv(N, bn))](
+            V, W, p, lse, inv, N, block.eps, S=S, SP=SP, D=D, BN=bn, BD=bd, num_warps=nw
         )
         BN, BD = _tiles(SP)
         block.pn = torch.empty(Q, N, D, dtype=PARTIAL_DTYPE, device=V.device)
@@ -323,36 +376,41 @@ class _Phase1(torch.autograd.Function):
     def backward(ctx, dlse):
         W, lse, *sealed = ctx.saved_tensors
         block = ctx.block
-        D = sealed[0].shape[-1]
-        V = torch.stack([s.reshape(-1, D) for s in sealed])
+        V = _sources(ctx.V, sealed)
+        D = V.shape[-1]
         S, N = V.shape[0], V.shape[1]
         Q = W.shape[0]
-        SP, QP = _pow2(S), _pow2(Q)
-        dpn = block.dpn
-        if dpn is None:
-            dpn = torch.zeros(Q, N, D, dtype=torch.float32, device=V.device)
+        SP = _pow2(S)
+        if block.g is None:  # no read of this block got a gradient
+            block.g = torch.zeros(Q, N, D, dtype=V.dtype, device=V.device)
+            block.lam = torch.zeros(Q, N, dtype=torch.float32, device=V.device)
         else:
             for j in range(Q):
                 if j not in block.written:
-                    dpn[j].zero_()
+                    block.g[j].zero_()
+                    block.lam[j].zero_()
         dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
         pc = torch.empty(Q, S, N, dtype=torch.float32, device=V.device)
         dc, ac = torch.empty_like(pc), torch.empty_like(pc)
         inv = torch.empty(S, N, dtype=torch.float32, device=V.device)
-        _p1_bwd_coef[(triton.cdiv(N, BN_ROW), Q)](
-            V, W, lse, dpn, dlse, pc, dc, ac, inv, N, block.eps, S=S, SP=SP, D=D, BN=BN_ROW, BD=BD_ROW
-        )
-        BN, BD = _tiles(SP)
-        G = triton.cdiv(N, BN * NBG)
-        dv = torch.empty_like(V)
-        dwp = torch.empty(G, QP, D, dtype=torch.float32, device=V.device)
-        _p1_bwd_dv[(G, triton.cdiv(D, BD))](
-            V, W, dpn, pc, dc, ac, inv, dv, dwp, N, S=S, SP=SP, Q=Q, QP=QP, D=D, BN=BN, BD=BD, NB=NBG
-        )
-        block.dpn = None
+        bn, bd, nw = TILES["p1_bwd_coef"]
+        _p1_bwd_coef[(Q, triton.cdiv(N, bn))](
+            V, W, lse, block.g, block.lam, dlse, pc, dc, ac, inv, N, block.eps,
+            S=S, SP=SP, D=D, BN=bn, BD=bd, num_warps=nw,
+        )  # fmt: skip
+        bn, bd, nw = TILES["p1_bwd_dv"]
+        G = triton.cdiv(N, bn * NBG)
+        QP16 = _pow2(Q, 16)
+        dv = torch.empty(S, N, D, dtype=V.dtype, device=V.device)
+        dwp = torch.empty(G, S, QP16, D, dtype=torch.float32, device=V.device)
+        _p1_bwd_dv[(S, G, triton.cdiv(D, bd))](
+            V, W, block.g, block.lam, pc, dc, ac, inv, dv, dwp, N,
+            S=S, Q=Q, QP=QP16, D=D, BN=bn, BD=bd, NB=NBG, num_warps=nw,
+        )  # fmt: skip
+        block.g = block.lam = None
         block.written = set()
-        dW = dwp.sum(0)[:Q]
-        return (None, dW, *[dv[j].view_as(sealed[j]) for j in range(S)])
+        dW = dwp.sum((0, 1))[:Q]
+        return (None, dW, None, *[dv[j].view_as(sealed[j]) for j in range(S)])
 
 
 class _Phase2(torch.autograd.Function):
@@ -364,8 +422,10 @@ class _Phase2(torch.autograd.Function):
         out = torch.empty_like(rf)
         s = torch.empty(N, dtype=torch.float32, device=r.device)
         inv = torch.empty_like(s)
-        _p2_fwd[(triton.cdiv(N, BN_ROW),)](
-            rf, w, block.pn[qi], lse_all[qi], out, s, inv, N, block.eps, D=D, BN=BN_ROW, BD=BD_ROW
+        bn, bd, nw = TILES["p2_fwd"]
+        bd = min(bd, _pow2(D, 16))
+        _p2_fwd[(triton.cdiv(N, bn),)](
+            rf, w, block.pn[qi], lse_all[qi], out, s, inv, N, block.eps, D=D, BN=bn, BD=bd, num_warps=nw
         )
         ctx.block, ctx.qi = block, qi
         ctx.save_for_backward(r, w, lse_all, s, inv)
@@ -379,13 +439,16 @@ class _Phase2(torch.autograd.Function):
         rf = r.reshape(-1, D)
         N = rf.shape[0]
         Q = lse_all.shape[0]
-        if block.dpn is None:
-            block.dpn = torch.empty(Q, N, D, dtype=torch.float32, device=r.device)
+        if block.g is None:
+            block.g = torch.empty(Q, N, D, dtype=r.dtype, device=r.device)
+            block.lam = torch.empty(Q, N, dtype=torch.float32, device=r.device)
             block.written = set()
-        accum = qi in block.written
         dr = torch.empty_like(rf)
         dlse = torch.zeros_like(lse_all)
-        nprog = triton.cdiv(N, BN_ROW)
+        bn, bd, nw = TILES["p2_bwd"]
+        bd = min(bd, _pow2(D, 16))
+        rb = max(1, 16 // bn)  # at least 16 tokens per query-gradient partial
+        nprog = triton.cdiv(N, bn * rb)
         dwp = torch.empty(nprog, D, dtype=torch.float32, device=r.device)
         _p2_bwd[(nprog,)](
             dout.contiguous().view(-1, D),
@@ -396,14 +459,16 @@ class _Phase2(torch.autograd.Function):
             s,
             inv,
             dr,
-            block.dpn[qi],
+            block.g[qi],
+            block.lam[qi],
             dlse[qi],
             dwp,
             N,
             D=D,
-            BN=BN_ROW,
-            BD=BD_ROW,
-            ACCUM=accum,
+            BN=bn,
+            BD=bd,
+            RB=rb,
+            num_warps=nw,
         )
         block.written.add(qi)
         return None, None, dr.view_as(r), dwp.sum(0), dlse
@@ -411,14 +476,23 @@ class _Phase2(torch.autograd.Function):
 
 class TritonAttnResReader:
     """AttnRes reader with the interface of :class:`openk3.ops.attnres.reference.AttnResReader`: ``seal`` runs
-    phase 1 for the announced sites, ``read`` runs phase 2. Sites that were not announced, CPU tensors (without
-    the Triton interpreter) and single-source reads fall back to the reference read."""
+    phase 1 for the announced sites, ``read`` runs phase 2. Sites that were not announced, a second read of the
+    same site within one sealed set, CPU tensors (without the Triton interpreter) and single-source reads fall back
+    to the reference read.
 
-    def __init__(self, eps: float):
+    ``seal`` also copies each sealed source into one ``[capacity, N, D]`` buffer owned by the reader (capacity
+    ``max_sources``, grown by doubling when exceeded), so phase 1 and its backward read the sources in place
+    instead of stacking all of them at every seal and again in the backward. The buffer holds copies taken at seal
+    time: like the reference, a sealed tensor must not be modified in place afterwards."""
+
+    def __init__(self, eps: float, max_sources: int | None = None):
         self.eps = eps
         self.sealed: list[torch.Tensor] = []
         self._block: _Block | None = None
         self._lse: torch.Tensor | None = None
+        self._cap = max(1, int(max_sources)) if max_sources else 4
+        self._buf: torch.Tensor | None = None  # [capacity, N, D] copies of self._staged
+        self._staged: list[torch.Tensor] = []  # the sealed tensors held by the buffer, in order
 
     @property
     def num_sealed(self) -> int:
@@ -431,14 +505,48 @@ class TritonAttnResReader:
             and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
         )
 
+    @torch.no_grad()
+    def _stage(self) -> torch.Tensor:
+        """[S, N, D] view of the source buffer holding ``self.sealed`` (copying only what it does not hold yet)."""
+        sealed = self.sealed
+        r = sealed[-1]
+        S, D = len(sealed), r.shape[-1]
+        N = r.numel() // D
+        buf = self._buf
+        k = len(self._staged)
+        same = (
+            buf is not None
+            and buf.shape[1:] == (N, D)
+            and buf.dtype == r.dtype
+            and buf.device == r.device
+            and k < S
+            and all(a is b for a, b in zip(self._staged, sealed))
+        )
+        if not same:
+            buf, k = None, 0
+        if buf is None or buf.shape[0] < S:
+            grown = torch.empty(max(S, self._cap, 2 * buf.shape[0] if buf is not None else 0), N, D,
+                                dtype=r.dtype, device=r.device)  # fmt: skip
+            if k:
+                grown[:k].copy_(buf[:k])
+            buf = grown
+        for i in range(k, S):
+            buf[i].copy_(sealed[i].reshape(N, D))
+        self._buf, self._staged = buf, list(sealed)
+        return buf[:S]
+
     def seal(self, r: torch.Tensor, sites) -> None:
         self.sealed.append(r)
         self._block, self._lse = None, None
-        if not sites or not self._fast(r):
+        if (
+            not sites
+            or not self._fast(r)
+            or any(s.shape != r.shape or s.dtype != r.dtype for s in self.sealed)
+        ):
             return
         block = _Block(list(sites), self.eps)
         W = torch.stack([_fold(q, nw) for _, q, nw in block.sites])  # [Q, D] fp32
-        self._lse = _Phase1.apply(block, W, *self.sealed)
+        self._lse = _Phase1.apply(block, W, self._stage(), *self.sealed)
         self._block = block
 
     def read(
@@ -448,22 +556,22 @@ class TritonAttnResReader:
         if (
             block is None
             or site_id not in block.index
+            or block.index[site_id] in block.read
             or not self._fast(r)
             or r.dtype != self.sealed[0].dtype
+            or r.shape != self.sealed[0].shape
         ):
             return attnres_read([*self.sealed, r], query, norm_weight, self.eps)
-        return _Phase2.apply(
-            block, block.index[site_id], r.contiguous(), _fold(query, norm_weight), self._lse
-        )
+        qi = block.index[site_id]
+        block.read.add(qi)
+        return _Phase2.apply(block, qi, r.contiguous(), _fold(query, norm_weight), self._lse)
 
 
 def attnres_read_fast(sources, query, norm_weight, eps):
     """One-shot read through the two-phase kernels (for tests/benches): seal ``sources[:-1]`` for this one site."""
+    if len(sources) < 2:
+        return attnres_read(sources, query, norm_weight, eps)
     rd = TritonAttnResReader(eps)
-    for s in sources[:-1]:
-        rd.sealed.append(s)
-    block = _Block([(0, query, norm_weight)], eps)
-    W = _fold(query, norm_weight)[None]
-    rd._lse = _Phase1.apply(block, W, *rd.sealed)
-    rd._block = block
+    rd.sealed.extend(sources[:-2])
+    rd.seal(sources[-2], [(0, query, norm_weight)])
     return rd.read(0, query, norm_weight, sources[-1])

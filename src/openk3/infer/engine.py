@@ -703,7 +703,13 @@ class Engine:
     def _walk(self, r: torch.Tensor, attn: Callable) -> torch.Tensor:
         """``K3Model.forward`` with the attention call replaced: r [B, T, D] embeddings -> final-normed hidden."""
         cfg, inner = self.mcfg, self.model.model
-        reader = make_reader(cfg.rms_norm_eps, r.is_cuda, inner.attnres_backend) if cfg.use_attn_res else None
+        reader = (
+            make_reader(
+                cfg.rms_norm_eps, r.is_cuda, inner.attnres_backend, max_sources=inner.num_sealed_sets()
+            )
+            if cfg.use_attn_res
+            else None
+        )
         for i, layer in enumerate(inner.layers):
 
             def a(h, i=i, layer=layer):

@@ -16,9 +16,11 @@ FAST_READERS: dict[str, type] = {}
 __all__ = ["attnres_read", "AttnResReader", "FAST_READERS", "make_reader"]
 
 
-def make_reader(eps: float, is_cuda: bool, requested: str | None = None):
+def make_reader(eps: float, is_cuda: bool, requested: str | None = None, max_sources: int | None = None):
+    """The reader of the resolved backend; ``max_sources`` (the number of sealed sets one forward will create) lets a
+    fast reader size its source buffer once."""
     from openk3.ops import backend as _backend
 
     be = _backend.resolve("attnres", is_cuda, requested)
     cls = AttnResReader if be == "reference" else FAST_READERS[be]
-    return cls(eps)
+    return cls(eps, max_sources=max_sources)

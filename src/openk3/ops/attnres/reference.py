@@ -29,8 +29,8 @@ def attnres_read(
 class AttnResReader:
     """Reference reader: keeps the sealed sources, recomputes each read from scratch (see package docstring)."""
 
-    def __init__(self, eps: float):
-        self.eps = eps
+    def __init__(self, eps: float, max_sources: int | None = None):
+        self.eps = eps  # max_sources: a capacity hint for fast readers' buffers (unused here)
         self.sealed: list[torch.Tensor] = []
 
     @property

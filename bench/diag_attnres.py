@@ -1,0 +1,136 @@
+"""Diagnostic: where the time of a model's AttnRes walk goes (every sealed set with its reads, fwd+bwd from cleared
+gradients), for the Triton reader, optionally another reader implementation loaded from a file (to compare
+versions), and a plain residual. Prints a timing table and the CUDA kernel table of the Triton reader's walk.
+
+    python bench/diag_attnres.py [--other path/to/attnres.py] [--N 16384 --D 2048 --blocks 4 --Q 8]
+"""
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location("attnres_other", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.TritonAttnResReader
+
+
+SWEEP = {
+    "p1_scores": [(16, 64, 4), (32, 64, 4), (16, 128, 8), (32, 32, 4)],
+    "p1_bwd_coef": [(16, 128, 4), (32, 64, 4), (8, 256, 4), (4, 512, 4)],
+    "p1_bwd_dv": [(32, 64, 4), (16, 64, 4), (32, 128, 8), (64, 64, 8), (16, 128, 4)],
+    "p2_fwd": [(16, 128, 4), (8, 256, 4), (4, 512, 4), (2, 1024, 4), (2, 2048, 8), (1, 2048, 4)],
+    "p2_bwd": [(16, 128, 4), (8, 256, 4), (4, 512, 4), (2, 1024, 4), (2, 2048, 8), (1, 2048, 4)],
+}
+
+
+def sweep(walk, make, clear):
+    """Walk fwd+bwd time for each candidate (tokens, columns, warps) of one kernel at a time (the others at their
+    defaults), then with every kernel at its best; leaves the best in openk3.fast.attnres.TILES."""
+    from openk3.fast import attnres
+    from run_all import timeit
+
+    default = dict(attnres.TILES)
+    best = {}
+    for name, cands in SWEEP.items():
+        times = {}
+        for cfg in cands:
+            attnres.TILES.update(default)
+            attnres.TILES[name] = cfg
+            try:
+                times[cfg] = timeit(lambda: walk(make), rep=5, setup=clear) * 1e3
+            except Exception as e:  # a tile the compiler refuses (resources) is skipped
+                print(f"  {name} {cfg}: {type(e).__name__} {str(e)[:120]}")
+        best[name] = min(times, key=times.get)
+        print(f"  {name}: " + "  ".join(f"{'x'.join(map(str, c))} {t:.3f}" for c, t in times.items()))
+    attnres.TILES.update(best)
+    t = timeit(lambda: walk(make), rep=5, setup=clear) * 1e3
+    print(
+        "  best: "
+        + ",".join(f"{k}={'x'.join(map(str, v))}" for k, v in best.items())
+        + f"  walk fwd+bwd {t:.3f} ms"
+    )
+
+
+def main():
+    from openk3.fast.attnres import TritonAttnResReader
+    from run_all import timeit
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--other", default=None, help="a file defining another TritonAttnResReader")
+    ap.add_argument("--N", type=int, default=16384)
+    ap.add_argument("--D", type=int, default=2048)
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--Q", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=14)
+    ap.add_argument(
+        "--sweep", action="store_true", help="time launch tiles per kernel, then all best together"
+    )
+    a = ap.parse_args()
+    N, D, nb, Q = a.N, a.D, a.blocks, a.Q
+    dt = torch.bfloat16
+    torch.manual_seed(0)
+    mk = lambda: torch.randn(N, D, device="cuda", dtype=dt).requires_grad_()  # noqa: E731
+    srcs = [mk() for _ in range(nb)]
+    lives = [mk() for _ in range(nb * Q)]
+    qs = [(torch.randn(1, D, device="cuda") * 0.05).requires_grad_() for _ in range(nb * Q)]
+    nws = [torch.ones(D, device="cuda").requires_grad_() for _ in range(nb * Q)]
+    douts = [torch.randn(N, D, device="cuda", dtype=dt) for _ in range(nb * Q)]
+    leaves = [*srcs, *lives, *qs, *nws]
+
+    def clear():
+        for t in leaves:
+            t.grad = None
+
+    def walk(make, grad=True):
+        rd = make() if make else None
+        outs = []
+        for b in range(nb):
+            ids = range(b * Q, (b + 1) * Q)
+            if rd is None:
+                outs += [lives[j] + 0 for j in ids]
+                continue
+            rd.seal(srcs[b], [(j, qs[j], nws[j]) for j in ids])
+            outs += [rd.read(j, qs[j], nws[j], lives[j]) for j in ids]
+        if grad:
+            torch.autograd.backward(outs, douts)
+        return outs
+
+    makers = {"triton": lambda: TritonAttnResReader(1e-5, max_sources=nb), "plain": None}
+    if a.other:
+        other = _load(a.other)
+        makers["other"] = lambda: other(1e-5)
+    if a.sweep:
+        sweep(walk, makers["triton"], clear)
+    res = {}
+    for name, make in makers.items():
+        with torch.no_grad():
+            tf = timeit(lambda make=make: walk(make, grad=False), rep=5)
+        tb = timeit(lambda make=make: walk(make), rep=5, setup=clear)
+        res[name] = (tf * 1e3, tb * 1e3)
+    # bytes one walk must move at least (bf16 sources, fp32 partials): see bench/NOTES.md
+    print(f"AttnRes walk N{N} D{D} {nb} sealed sets x Q{Q} sites, bf16")
+    print(f"{'reader':10s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'over plain':>11s}")
+    for name, (tf, tb) in res.items():
+        print(f"{name:10s} {tf:9.3f} {tb:11.3f} {tb - res['plain'][1]:11.3f}")
+    from torch.profiler import ProfilerActivity, profile
+
+    walk(makers["triton"])
+    clear()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        walk(makers["triton"])
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=50))
+
+
+if __name__ == "__main__":
+    main()
