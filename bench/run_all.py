@@ -58,6 +58,27 @@ def timeit(fn, warmup: int = 2, rep: int = 10, setup=None) -> float:
     return statistics.median(ts)
 
 
+def timeit_pipelined(fn, warmup: int = 2, rep: int = 10, setup=None) -> float:
+    """Mean seconds of ``setup(); fn()`` run ``rep`` times back to back (no synchronisation in between, one pair of
+    CUDA events around all of them), after ``warmup`` runs: the throughput a training step sees, where the host
+    launches ahead while the GPU works, so host-side launch latency is hidden (``timeit`` synchronises around every
+    call and so also counts it)."""
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(rep):
+        if setup:
+            setup()
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3 / rep
+
+
 def floor_s(flops: float = 0.0, nbytes: float = 0.0) -> float:
     return max(flops / CEIL["mm"], nbytes / CEIL["bw"])
 
@@ -334,35 +355,41 @@ def sec_moe():
             for t in (x, w, *ws, xr, d1, d2, d3):
                 t.grad = None
 
-        with torch.no_grad():
-            t_df = timeit(dense)
-        t_dfb = timeit(lambda: dense().backward(dyr), setup=clear)
+        # each timed both ways: synchronised around every call, and back to back (what a training step sees)
+        timers = (("", timeit), (" pipelined", timeit_pipelined))
+
+        # seconds: forward without autograd, fwd+bwd from cleared gradients
+        def fwd_and_fwdbwd(tm, f, grad_out):
+            with torch.no_grad():
+                t_f = tm(f)
+            return t_f, tm(lambda: f().backward(grad_out), setup=clear)
+
+        peer = {how: fwd_and_fwdbwd(tm, dense, dyr) for how, tm in timers}
         shape = f"E{E} top{K} W{W} I{I} N{N} bf16"
         res = {}
         for v in variants:
             f_fwd = lambda: experts_grouped(x, idx, w, *ws, variant=v)  # noqa: E731
             try:
-                with torch.no_grad():
-                    t_f = timeit(f_fwd, rep=10)
-                t_fb = timeit(lambda: f_fwd().backward(dy), rep=10, setup=clear)
+                ours = {how: fwd_and_fwdbwd(tm, f_fwd, dy) for how, tm in timers}
             except torch.OutOfMemoryError as e:
                 print(f"    moe {tag} [{v}] OOM: {str(e)[:200]}")
                 free()
                 continue
-            res[v] = t_fb
-            for name, t, t_d, mult in (("fwd", t_f, t_df, 1), ("fwd+bwd", t_fb, t_dfb, 3)):
-                row(
-                    "moe",
-                    f"{tag} experts {name} [{v}]",
-                    shape,
-                    t,
-                    t_d,
-                    "dense GEMMs same FLOPs",
-                    mult * fl,
-                    mult * by_fwd,
-                    note=f"{t_d / t * 100:.0f}% of dense rate{' (default)' if v == fast_moe.VARIANT else ''}",
-                    variant=v,
-                )
+            res[v] = ours[""][1]
+            for how, (t_f, t_fb) in ours.items():
+                for name, t, t_d, mult in (("fwd", t_f, peer[how][0], 1), ("fwd+bwd", t_fb, peer[how][1], 3)):
+                    row(
+                        "moe",
+                        f"{tag} experts {name}{how} [{v}]",
+                        shape,
+                        t,
+                        t_d,
+                        "dense GEMMs same FLOPs",
+                        mult * fl,
+                        mult * by_fwd,
+                        note=f"{t_d / t * 100:.0f}% of dense rate{' (default)' if v == fast_moe.VARIANT else ''}",
+                        variant=v,
+                    )
         if with_ref and res:
             best = min(res, key=res.get)
             t_r = timeit(
@@ -505,11 +532,17 @@ def sec_attnres():
         }
         if phase_1_batched_attention_triton_op is not None and D & (D - 1) == 0:
             cands["flash-attn-res"] = lambda g: run_far(*data, grad=g)
+        leaves = [t for part in data for t in part if t.requires_grad]
+
+        def clear(leaves=leaves):  # a training step starts from cleared gradients (no accumulation kernels)
+            for t in leaves:
+                t.grad = None
+
         for name, f in cands.items():
             try:
                 with torch.no_grad():
                     tf = timeit(lambda f=f: f(False))
-                tb = timeit(lambda f=f: f(True))
+                tb = timeit(lambda f=f: f(True), setup=clear)
                 res[name] = (tf, tb)
             except Exception as e:
                 print(f"    attnres {name} failed: {type(e).__name__}: {str(e)[:300]}")
@@ -529,6 +562,60 @@ def sec_attnres():
             )
         INFO.setdefault("attnres", {})[shape] = {k: [v[0] * 1e3, v[1] * 1e3] for k, v in res.items()}
         data = None
+        free()
+
+    # a model's whole AttnRes walk: every sealed set (S = 1 .. blocks sources), each with its Q reads, one backward.
+    # This is what one training step pays for AttnRes; "plain" is a plain residual (each site's input is r itself).
+    def walk(cls, srcs, lives, qs, nws, douts, grad=True):
+        nb = len(srcs)
+        Q = len(qs) // nb
+        rd = cls(1e-5, max_sources=nb) if cls is not None else None
+        outs = []
+        for b in range(nb):
+            ids = range(b * Q, (b + 1) * Q)
+            if rd is None:
+                outs += [lives[j] + 0 for j in ids]
+                continue
+            rd.seal(srcs[b], [(j, qs[j], nws[j]) for j in ids])
+            outs += [rd.read(j, qs[j], nws[j], lives[j]) for j in ids]
+        if grad:
+            torch.autograd.backward(outs, douts)
+        return outs
+
+    for tag, (B, T, D, nb, Q) in (("medium", (4, 4096, 2048, 4, 8)), ("K3", (1, 4096, 7168, 8, 24))):
+        srcs, lives, qs, nws, douts = block(B, T, D, nb, nb * Q)
+        leaves = [*srcs, *lives, *qs, *nws]
+
+        def clear(leaves=leaves):
+            for t in leaves:
+                t.grad = None
+
+        shape = f"N{B * T} D{D} {nb} sealed sets x Q{Q} sites bf16"
+        res = {}
+        cands = {"ours": TritonAttnResReader, "plain": None}
+        if tag == "medium":
+            cands["reference"] = AttnResReader
+        for name, cls in cands.items():
+            args = (cls, srcs, lives, qs, nws, douts)
+            try:
+                with torch.no_grad():
+                    tf = timeit(lambda args=args: walk(*args, grad=False), rep=5)
+                tb = timeit(lambda args=args: walk(*args, grad=True), rep=5, setup=clear)
+                res[name] = (tf, tb)
+            except Exception as e:
+                print(f"    attnres walk {name} failed: {type(e).__name__}: {str(e)[:300]}")
+        if "ours" in res:
+            for name, (tf, tb) in res.items():
+                if name == "ours":
+                    continue
+                row("attnres", f"{tag} AttnRes walk fwd [ours vs {name}]", shape, res["ours"][0], tf, name)
+                row(
+                    "attnres", f"{tag} AttnRes walk fwd+bwd [ours vs {name}]", shape, res["ours"][1], tb, name
+                )
+            INFO.setdefault("attnres_walk_ms", {})[tag] = {
+                k: [v[0] * 1e3, v[1] * 1e3] for k, v in res.items()
+            }
+        srcs = lives = qs = nws = douts = leaves = None
         free()
     # decode: N = batch tokens, latency bound; forward only (phase 1 once per block + Q reads), per block and per read
     for N, D, S, Q in [(1, 2048, 4, 8), (64, 2048, 4, 8)]:
@@ -672,10 +759,12 @@ def sec_norm():
     free()
 
 
-def _medium_model(ckpt: bool):
+def _medium_model(ckpt: bool, attn_res: bool = True):
     from openk3 import K3Config, K3ForCausalLM
 
     cfg = K3Config.from_preset("medium")
+    if not attn_res:  # the same model with a plain residual stream
+        cfg = K3Config.from_preset("medium", attn_res_block_size=None)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = K3ForCausalLM(cfg)
@@ -695,11 +784,16 @@ def sec_model(out_dir):
     from openk3.ops import backend
 
     INFO["backends"] = {op: backend.resolve(op, True) for op in backend.OPS}
-    configs = [(4, 4096, False), (8, 4096, True)]
+    configs = [(4, 4096, False, True), (8, 4096, True, True)]
     if os.environ.get("BENCH_MODEL_CKPT", "1") == "0":  # skip the gradient-checkpointing row
         configs = configs[:1]
-    for B, T, ckpt in configs:
-        cfg, model = _medium_model(ckpt)
+    if (
+        os.environ.get("BENCH_MODEL_PLAIN", "1") == "1"
+    ):  # the same step with a plain residual: AttnRes's share
+        configs.append((4, 4096, False, False))
+    steps = {}
+    for B, T, ckpt, attn_res in configs:
+        cfg, model = _medium_model(ckpt, attn_res)
         ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
         tg = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
 
@@ -718,20 +812,30 @@ def sec_model(out_dir):
         fl = train_flops_per_token(cfg, T) * B * T
         mfu = fl / t / CEIL["mm"]
         mem = torch.cuda.max_memory_allocated() / 2**30
+        steps[(B, T, ckpt, attn_res)] = t
+        note = f"{B * T / t:,.0f} tok/s MFU {mfu * 100:.1f}% peak {mem:.0f} GiB"
+        base = steps.get((B, T, ckpt, True))
+        if not attn_res and base:
+            note += f"; AttnRes costs {(base - t) / base * 100:.1f}% of the AttnRes step"
         row(
             "model",
-            f"medium train step (fwd+bwd){' ckpt' if ckpt else ''}",
+            f"medium train step (fwd+bwd){' ckpt' if ckpt else ''}{'' if attn_res else ' plain residual'}",
             f"B{B} T{T} bf16",
             t,
-            None,
-            "",
+            base if not attn_res else None,
+            "with AttnRes" if not attn_res else "",
             fl,
             0,
-            note=f"{B * T / t:,.0f} tok/s MFU {mfu * 100:.1f}% peak {mem:.0f} GiB",
+            note=note,
             mfu=mfu,
             tokens_per_s=B * T / t,
         )
-        if not ckpt:
+        walk = INFO.get("attnres_walk_ms", {}).get("medium", {})
+        if attn_res and not ckpt and "ours" in walk:
+            share = (walk["ours"][1] - walk.get("plain", [0, 0])[1]) / (t * 1e3)
+            print(f"    AttnRes walk (fwd+bwd, over plain) = {share * 100:.1f}% of this step (target < 3%)")
+            INFO["attnres_share_of_step"] = share
+        if attn_res and not ckpt:
             _profile(step, out_dir)
             per_layer = t / cfg.num_hidden_layers
             INFO["medium_layer_fwd_bwd_ms"] = per_layer * 1e3

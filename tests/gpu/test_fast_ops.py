@@ -272,7 +272,8 @@ def test_moe_experts_no_grad(variant, check):
 
 
 def test_moe_row_plan_matches_torch_plan():
-    """The Triton planner gives the torch planner's rows, padded rows, group ends and row weights exactly."""
+    """The Triton planner gives the torch planner's rows, group ends and (through each row's pair index) padded
+    rows and row weights exactly."""
     from openk3.fast.moe import Plan, RowPlan
 
     g = _fresh()
@@ -284,12 +285,45 @@ def test_moe_row_plan_matches_torch_plan():
     ]:
         idx = torch.stack([torch.randperm(E, device=DEV, generator=g)[:K] for _ in range(N)])
         w = torch.rand(N, K, device=DEV, generator=g)
-        p0, p1 = Plan(idx, E, sparse=sparse), RowPlan(idx, E, w, sparse=sparse)
+        p0, p1 = Plan(idx, E, sparse=sparse), RowPlan(idx, E, sparse=sparse)
         assert p0.P == p1.P
         assert torch.equal(p0.rows, p1.rows.long())
-        assert torch.equal(p0.tok_of_row, p1.tok_of_row.long())
         assert torch.equal(p0.offs, p1.offs)
-        assert torch.equal(p0.row_scale(w), p1.scale)
+        pair = p1.pair_of_row.long()  # pair n*K + j of each row, N*K on padding
+        assert torch.equal(pair[p0.rows.reshape(-1)], torch.arange(N * K, device=DEV))
+        assert torch.equal(pair // K, p0.tok_of_row) and bool((pair <= N * K).all())
+        assert torch.equal(torch.cat([w.reshape(-1), w.new_zeros(1)])[pair], p0.row_scale(w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("W,cap", [(96, 1024), (1000, 256), (1024, 1024)])
+def test_moe_dy_dweights(dtype, W, cap, check, monkeypatch):
+    """The one-pass combine backward against plain torch: dy = dout[token] * weight (one rounding of the same
+    product, exact zeros on the padding rows of a NaN-filled buffer) and the mixture-weight gradient, y with a
+    padded row stride, one or several chunks of W per row."""
+    from openk3.fast import moe
+
+    monkeypatch.setattr(moe, "_DYDW_MAX_BW", cap)
+    g = _fresh()
+    N, K, E = 1000, 8, 64
+    plan = moe.RowPlan(torch.stack([torch.randperm(E - 1, device=DEV, generator=g)[:K] for _ in range(N)]), E)
+    w = torch.rand(N, K, device=DEV, generator=g)
+    dout = _rand(N, W, dtype=dtype, g=g)
+    y = _rand(plan.P, W + 8, dtype=dtype, g=g)[:, :W]
+    pair = plan.pair_of_row.long()
+    real = pair < N * K
+    want = torch.zeros(plan.P, W, device=DEV)
+    want[real] = dout.float()[pair[real] // K] * w.reshape(-1)[pair[real], None]
+    want_dw = (dout.float()[:, None, :] * y.float()[plan.rows.long()]).sum(-1)
+    for need_dw in (True, False):
+        buf = torch.full((plan.P, W), float("nan"), dtype=dtype, device=DEV)
+        dy, dw = moe.dy_dweights(dout, y, plan.pair_of_row, w, need_dw=need_dw, out=buf)
+        assert dy.data_ptr() == buf.data_ptr()
+        assert torch.equal(dy, want.to(dtype))
+        if need_dw:
+            check(f"moe.dy_dweights.{str(dtype)[6:]}.W{W}.bw{cap}.dweights", dw, want_dw, 1e-5)
+        else:
+            assert dw is None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -347,6 +381,60 @@ def test_attnres_reader(dtype, S, Q, D, T, check):
         check(f"{tag}.out{j}", a, b, tol)
     names = (
         [f"src{i}" for i in range(S)] + ["live"] + [f"q{j}" for j in range(Q)] + [f"nw{j}" for j in range(Q)]
+    )
+    for n, a, b in zip(names, res[0][1], res[1][1]):
+        if b.abs().sum() == 0:
+            assert a.abs().sum() == 0, n
+            continue
+        check(f"{tag}.d{n}", a, b, 3 * tol)
+
+
+@pytest.mark.parametrize(
+    "dtype,blocks,Q,D,T,cap",
+    [
+        (torch.bfloat16, 4, 8, 2048, 257, None),  # the medium walk (sources buffer sized up front)
+        (torch.float32, 4, 8, 2048, 100, 2),  # buffer grows twice
+        (torch.bfloat16, 9, 24, 1000, 64, 4),  # K3-like: up to 9 sealed sets, 24 sites per set
+    ],
+)
+def test_attnres_reader_model_walk(dtype, blocks, Q, D, T, cap, check):
+    """A model's walk: ``blocks`` seals, each announcing its own Q sites, the reads of each set between its seal and
+    the next (one site read twice, one unannounced), one backward through all of it; fast vs reference reader."""
+    from openk3.fast.attnres import TritonAttnResReader
+    from openk3.ops.attnres import AttnResReader
+
+    g = _fresh()
+    B = 2
+    srcs = [_rand(B, T, D, dtype=dtype, scale=1 + i % 3, g=g) for i in range(blocks)]
+    lives = [_rand(B, T, D, dtype=dtype, scale=2, g=g) for _ in range(blocks)]
+    qs = [_rand(1, D, scale=0.05, g=g) for _ in range(blocks * Q)]
+    nws = [1 + 0.1 * _rand(D, g=g) for _ in range(blocks * Q)]
+    res = []
+    for cls in (TritonAttnResReader, AttnResReader):
+        ins = [t.clone().requires_grad_() for t in [*srcs, *lives, *qs, *nws]]
+        src, lv = ins[:blocks], ins[blocks : 2 * blocks]
+        qq, nw = ins[2 * blocks : 2 * blocks + blocks * Q], ins[2 * blocks + blocks * Q :]
+        rd = cls(1e-5, max_sources=cap)
+        outs = []
+        for b in range(blocks):
+            ids = range(b * Q, (b + 1) * Q)
+            rd.seal(src[b], [(j, qq[j], nw[j]) for j in ids])
+            outs += [rd.read(j, qq[j], nw[j], lv[b] * (1 + 0.05 * (j % Q))) for j in ids if j % Q != 1]
+            outs.append(rd.read(b * Q, qq[b * Q], nw[b * Q], lv[b] * 0.5))  # second read of a site
+            outs.append(rd.read(10**6, qq[b * Q + 1], nw[b * Q + 1], lv[b]))  # not announced
+        gen = _fresh(3)
+        loss = sum((o.float() * torch.randn(o.shape, device=DEV, generator=gen)).sum() for o in outs)
+        loss.backward()
+        res.append((outs, [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]))
+    tol = AR_TOL[dtype]
+    tag = f"attnres_walk.{str(dtype)[6:]}.B{blocks}.Q{Q}.D{D}"
+    for j, (a, b) in enumerate(zip(res[0][0], res[1][0])):
+        check(f"{tag}.out{j}", a, b, tol)
+    names = (
+        [f"src{i}" for i in range(blocks)]
+        + [f"live{i}" for i in range(blocks)]
+        + [f"q{j}" for j in range(blocks * Q)]
+        + [f"nw{j}" for j in range(blocks * Q)]
     )
     for n, a, b in zip(names, res[0][1], res[1][1]):
         if b.abs().sum() == 0:
