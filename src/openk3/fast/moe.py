@@ -39,9 +39,9 @@ the same semantics and the same row layout:
   than the fusion saves; ``lean`` is used then).
 * ``fused_keepx`` (default): ``fused`` that keeps the permuted rows of x (``P x W``) for the backward instead of
   gathering them again (more activation memory, one gather less). Measured on an H200 (bench/NOTES.md, E64 top-8
-  W1024 I640, 16k tokens, fwd+bwd from cleared gradients): 4.15 ms, 66 % of a dense GEMM of the same FLOPs.
-  Timed back to back as in a training step (``timeit_pipelined`` in bench/run_all.py, host launch latency hidden;
-  one run): 3.81 ms, 75 % of the dense GEMMs timed the same way (4.11 ms, 69 %, synchronised in that run).
+  W1024 I640, 16k tokens, fwd+bwd from cleared gradients, v4): 3.71-3.81 ms timed back to back as in a training
+  step (``timeit_pipelined`` in bench/run_all.py, host launch latency hidden), 75-80 % of the dense GEMMs of the
+  same FLOPs timed the same way; synchronised per call 4.00-4.11 ms, 69-70 % (v3: 4.15 ms, 66 %).
 
 In the fused variants the gate and up weight gradients come from two grouped GEMMs writing each parameter's
 contiguous gradient (:data:`SPLIT_DW13`; one ``[E, 2I, W]`` GEMM would need autograd to copy its halves out).
