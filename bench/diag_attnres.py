@@ -3,6 +3,10 @@ gradients), for the Triton reader, optionally another reader implementation load
 versions), and a plain residual. Prints a timing table and the CUDA kernel table of the Triton reader's walk.
 
     python bench/diag_attnres.py [--other path/to/attnres.py] [--N 16384 --D 2048 --blocks 4 --Q 8]
+                                 [--direct-max 0,1,2,3,4] [--sweep]
+
+``--direct-max`` times the walk once per value of ``openk3.fast.attnres.DIRECT_MAX`` (sealed sets of up to that
+many sources keep no partials): synchronised and back to back, plus the summed CUDA kernel time of one walk.
 """
 
 import argparse
@@ -61,8 +65,9 @@ def sweep(walk, make, clear):
 
 
 def main():
+    from openk3.fast import attnres
     from openk3.fast.attnres import TritonAttnResReader
-    from run_all import timeit
+    from run_all import timeit, timeit_pipelined
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--other", default=None, help="a file defining another TritonAttnResReader")
@@ -74,6 +79,7 @@ def main():
     ap.add_argument(
         "--sweep", action="store_true", help="time launch tiles per kernel, then all best together"
     )
+    ap.add_argument("--direct-max", default="", help="comma-separated DIRECT_MAX values to compare")
     a = ap.parse_args()
     N, D, nb, Q = a.N, a.D, a.blocks, a.Q
     dt = torch.bfloat16
@@ -123,12 +129,33 @@ def main():
         print(f"{name:10s} {tf:9.3f} {tb:11.3f} {tb - res['plain'][1]:11.3f}")
     from torch.profiler import ProfilerActivity, profile
 
-    walk(makers["triton"])
-    clear()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def kernels():
         walk(makers["triton"])
+        clear()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            walk(makers["triton"])
+            torch.cuda.synchronize()
+        clear()
+        return prof
+
+    if a.direct_max:
+        default = attnres.DIRECT_MAX
+        print(f"\nDIRECT_MAX (sets of <= that many sources keep no partials; default {default})")
+        print(
+            f"{'direct_max':>10s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'b2b fwd+bwd':>12s} {'kernels ms':>11s}"
+        )
+        for dm in (int(x) for x in a.direct_max.split(",")):
+            attnres.DIRECT_MAX = dm
+            mk_ = makers["triton"]
+            with torch.no_grad():
+                tf = timeit(lambda: walk(mk_, grad=False), rep=5)  # noqa: B023 (called right here)
+            tb = timeit(lambda: walk(mk_), rep=5, setup=clear)  # noqa: B023
+            tp = timeit_pipelined(lambda: walk(mk_), rep=5, setup=clear)  # noqa: B023
+            kt = sum(e.self_device_time_total for e in kernels().key_averages()) / 1e3
+            print(f"{dm:10d} {tf * 1e3:9.3f} {tb * 1e3:11.3f} {tp * 1e3:12.3f} {kt:11.3f}")
+        attnres.DIRECT_MAX = default
+    prof = kernels()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=50))
 
 

@@ -784,15 +784,22 @@ def sec_model(out_dir):
     from openk3.ops import backend
 
     INFO["backends"] = {op: backend.resolve(op, True) for op in backend.OPS}
-    configs = [(4, 4096, False, True), (8, 4096, True, True)]
+    from openk3.fast import attnres as fast_attnres
+
+    dm0 = fast_attnres.DIRECT_MAX
+    configs = [(4, 4096, False, True, dm0), (8, 4096, True, True, dm0)]
     if os.environ.get("BENCH_MODEL_CKPT", "1") == "0":  # skip the gradient-checkpointing row
         configs = configs[:1]
     if (
         os.environ.get("BENCH_MODEL_PLAIN", "1") == "1"
     ):  # the same step with a plain residual: AttnRes's share
-        configs.append((4, 4096, False, False))
+        configs.append((4, 4096, False, False, dm0))
+    # BENCH_MODEL_DIRECT="0,4": the AttnRes step again with other DIRECT_MAX values (sets that keep no partials)
+    for dm in filter(None, os.environ.get("BENCH_MODEL_DIRECT", "").split(",")):
+        configs.append((4, 4096, False, True, int(dm)))
     steps = {}
-    for B, T, ckpt, attn_res in configs:
+    for B, T, ckpt, attn_res, dm in configs:
+        fast_attnres.DIRECT_MAX = dm
         cfg, model = _medium_model(ckpt, attn_res)
         ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
         tg = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
@@ -809,21 +816,31 @@ def sec_model(out_dir):
             model = None
             free()
             continue
+        finally:
+            fast_attnres.DIRECT_MAX = dm0
         fl = train_flops_per_token(cfg, T) * B * T
         mfu = fl / t / CEIL["mm"]
         mem = torch.cuda.max_memory_allocated() / 2**30
-        steps[(B, T, ckpt, attn_res)] = t
+        variant = dm != dm0
+        if not variant:
+            steps[(B, T, ckpt, attn_res)] = t
         note = f"{B * T / t:,.0f} tok/s MFU {mfu * 100:.1f}% peak {mem:.0f} GiB"
         base = steps.get((B, T, ckpt, True))
         if not attn_res and base:
             note += f"; AttnRes costs {(base - t) / base * 100:.1f}% of the AttnRes step"
+        name = f"medium train step (fwd+bwd){' ckpt' if ckpt else ''}{'' if attn_res else ' plain residual'}"
+        if variant:
+            name += f" AttnRes DIRECT_MAX={dm}"
+            plain = steps.get((B, T, ckpt, False))
+            if plain:
+                note += f"; AttnRes {(t - plain) / plain * 100:.1f}% over plain"
         row(
             "model",
-            f"medium train step (fwd+bwd){' ckpt' if ckpt else ''}{'' if attn_res else ' plain residual'}",
+            name,
             f"B{B} T{T} bf16",
             t,
-            base if not attn_res else None,
-            "with AttnRes" if not attn_res else "",
+            base if (not attn_res or variant) else None,
+            f"AttnRes DIRECT_MAX={dm0}" if variant else ("with AttnRes" if not attn_res else ""),
             fl,
             0,
             note=note,
@@ -831,11 +848,11 @@ def sec_model(out_dir):
             tokens_per_s=B * T / t,
         )
         walk = INFO.get("attnres_walk_ms", {}).get("medium", {})
-        if attn_res and not ckpt and "ours" in walk:
+        if attn_res and not ckpt and not variant and "ours" in walk:
             share = (walk["ours"][1] - walk.get("plain", [0, 0])[1]) / (t * 1e3)
             print(f"    AttnRes walk (fwd+bwd, over plain) = {share * 100:.1f}% of this step (target < 3%)")
             INFO["attnres_share_of_step"] = share
-        if attn_res and not ckpt:
+        if attn_res and not ckpt and not variant:
             _profile(step, out_dir)
             per_layer = t / cfg.num_hidden_layers
             INFO["medium_layer_fwd_bwd_ms"] = per_layer * 1e3

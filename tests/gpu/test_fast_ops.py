@@ -390,18 +390,24 @@ def test_attnres_reader(dtype, S, Q, D, T, check):
 
 
 @pytest.mark.parametrize(
-    "dtype,blocks,Q,D,T,cap",
+    "dtype,blocks,Q,D,T,cap,direct_max",
     [
-        (torch.bfloat16, 4, 8, 2048, 257, None),  # the medium walk (sources buffer sized up front)
-        (torch.float32, 4, 8, 2048, 100, 2),  # buffer grows twice
-        (torch.bfloat16, 9, 24, 1000, 64, 4),  # K3-like: up to 9 sealed sets, 24 sites per set
+        (torch.bfloat16, 4, 8, 2048, 257, None, None),  # the medium walk (sources buffer sized up front)
+        (torch.float32, 4, 8, 2048, 100, 2, 0),  # buffer grows twice; partials stored for every set
+        (torch.bfloat16, 9, 24, 1000, 64, 4, None),  # K3-like: up to 9 sealed sets, 24 sites per set
+        (torch.bfloat16, 9, 24, 1000, 64, 4, 9),  # ... with no partials stored for any set
     ],
 )
-def test_attnres_reader_model_walk(dtype, blocks, Q, D, T, cap, check):
+def test_attnres_reader_model_walk(dtype, blocks, Q, D, T, cap, direct_max, check, monkeypatch):
     """A model's walk: ``blocks`` seals, each announcing its own Q sites, the reads of each set between its seal and
-    the next (one site read twice, one unannounced), one backward through all of it; fast vs reference reader."""
+    the next (one site read twice, one unannounced), one backward through all of it; fast vs reference reader.
+    ``direct_max``: sets of up to that many sources keep no partials (None: the default)."""
+    from openk3.fast import attnres
     from openk3.fast.attnres import TritonAttnResReader
     from openk3.ops.attnres import AttnResReader
+
+    if direct_max is not None:
+        monkeypatch.setattr(attnres, "DIRECT_MAX", direct_max)
 
     g = _fresh()
     B = 2
@@ -419,6 +425,8 @@ def test_attnres_reader_model_walk(dtype, blocks, Q, D, T, cap, check):
         for b in range(blocks):
             ids = range(b * Q, (b + 1) * Q)
             rd.seal(src[b], [(j, qq[j], nw[j]) for j in ids])
+            if cls is TritonAttnResReader:
+                assert rd._block.direct == (b + 1 <= attnres.DIRECT_MAX)
             outs += [rd.read(j, qq[j], nw[j], lv[b] * (1 + 0.05 * (j % Q))) for j in ids if j % Q != 1]
             outs.append(rd.read(b * Q, qq[b * Q], nw[b * Q], lv[b] * 0.5))  # second read of a site
             outs.append(rd.read(10**6, qq[b * Q + 1], nw[b * Q + 1], lv[b]))  # not announced
@@ -427,7 +435,7 @@ def test_attnres_reader_model_walk(dtype, blocks, Q, D, T, cap, check):
         loss.backward()
         res.append((outs, [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]))
     tol = AR_TOL[dtype]
-    tag = f"attnres_walk.{str(dtype)[6:]}.B{blocks}.Q{Q}.D{D}"
+    tag = f"attnres_walk.{str(dtype)[6:]}.B{blocks}.Q{Q}.D{D}.direct{attnres.DIRECT_MAX}"
     for j, (a, b) in enumerate(zip(res[0][0], res[1][0])):
         check(f"{tag}.out{j}", a, b, tol)
     names = (

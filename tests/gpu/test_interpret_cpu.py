@@ -58,30 +58,36 @@ SCRIPT = textwrap.dedent(
 
     # a walk over three sealed sets (a model's blocks), the source buffer growing past its capacity (2), each
     # block's sites announced at its seal; every second site read, one read twice (second read: reference path),
-    # one site not announced; backward through everything at once
+    # one site not announced; backward through everything at once. Run with partials stored for every set
+    # (DIRECT_MAX 0), with none stored (3), and mixed (2: the third set stores them).
+    from openk3.fast import attnres
     D, N, Q = 200, 37, 5
     blocks = [torch.randn(1, N, D) * (1 + i % 3) for i in range(3)]
     lives = [torch.randn(1, N, D) * 2 for _ in range(3)]
     qs = [torch.randn(1, D) * 0.2 for _ in range(3 * Q)]
     nws = [1 + 0.1 * torch.randn(D) for _ in range(3 * Q)]
-    res = []
-    for cls in (TritonAttnResReader, AttnResReader):
-        L = [t.clone().requires_grad_() for t in blocks + lives + qs + nws]
-        src, lv, qq, nw = L[:3], L[3:6], L[6 : 6 + 3 * Q], L[6 + 3 * Q :]
-        rd = cls(1e-5, max_sources=2)
-        outs = []
-        for b in range(3):
-            ids = range(b * Q, (b + 1) * Q)
-            rd.seal(src[b], [(j, qq[j], nw[j]) for j in ids])
-            outs += [rd.read(j, qq[j], nw[j], lv[b] * (1 + 0.1 * j)) for j in ids if j % 2 == 0]
-            outs.append(rd.read(b * Q, qq[b * Q], nw[b * Q], lv[b] * 0.5))  # read twice
-            outs.append(rd.read(999, qq[b * Q + 1], nw[b * Q + 1], lv[b]))  # not announced
-        gen = torch.Generator().manual_seed(1)
-        sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs).backward()
-        res.append(outs + [t.grad if t.grad is not None else torch.zeros_like(t) for t in L])
-    assert len(res[0]) == len(res[1])
-    worst = max([worst] + [rel(a, b) for a, b in zip(res[0], res[1]) if b.abs().sum() > 0])
-    assert all(bool((a == 0).all()) for a, b in zip(res[0], res[1]) if b.abs().sum() == 0)
+    for direct_max in (0, 3, 2):
+        attnres.DIRECT_MAX = direct_max
+        res = []
+        for cls in (TritonAttnResReader, AttnResReader):
+            L = [t.clone().requires_grad_() for t in blocks + lives + qs + nws]
+            src, lv, qq, nw = L[:3], L[3:6], L[6 : 6 + 3 * Q], L[6 + 3 * Q :]
+            rd = cls(1e-5, max_sources=2)
+            outs = []
+            for b in range(3):
+                ids = range(b * Q, (b + 1) * Q)
+                rd.seal(src[b], [(j, qq[j], nw[j]) for j in ids])
+                if cls is TritonAttnResReader:
+                    assert rd._block.direct == (b + 1 <= direct_max)
+                outs += [rd.read(j, qq[j], nw[j], lv[b] * (1 + 0.1 * j)) for j in ids if j % 2 == 0]
+                outs.append(rd.read(b * Q, qq[b * Q], nw[b * Q], lv[b] * 0.5))  # read twice
+                outs.append(rd.read(999, qq[b * Q + 1], nw[b * Q + 1], lv[b]))  # not announced
+            gen = torch.Generator().manual_seed(1)
+            sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs).backward()
+            res.append(outs + [t.grad if t.grad is not None else torch.zeros_like(t) for t in L])
+        assert len(res[0]) == len(res[1])
+        worst = max([worst] + [rel(a, b) for a, b in zip(res[0], res[1]) if b.abs().sum() > 0])
+        assert all(bool((a == 0).all()) for a, b in zip(res[0], res[1]) if b.abs().sum() == 0)
     print("WORST", worst)
     """
 )

@@ -34,6 +34,11 @@ from openk3.fast._triton import HAS_TRITON, INTERPRET, tl, triton, triton_ok
 from openk3.ops.attnres.reference import attnres_read
 
 PARTIAL_DTYPE = torch.float32
+# Sealed sets of at most this many sources keep no partials: phase 2 mixes the numerator from the sources itself
+# (the same fp32 sum) and writes phase 1's score gradients in its backward, which drops the mix kernel, the
+# [Q, N, D] partials and the source pass of phase 1's coefficient kernel. Per read that costs 2*S bytes of sources
+# per element instead of 4 of fp32 partials (OPENK3_ATTNRES_DIRECT_MAX; 0 stores partials for every set).
+DIRECT_MAX = int(os.environ.get("OPENK3_ATTNRES_DIRECT_MAX", "3"))
 NBG = 16  # token blocks per program in the source-gradient kernel (query gradients are reduced over these groups)
 
 
@@ -46,8 +51,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _p1_scores(
-        v_ptr, w_ptr, p_ptr, lse_ptr, inv_ptr, N, eps,
+        v_ptr, w_ptr, p_ptr, lse_ptr, inv_ptr, s_ptr, N, eps,
         S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+        STORE_S: tl.constexpr,
     ):  # fmt: skip
         q = tl.program_id(0)  # sites vary fastest: the Q programs of one token tile share its sources in L2
         pid_n = tl.program_id(1)
@@ -79,6 +85,25 @@ if HAS_TRITON:
         pm = nm[:, None] & valid
         tl.store(p_ptr + q * S * N + cols[None, :] * N + n[:, None], p, mask=pm)
         tl.store(inv_ptr + cols[None, :] * N + n[:, None], inv, mask=pm & (q == 0))
+        if STORE_S:
+            tl.store(s_ptr + q * S * N + cols[None, :] * N + n[:, None], s, mask=pm)
+
+    @triton.jit
+    def _pn_tile(
+        v_ptr, p_ptr, pn_ptr, n, d, m2, N,
+        D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, S: tl.constexpr, DIRECT: tl.constexpr,
+    ):  # fmt: skip
+        """The normalised numerator of the sealed sources at rows n, columns d (fp32): read from the stored
+        partials, or (DIRECT) mixed here from the sources with the site's phase-1 weights p [S, N]."""
+        if DIRECT:
+            pn = tl.zeros([BN, BD], dtype=tl.float32)
+            for i in tl.static_range(S):
+                pi = tl.load(p_ptr + i * N + n, mask=n < N, other=0.0)
+                v = tl.load(v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0)
+                pn += pi[:, None] * v.to(tl.float32)
+        else:
+            pn = tl.load(pn_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        return pn
 
     @triton.jit
     def _p1_mix(
@@ -109,8 +134,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _p2_fwd(
-        r_ptr, w_ptr, pn_ptr, lse_ptr, out_ptr, s_ptr, inv_ptr, N, eps,
-        D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+        r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, lse_ptr, out_ptr, s_ptr, inv_ptr, N, eps,
+        D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, S: tl.constexpr, DIRECT: tl.constexpr,
     ):  # fmt: skip
         n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
         nm = n < N
@@ -134,28 +159,34 @@ if HAS_TRITON:
             dm = d < D
             m2 = nm[:, None] & dm[None, :]
             r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-            pn = tl.load(pn_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
             o = lam[:, None] * pn + (1.0 - lam[:, None]) * r
             tl.store(out_ptr + n[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=m2)
 
     @triton.jit
     def _p2_bwd(
-        dout_ptr, r_ptr, w_ptr, pn_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr, lam_ptr, dl_ptr, dwp_ptr, N,
+        dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr, lam_ptr,
+        dl_ptr, dwp_ptr, N,
         D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
+        S: tl.constexpr, SP: tl.constexpr, DIRECT: tl.constexpr,
     ):  # fmt: skip
         """RB blocks of BN tokens per program; the query-gradient partial of the program's tokens goes to one row
-        of dwp (accumulated there across the blocks: the program owns that row)."""
+        of dwp (accumulated there across the blocks: the program owns that row). DIRECT: the numerator is mixed
+        from the sources here, and the site's phase-1 score gradients ``dps[i] = v_i . (lam * dout)`` are written
+        on the way (phase 1's backward then needs no pass over the sources for them)."""
         pid = tl.program_id(0)
         for rb in tl.range(0, RB):
             _p2_bwd_rows(
-                dout_ptr, r_ptr, w_ptr, pn_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr, lam_ptr, dl_ptr, dwp_ptr,
-                N, pid, rb, D, BN, BD, RB,
+                dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr,
+                lam_ptr, dl_ptr, dwp_ptr, N, pid, rb, D, BN, BD, RB, S, SP, DIRECT,
             )  # fmt: skip
 
     @triton.jit
     def _p2_bwd_rows(
-        dout_ptr, r_ptr, w_ptr, pn_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr, lam_ptr, dl_ptr, dwp_ptr, N, pid, rb,
+        dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr, lam_ptr,
+        dl_ptr, dwp_ptr, N, pid, rb,
         D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
+        S: tl.constexpr, SP: tl.constexpr, DIRECT: tl.constexpr,
     ):  # fmt: skip
         n = ((pid * RB + rb) * BN + tl.arange(0, BN)).to(tl.int64)
         nm = n < N
@@ -163,17 +194,31 @@ if HAS_TRITON:
         inv = tl.load(inv_ptr + n, mask=nm, other=0.0)
         lam = tl.sigmoid(tl.load(lse_ptr + n, mask=nm, other=0.0) - s)
         dl = tl.zeros([BN], dtype=tl.float32)
+        cols = tl.arange(0, SP)
+        dps = tl.zeros([BN, SP], dtype=tl.float32)
         for d0 in tl.range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             dm = d < D
             m2 = nm[:, None] & dm[None, :]
             g = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
             r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-            pn = tl.load(pn_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            if DIRECT:
+                pn = tl.zeros([BN, BD], dtype=tl.float32)
+                for i in tl.static_range(S):
+                    pi = tl.load(pp_ptr + i * N + n, mask=nm, other=0.0)
+                    v = tl.load(v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0)
+                    v = v.to(tl.float32)
+                    pn += pi[:, None] * v
+                    dps = tl.where(cols[None, :] == i, dps + tl.sum(v * g, axis=1)[:, None], dps)
+            else:
+                pn = tl.load(pn_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
             dl += tl.sum(g * (pn - r), axis=1)
         gl = dl * lam * (1.0 - lam)  # d lse; d score(r) = -gl
         tl.store(dl_ptr + n, gl, mask=nm)
         tl.store(lam_ptr + n, lam, mask=nm)
+        if DIRECT:
+            dpm = nm[:, None] & (cols[None, :] < S)
+            tl.store(dps_ptr + cols[None, :] * N + n[:, None], dps * lam[:, None], mask=dpm)
         ds = -gl
         c_r = ds * s * inv * inv / D
         c_w = ds * inv
@@ -325,7 +370,10 @@ class _Block:
         self.index = {sid: j for j, (sid, _, _) in enumerate(sites)}
         self.sites = sites
         self.eps = eps
-        self.pn = None  # [Q, N, D] PARTIAL_DTYPE
+        self.direct = False  # no partials: phase 2 mixes from the sources (see DIRECT_MAX)
+        self.pn = None  # [Q, N, D] PARTIAL_DTYPE (stored mode)
+        self.V = self.p = None  # direct mode: [S, N, D] sources and [Q, S, N] fp32 phase-1 weights
+        self.dps = None  # direct mode: [Q, S, N] fp32 v_i . (lam g), filled by phase-2 backward
         self.g = None  # [Q, N, D] each site's output gradient (its dtype), filled by phase-2 backward
         self.lam = None  # [Q, N] fp32 each site's merge weight; the numerator gradient is lam * g
         self.written: set[int] = set()  # sites whose phase-2 backward has run
@@ -359,22 +407,32 @@ class _Phase1(torch.autograd.Function):
         p = torch.empty(Q, S, N, dtype=torch.float32, device=V.device)
         lse = torch.empty(Q, N, dtype=torch.float32, device=V.device)
         inv = torch.empty(S, N, dtype=torch.float32, device=V.device)
+        direct = S <= DIRECT_MAX
+        sc = torch.empty_like(p) if direct else p  # raw scores, kept for the backward in direct mode
         bn, bd, nw = TILES["p1_scores"]
         _p1_scores[(Q, triton.cdiv(N, bn))](
-            V, W, p, lse, inv, N, block.eps, S=S, SP=SP, D=D, BN=bn, BD=bd, num_warps=nw
+            V, W, p, lse, inv, sc, N, block.eps, S=S, SP=SP, D=D, BN=bn, BD=bd, STORE_S=direct, num_warps=nw
         )
+        ctx.block, ctx.direct = block, direct
+        block.direct = direct
+        if direct:
+            block.V, block.p = V, p
+            ctx.save_for_backward(W, lse, p, sc, inv, *sealed)
+            return lse
         BN, BD = _tiles(SP)
         block.pn = torch.empty(Q, N, D, dtype=PARTIAL_DTYPE, device=V.device)
         _p1_mix[(triton.cdiv(N, BN), triton.cdiv(D, BD))](
             V, p, block.pn, N, S=S, SP=SP, Q=Q, D=D, BN=BN, BD=BD
         )
-        ctx.block = block
         ctx.save_for_backward(W, lse, *sealed)
         return lse
 
     @staticmethod
     def backward(ctx, dlse):
-        W, lse, *sealed = ctx.saved_tensors
+        if ctx.direct:
+            W, lse, p, sc, inv, *sealed = ctx.saved_tensors
+        else:
+            W, lse, *sealed = ctx.saved_tensors
         block = ctx.block
         V = _sources(ctx.V, sealed)
         D = V.shape[-1]
@@ -384,20 +442,29 @@ class _Phase1(torch.autograd.Function):
         if block.g is None:  # no read of this block got a gradient
             block.g = torch.zeros(Q, N, D, dtype=V.dtype, device=V.device)
             block.lam = torch.zeros(Q, N, dtype=torch.float32, device=V.device)
+            if ctx.direct:
+                block.dps = torch.zeros(Q, S, N, dtype=torch.float32, device=V.device)
         else:
             for j in range(Q):
                 if j not in block.written:
                     block.g[j].zero_()
                     block.lam[j].zero_()
+                    if ctx.direct:
+                        block.dps[j].zero_()
         dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
-        pc = torch.empty(Q, S, N, dtype=torch.float32, device=V.device)
-        dc, ac = torch.empty_like(pc), torch.empty_like(pc)
-        inv = torch.empty(S, N, dtype=torch.float32, device=V.device)
-        bn, bd, nw = TILES["p1_bwd_coef"]
-        _p1_bwd_coef[(Q, triton.cdiv(N, bn))](
-            V, W, lse, block.g, block.lam, dlse, pc, dc, ac, inv, N, block.eps,
-            S=S, SP=SP, D=D, BN=bn, BD=bd, num_warps=nw,
-        )  # fmt: skip
+        if ctx.direct:  # coefficients from the stored scores and phase 2's score gradients, fp32 [Q, S, N]
+            pc, dps = p, block.dps
+            ds = p * (dps - (p * dps).sum(1, keepdim=True) + dlse[:, None])
+            dc, ac = ds * inv, ds * sc
+        else:
+            pc = torch.empty(Q, S, N, dtype=torch.float32, device=V.device)
+            dc, ac = torch.empty_like(pc), torch.empty_like(pc)
+            inv = torch.empty(S, N, dtype=torch.float32, device=V.device)
+            bn, bd, nw = TILES["p1_bwd_coef"]
+            _p1_bwd_coef[(Q, triton.cdiv(N, bn))](
+                V, W, lse, block.g, block.lam, dlse, pc, dc, ac, inv, N, block.eps,
+                S=S, SP=SP, D=D, BN=bn, BD=bd, num_warps=nw,
+            )  # fmt: skip
         bn, bd, nw = TILES["p1_bwd_dv"]
         G = triton.cdiv(N, bn * NBG)
         QP16 = _pow2(Q, 16)
@@ -407,10 +474,18 @@ class _Phase1(torch.autograd.Function):
             V, W, block.g, block.lam, pc, dc, ac, inv, dv, dwp, N,
             S=S, Q=Q, QP=QP16, D=D, BN=bn, BD=bd, NB=NBG, num_warps=nw,
         )  # fmt: skip
-        block.g = block.lam = None
+        block.g = block.lam = block.dps = None
         block.written = set()
         dW = dwp.sum((0, 1))[:Q]
         return (None, dW, None, *[dv[j].view_as(sealed[j]) for j in range(S)])
+
+
+def _p2_operands(block: _Block, qi: int):
+    """(partials, sources, weights) for phase 2 of site qi; the operands the mode does not use are stand-ins."""
+    if block.direct:
+        return block.V, block.V, block.p[qi]
+    pn = block.pn[qi]
+    return pn, pn, pn
 
 
 class _Phase2(torch.autograd.Function):
@@ -424,9 +499,11 @@ class _Phase2(torch.autograd.Function):
         inv = torch.empty_like(s)
         bn, bd, nw = TILES["p2_fwd"]
         bd = min(bd, _pow2(D, 16))
+        pn, V, pp = _p2_operands(block, qi)
         _p2_fwd[(triton.cdiv(N, bn),)](
-            rf, w, block.pn[qi], lse_all[qi], out, s, inv, N, block.eps, D=D, BN=bn, BD=bd, num_warps=nw
-        )
+            rf, w, pn, V, pp, lse_all[qi], out, s, inv, N, block.eps,
+            D=D, BN=bn, BD=bd, S=V.shape[0], DIRECT=block.direct, num_warps=nw,
+        )  # fmt: skip
         ctx.block, ctx.qi = block, qi
         ctx.save_for_backward(r, w, lse_all, s, inv)
         return out.view_as(r)
@@ -442,7 +519,11 @@ class _Phase2(torch.autograd.Function):
         if block.g is None:
             block.g = torch.empty(Q, N, D, dtype=r.dtype, device=r.device)
             block.lam = torch.empty(Q, N, dtype=torch.float32, device=r.device)
+            if block.direct:
+                block.dps = torch.empty(Q, block.V.shape[0], N, dtype=torch.float32, device=r.device)
             block.written = set()
+        pn, V, pp = _p2_operands(block, qi)
+        dps = block.dps[qi] if block.direct else pp
         dr = torch.empty_like(rf)
         dlse = torch.zeros_like(lse_all)
         bn, bd, nw = TILES["p2_bwd"]
@@ -454,7 +535,10 @@ class _Phase2(torch.autograd.Function):
             dout.contiguous().view(-1, D),
             rf,
             w,
-            block.pn[qi],
+            pn,
+            V,
+            pp,
+            dps,
             lse_all[qi],
             s,
             inv,
@@ -468,6 +552,9 @@ class _Phase2(torch.autograd.Function):
             BN=bn,
             BD=bd,
             RB=rb,
+            S=V.shape[0],
+            SP=_pow2(V.shape[0]),
+            DIRECT=block.direct,
             num_warps=nw,
         )
         block.written.add(qi)
