@@ -28,19 +28,36 @@ def _load(path):
 
 
 SWEEP = {
-    "p1_scores": [(16, 64, 4), (32, 64, 4), (16, 128, 8), (32, 32, 4)],
-    "p1_bwd_coef": [(16, 128, 4), (32, 64, 4), (8, 256, 4), (4, 512, 4)],
-    "p1_bwd_dv": [(32, 64, 4), (16, 64, 4), (32, 128, 8), (64, 64, 8), (16, 128, 4)],
-    "p2_fwd": [(16, 128, 4), (8, 256, 4), (4, 512, 4), (2, 1024, 4), (2, 2048, 8), (1, 2048, 4)],
-    "p2_bwd": [(16, 128, 4), (8, 256, 4), (4, 512, 4), (2, 1024, 4), (2, 2048, 8), (1, 2048, 4)],
+    "p1_bwd_dv": [(16, 128, 4), (32, 64, 4), (16, 64, 4), (32, 128, 8), (16, 256, 8)],
+    "p2_fwd_direct": [(1, 2048, 4), (2, 1024, 4), (4, 512, 4), (2, 2048, 8), (8, 256, 4)],
+    "p2_bwd_direct": [(2, 2048, 8), (1, 2048, 8), (2, 1024, 4), (4, 512, 4), (8, 256, 4), (16, 128, 4)],
+    "p2_fwd": [(1, 2048, 4), (2, 1024, 4), (4, 512, 4)],
+    "p2_bwd": [(2, 2048, 8), (1, 2048, 8), (4, 512, 4)],
+    "p1_scores": [(16, 128, 4), (32, 64, 4), (16, 64, 4)],
+    "p1_bwd_coef": [(8, 256, 4), (16, 128, 4)],
 }
 
 
+def kernel_ms(walk, make, clear, reps=3):
+    """Summed CUDA kernel time of one walk (fwd+bwd), from the profiler: the GPU work alone, without the host
+    launch latency that a synchronised wall-clock time of this launch-heavy walk also counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    walk(make)
+    clear()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            walk(make)
+            clear()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / reps
+
+
 def sweep(walk, make, clear):
-    """Walk fwd+bwd time for each candidate (tokens, columns, warps) of one kernel at a time (the others at their
+    """Walk kernel time for each candidate (tokens, columns, warps) of one kernel at a time (the others at their
     defaults), then with every kernel at its best; leaves the best in openk3.fast.attnres.TILES."""
     from openk3.fast import attnres
-    from run_all import timeit
 
     default = dict(attnres.TILES)
     best = {}
@@ -50,17 +67,17 @@ def sweep(walk, make, clear):
             attnres.TILES.update(default)
             attnres.TILES[name] = cfg
             try:
-                times[cfg] = timeit(lambda: walk(make), rep=5, setup=clear) * 1e3
+                times[cfg] = kernel_ms(walk, make, clear)
             except Exception as e:  # a tile the compiler refuses (resources) is skipped
                 print(f"  {name} {cfg}: {type(e).__name__} {str(e)[:120]}")
         best[name] = min(times, key=times.get)
         print(f"  {name}: " + "  ".join(f"{'x'.join(map(str, c))} {t:.3f}" for c, t in times.items()))
     attnres.TILES.update(best)
-    t = timeit(lambda: walk(make), rep=5, setup=clear) * 1e3
+    t = kernel_ms(walk, make, clear)
     print(
         "  best: "
         + ",".join(f"{k}={'x'.join(map(str, v))}" for k, v in best.items())
-        + f"  walk fwd+bwd {t:.3f} ms"
+        + f"  kernels {t:.3f} ms"
     )
 
 
@@ -77,7 +94,9 @@ def main():
     ap.add_argument("--Q", type=int, default=8)
     ap.add_argument("--rows", type=int, default=14)
     ap.add_argument(
-        "--sweep", action="store_true", help="time launch tiles per kernel, then all best together"
+        "--sweep",
+        action="store_true",
+        help="kernel time per launch tile of each kernel, then all best together",
     )
     ap.add_argument("--direct-max", default="", help="comma-separated DIRECT_MAX values to compare")
     a = ap.parse_args()
@@ -129,16 +148,6 @@ def main():
         print(f"{name:10s} {tf:9.3f} {tb:11.3f} {tb - res['plain'][1]:11.3f}")
     from torch.profiler import ProfilerActivity, profile
 
-    def kernels():
-        walk(makers["triton"])
-        clear()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            walk(makers["triton"])
-            torch.cuda.synchronize()
-        clear()
-        return prof
-
     if a.direct_max:
         default = attnres.DIRECT_MAX
         print(f"\nDIRECT_MAX (sets of <= that many sources keep no partials; default {default})")
@@ -152,10 +161,15 @@ def main():
                 tf = timeit(lambda: walk(mk_, grad=False), rep=5)  # noqa: B023 (called right here)
             tb = timeit(lambda: walk(mk_), rep=5, setup=clear)  # noqa: B023
             tp = timeit_pipelined(lambda: walk(mk_), rep=5, setup=clear)  # noqa: B023
-            kt = sum(e.self_device_time_total for e in kernels().key_averages()) / 1e3
+            kt = kernel_ms(walk, mk_, clear)
             print(f"{dm:10d} {tf * 1e3:9.3f} {tb * 1e3:11.3f} {tp * 1e3:12.3f} {kt:11.3f}")
         attnres.DIRECT_MAX = default
-    prof = kernels()
+    walk(makers["triton"])
+    clear()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        walk(makers["triton"])
+        torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=50))
 
 

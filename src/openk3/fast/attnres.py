@@ -308,7 +308,7 @@ if HAS_TRITON:
             dc = tl.load(dc_ptr + off, mask=cm, other=0.0)
             asum = tl.sum(tl.load(ac_ptr + off, mask=cm, other=0.0), axis=1)
             acc = tl.dot(dc, wt, input_precision="ieee")  # [BN, BD]
-            for q in tl.range(0, Q):
+            for q in tl.static_range(Q):  # unrolled: the Q tile loads are issued together
                 lam = tl.load(lam_ptr + q * N + n, mask=nm, other=0.0)
                 pcq = tl.load(pc_ptr + q * S * N + i * N + n, mask=nm, other=0.0)
                 gq = tl.load(g_ptr + q * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0)
@@ -346,6 +346,8 @@ TILES = {
     "p1_bwd_dv": (16, 128, 4),
     "p2_fwd": (1, 2048, 4),
     "p2_bwd": (2, 2048, 8),
+    "p2_fwd_direct": (1, 2048, 4),  # phase 2 of sets without partials (reads the sources)
+    "p2_bwd_direct": (2, 2048, 8),
 }
 
 
@@ -497,7 +499,7 @@ class _Phase2(torch.autograd.Function):
         out = torch.empty_like(rf)
         s = torch.empty(N, dtype=torch.float32, device=r.device)
         inv = torch.empty_like(s)
-        bn, bd, nw = TILES["p2_fwd"]
+        bn, bd, nw = TILES["p2_fwd_direct" if block.direct else "p2_fwd"]
         bd = min(bd, _pow2(D, 16))
         pn, V, pp = _p2_operands(block, qi)
         _p2_fwd[(triton.cdiv(N, bn),)](
@@ -526,7 +528,7 @@ class _Phase2(torch.autograd.Function):
         dps = block.dps[qi] if block.direct else pp
         dr = torch.empty_like(rf)
         dlse = torch.zeros_like(lse_all)
-        bn, bd, nw = TILES["p2_bwd"]
+        bn, bd, nw = TILES["p2_bwd_direct" if block.direct else "p2_bwd"]
         bd = min(bd, _pow2(D, 16))
         rb = max(1, 16 // bn)  # at least 16 tokens per query-gradient partial
         nprog = triton.cdiv(N, bn * rb)
