@@ -60,6 +60,13 @@ MLA_SWEEP = {
         (16, 64, 4, False, False, 2),
         (16, 32, 2, True, False, 2),
         (16, 64, 8, True, False, 2),
+        # prefetch 2: the next block's table entries in registers, the rows through Triton's pipeliner
+        (16, 32, 4, True, 2, 3),
+        (16, 32, 4, True, 2, 4),
+        (16, 32, 8, True, 2, 4),
+        (16, 16, 4, True, 2, 6),
+        (16, 64, 4, True, 2, 2),
+        (16, 32, 4, True, False, 5),
     ],
     96: [
         (64, 32, 8, True, True, 1),
@@ -68,7 +75,17 @@ MLA_SWEEP = {
         (32, 64, 4, True, False, 2),
         (64, 64, 8, False, False, 2),
         (64, 64, 8, True, False, 3),
+        (32, 32, 4, True, 2, 4),
+        (64, 32, 8, True, 2, 3),
+        (32, 64, 4, True, 2, 2),
+        (64, 64, 8, True, 2, 2),
     ],
+}
+# (config as above, splits) tried at the target shapes after the sweep: the split count against the launch tiles
+MLA_SPLIT_SWEEP = {
+    16: [((16, 32, 4, True, 2, 4), n) for n in (1, 2, 3, 4, 6, 8)]
+    + [((16, 32, 4, True, 2, 3), n) for n in (2, 4, 6)],
+    96: [((32, 32, 4, True, 2, 4), n) for n in (1, 2, 4)],
 }
 CACHE_LIMIT = 20e9  # skip MLA shapes whose latent cache is larger
 REF_LIMIT = 24e9  # the MLA reference's gathered fp32 copy and logits
@@ -266,12 +283,17 @@ def mla_inputs(B, H, L):
     return q, kv, table, lengths
 
 
+def _sweep_name(bh, bn, nw, tr, pf, st) -> str:
+    pre = {0: f",s{st}", 1: ",P", 2: f",P2,s{st}"}[int(pf)]
+    return f"mla [H{bh},N{bn},w{nw}{',T' if tr else ''}{pre}]"
+
+
 def mla_section(sweep: bool):
     from openk3.infer.decode import mla_decode_reference
-    from openk3.infer.kernels import MLA_CONFIG, mla_decode_triton, mla_num_splits
+    from openk3.infer.kernels import MLA_CONFIG, MLA_LAST_LAUNCH, mla_decode_triton
 
     INFO["mla_config"] = {k: v for k, v in MLA_CONFIG.items()}
-    DC, DR, ps = MLA_DIMS["DC"], MLA_DIMS["DR"], MLA_DIMS["page_size"]
+    DC, DR = MLA_DIMS["DC"], MLA_DIMS["DR"]
     scale = 192**-0.5
     combos = MLA_TARGETS + ([] if TARGETS_ONLY else MLA_COMBOS)
     for i, (B, H, L) in enumerate(combos):
@@ -303,8 +325,8 @@ def mla_section(sweep: bool):
                 o2 = None
             t_ref = bench(lambda: mla_decode_reference(q, kv, table, lengths, scale=scale, kv_lora_rank=DC))
         t = bench(ours())
-        bh = MLA_CONFIG["few" if H <= 16 else "many"]["block_h"]
-        ns = mla_num_splits(B, H, table.shape[1] * ps, bh, q.device)
+        ours()()
+        ns = MLA_LAST_LAUNCH["splits"]
         row(
             "mla decode",
             shape,
@@ -319,11 +341,11 @@ def mla_section(sweep: bool):
             for bh_, bn, nw, tr, pf, st in MLA_SWEEP[16 if H <= 16 else 96]:
                 if time.time() - T0 > BUDGET:
                     break
-                name = f"mla [H{bh_},N{bn},w{nw}{',T' if tr else ''}{',P' if pf else f',s{st}'}]"
+                name = _sweep_name(bh_, bn, nw, tr, pf, st)
                 try:
-                    ns_ = mla_num_splits(B, H, table.shape[1] * ps, bh_, q.device)
                     kw = dict(block_h=bh_, block_n=bn, num_warps=nw, trans=tr, prefetch=pf, num_stages=st)
                     o3 = ours(**kw)()
+                    ns_ = MLA_LAST_LAUNCH["splits"]
                     err = rel(o3, o2 if o2 is not None else o1)
                     INFO["checks"][f"mla {shape} {name}"] = err
                     bad = "" if err < 1e-2 else f"; WRONG (rel err {err:.2g})"
@@ -332,6 +354,21 @@ def mla_section(sweep: bool):
                 except Exception as e:
                     INFO["errors"].append(f"{name}: {type(e).__name__}: {e}")
                     print(f"  {name} failed: {e}", flush=True)
+            for (bh_, bn, nw, tr, pf, st), n_ in MLA_SPLIT_SWEEP[16 if H <= 16 else 96]:
+                if time.time() - T0 > BUDGET:
+                    break
+                name = _sweep_name(bh_, bn, nw, tr, pf, st)
+                try:
+                    kw = dict(block_h=bh_, block_n=bn, num_warps=nw, trans=tr, prefetch=pf, num_stages=st)
+                    o3 = ours(num_splits=n_, **kw)()
+                    err = rel(o3, o2 if o2 is not None else o1)
+                    INFO["checks"][f"mla {shape} {name} splits={n_}"] = err
+                    bad = "" if err < 1e-2 else f"; WRONG (rel err {err:.2g})"
+                    tc = bench(ours(num_splits=n_, **kw))
+                    row(name, shape, tc, t, "ours default", cache_bytes, flops, f"splits={n_}{bad}")
+                except Exception as e:
+                    INFO["errors"].append(f"{name} splits={n_}: {type(e).__name__}: {e}")
+                    print(f"  {name} splits={n_} failed: {e}", flush=True)
             for n_ in sorted({max(1, ns // 2), 2 * ns, 4 * ns} - {ns}):
                 tc = bench(ours(num_splits=n_))
                 row("mla [splits]", shape, tc, t, "ours default", cache_bytes, flops, f"splits={n_}")

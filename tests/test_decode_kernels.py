@@ -242,7 +242,7 @@ def test_mla_decode(dtype, page_size, num_splits):
 
 @here
 @pytest.mark.parametrize("trans", [True, False], ids=["trans", "direct"])
-@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "plain"])
+@pytest.mark.parametrize("prefetch", [True, False, 2], ids=["prefetch", "plain", "tables"])
 def test_mla_decode_variants(trans, prefetch):
     """Both product orientations and both loop forms; more heads than one head block (masked tail block), more
     splits than a short row has tokens, several block sizes."""
@@ -290,6 +290,40 @@ def test_mla_decode_gpu(dtype, H, page_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize(
+    "dtype,block_h,block_n,num_warps,num_stages,num_splits",
+    [
+        (torch.bfloat16, 16, 32, 4, 3, None),
+        (torch.bfloat16, 16, 32, 4, 4, 2),
+        (torch.bfloat16, 16, 32, 8, 4, None),
+        (torch.bfloat16, 16, 16, 4, 6, 3),
+        (torch.bfloat16, 32, 32, 4, 4, None),
+        (torch.float32, 16, 16, 4, 2, None),
+    ],
+)
+def test_mla_decode_gpu_table_prefetch(dtype, page_size, block_h, block_n, num_warps, num_stages, num_splits):
+    """The launch configurations of the table-prefetch loop form (prefetch=2) that the benchmark sweeps, compiled."""
+    seed = seed_of(str(dtype), page_size, block_h, block_n, num_warps, num_stages, num_splits)
+    kw = dict(prefetch=2, block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    lengths = [1, 2047, 3000, 64, 777, 16]
+    for H in (16, 96):
+        run_mla_case(
+            lengths,
+            H,
+            512,
+            64,
+            page_size,
+            dtype,
+            seed + H,
+            MLA_TOL[dtype],
+            n_pad=2,
+            num_splits=num_splits,
+            **kw,
+        )
+
+
+@pytest.mark.gpu
 def test_decode_kernels_cuda_graph():
     """Both steps captured in one CUDA graph; replays on new inputs match the references."""
     gen = torch.Generator().manual_seed(7)
@@ -331,3 +365,23 @@ def test_decode_kernels_cuda_graph():
             mla_decode_reference(qm, kv, table, lens, scale=192**-0.5, kv_lora_rank=512),
             1e-2,
         )
+
+
+def test_mla_num_splits_fills_whole_waves(monkeypatch):
+    """The split count fills the resident program slots in whole waves (132 SMs, 2 programs each = 264 slots)."""
+    monkeypatch.setattr(KN, "_sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+
+    def ns(B, H=16, L=8192, res=2):
+        return KN.mla_num_splits(B, H, L, 16, dev, block_n=32, resident=res)
+
+    assert ns(64) == 4  # 256 programs in one wave; 5 splits (320 programs) would need a second wave
+    assert ns(256) == 1 and ns(512) == 1  # already a wave (or more) without splitting
+    assert ns(16) == 16  # 256 programs
+    assert ns(1) == 64  # capped: max_splits, and at least min_chunk tokens per split
+    assert ns(1, L=300) == 3  # cdiv(300, min_chunk)
+    assert ns(64, res=1) == 2  # 128 of 132 slots
+    for B in (1, 3, 16, 50, 64, 100, 300):
+        n = ns(B)
+        assert 1 <= n <= KN.MLA_CONFIG["max_splits"]
+        assert n == 1 or B * n <= 264  # splitting never buys a second wave

@@ -27,6 +27,7 @@ from L2), ``_p1_mix`` [N/BN, D/BD], ``_p2_fwd`` [N/BN], ``_p2_bwd`` [N/(BN*RB)],
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -382,8 +383,54 @@ class _Block:
         self.read: set[int] = set()  # sites read (phase 2) in the forward
 
 
-def _fold(query: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+def _fold_plain(query: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
     return norm_weight.float() * query.float().reshape(-1)
+
+
+class _FoldCache:
+    """Folded queries ``norm_weight * query`` (fp32) of parameters that do not change between forwards, kept while
+    gradients are off (inference): a decode step otherwise spends three small kernels per read and three per site
+    at every seal on recomputing them. An entry is used only for the very same tensors (held by weak reference, so
+    a new tensor at a recycled address never matches) at the same version counters (an in-place update, such as an
+    optimizer step or ``load_state_dict``, invalidates it)."""
+
+    def __init__(self):
+        self._entries: dict[tuple[int, ...], tuple] = {}
+
+    def get(self, pairs) -> torch.Tensor:
+        """``[len(pairs), D]`` fp32 stack of the folded queries of ``pairs`` = ((query, norm_weight), ...)."""
+        flat = [t for pair in pairs for t in pair]
+        key = tuple(id(t) for t in flat)
+        hit = self._entries.get(key)
+        if hit is not None:
+            refs, versions, value = hit
+            if all(r() is t for r, t in zip(refs, flat)) and versions == tuple(t._version for t in flat):
+                return value
+        value = torch.stack([_fold_plain(q, nw) for q, nw in pairs])
+
+        def drop(_ref, key=key, entries=self._entries):
+            entries.pop(key, None)
+
+        refs = tuple(weakref.ref(t, drop) for t in flat)
+        self._entries[key] = (refs, tuple(t._version for t in flat), value)
+        return value
+
+
+_FOLDS = _FoldCache()
+
+
+def _fold(query: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """The folded query ``norm_weight * query`` as fp32 ``[D]`` (cached while gradients are off)."""
+    if torch.is_grad_enabled():
+        return _fold_plain(query, norm_weight)
+    return _FOLDS.get(((query, norm_weight),))[0]
+
+
+def _fold_stack(pairs) -> torch.Tensor:
+    """``[Q, D]`` fp32 folded queries of ``pairs`` (cached while gradients are off)."""
+    if torch.is_grad_enabled():
+        return torch.stack([_fold_plain(q, nw) for q, nw in pairs])
+    return _FOLDS.get(tuple(pairs))
 
 
 def _sources(V, sealed) -> torch.Tensor:
@@ -634,7 +681,7 @@ class TritonAttnResReader:
         ):
             return
         block = _Block(list(sites), self.eps)
-        W = torch.stack([_fold(q, nw) for _, q, nw in block.sites])  # [Q, D] fp32
+        W = _fold_stack([(q, nw) for _, q, nw in block.sites])  # [Q, D] fp32
         self._lse = _Phase1.apply(block, W, self._stage(), *self.sealed)
         self._block = block
 

@@ -186,6 +186,14 @@ class Engine:
         self.device, self.dtype = p0.device, model.model.embed_tokens.weight.dtype
         if self.device.type == "cuda":
             _import_fast_paths()
+        # fp32 copies of the absorbed MLA weights (W_UK, W_UV), made once here rather than at every decode step
+        # (before the cache pool is sized, so that a pool sized from free memory accounts for them)
+        self._absorbed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, layer in enumerate(model.model.layers):
+            if layer.attn_type != "kda":
+                with torch.no_grad():
+                    w_uk, w_uv = layer.self_attn.absorbed_weights()
+                    self._absorbed[i] = (w_uk.float().contiguous(), w_uv.float().contiguous())
         cache_dtype = cfg.cache_dtype or self.dtype
         plan = plan_pool(
             self.mcfg,
@@ -332,6 +340,7 @@ class Engine:
         r["plan"] = self.plan.source
         r["prefix_cache_bytes"] = self.prefix.max_bytes if self.prefix else 0
         r["fused_projection_layers"] = len(self._fused)
+        r["absorbed_weight_bytes"] = sum(a.numel() * 4 + b.numel() * 4 for a, b in self._absorbed.values())
         return r
 
     # ------------------------------------------------------------------------------------------------ public API
@@ -856,11 +865,12 @@ class Engine:
                 q = m.project_q(xx).view(B, H, m.dn + m.dr)
                 c, kr = m.latent(xx)
             pool.write_latent(j, rows, torch.cat([c, kr.to(c.dtype)], dim=-1))
-            w_uk, w_uv = m.absorbed_weights()
-            qa = torch.einsum("bhn,hnc->bhc", q[..., : m.dn].float(), w_uk.float())
-            ql = torch.cat([qa, q[..., m.dn :].float()], dim=-1)
+            w_uk, w_uv = self._absorbed[i]  # fp32 [H, dn, dc], [H, dv, dc]
+            qa = torch.bmm(q[..., : m.dn].float().transpose(0, 1), w_uk)  # [H, B, dc]
+            ql = torch.cat([qa.transpose(0, 1), q[..., m.dn :].float()], dim=-1)
             cbar = self._mla_step(ql, pool.kv[j], table, lengths, scale=m.scale, kv_lora_rank=dc)
-            o = torch.einsum("bhc,hvc->bhv", cbar, w_uv.float()).to(xx.dtype).reshape(B, H * m.dv)
+            o = torch.bmm(cbar.transpose(0, 1), w_uv.transpose(1, 2))  # [H, B, dv]
+            o = o.transpose(0, 1).to(xx.dtype).reshape(B, H * m.dv)
             if m.use_gate:
                 o = torch.sigmoid(parts[2] if fused is not None else m.g_proj(xx)) * o
             return m.o_proj(o)[:, None]

@@ -38,6 +38,7 @@ adjacent in launch order, so with several head blocks the cache bytes come from 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -59,6 +60,7 @@ __all__ = [
     "INTERPRET",
     "KDA_CONFIG",
     "MLA_CONFIG",
+    "MLA_LAST_LAUNCH",
     "available",
     "kda_decode_triton",
     "kda_supports",
@@ -73,15 +75,20 @@ __all__ = [
 # batches, measured 1.3-3.9x slower than this one at B = 1..256 on an H200 and was removed; bench/NOTES.md.)
 KDA_CONFIG = {"BV": 32, "num_warps": 4}
 MLA_CONFIG = {
-    # launch parameters by regime (chosen by measurement on an H200, bench/NOTES.md): few heads (H <= 16) stream
-    # more tokens per block through Triton's pipeliner; many heads share each block's rows over 64 heads
-    "few": {"block_h": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "trans": True, "prefetch": False},
-    "many": {"block_h": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "trans": True, "prefetch": False},
+    # launch parameters by regime (chosen by measurement on an H200, bench/NOTES.md). prefetch 2: the next block's
+    # page-table entries ride in registers, so Triton's pipeliner can stream the latent rows through shared memory
+    # (with the table load inside the loop it kept one block in flight). The split count follows from how many
+    # programs of the compiled kernel one SM holds (_mla_resident, mla_num_splits).
+    "few": {"block_h": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "trans": True, "prefetch": 2},
+    "many": {"block_h": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "trans": True, "prefetch": 2},
     "fp32": {"block_h": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "trans": True, "prefetch": True},
     "min_chunk": 128,
-    "waves": 2,
+    "max_splits": 64,
+    "overhead_blocks": 2,  # a program's fixed cost (pipeline fill, epilogue, partials) in blocks of work
 }
 
+
+log = logging.getLogger("openk3.infer")
 
 # Triton picks the interpreter when a kernel is defined (this module's import), so read the switch once, here.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -339,7 +346,11 @@ if HAS_TRITON:
         """Block ``n0`` of the loop. With ``PREFETCH``, ``kn, kr`` are its rows (requested one step earlier) and
         ``pages`` the next block's table entries: request the next block's rows and the table entries of the one
         after, then score this block. Without, load and score. Returns the loop-carried values."""
-        if PREFETCH:
+        if PREFETCH == 2:  # table entries one block ahead in registers; the rows go through the pipeliner
+            cur = pages
+            pages = _mla_pages(bt, n0 + BLOCK_N, end, PAGE, BLOCK_N, MODE)
+            kn_cur, kr_cur = _mla_rows(kv_ptr, cur, n0, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE)
+        elif PREFETCH:
             kn_cur = kn
             kr_cur = kr
             kn, kr = _mla_rows(kv_ptr, pages, n0 + BLOCK_N, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE)
@@ -391,7 +402,9 @@ if HAS_TRITON:
         kn = tl.zeros([BLOCK_N, DC], kv_dtype)  # loop-carried only with PREFETCH
         kr = tl.zeros([BLOCK_N, DR], kv_dtype)
         pages = _mla_pages(bt, start, start, PAGE, BLOCK_N, MODE)
-        if PREFETCH:
+        if PREFETCH == 2:
+            pages = _mla_pages(bt, start, end, PAGE, BLOCK_N, MODE)
+        elif PREFETCH:
             # Triton's software pipeliner does not overlap loads whose addresses come from other loads (the block
             # table) with compute, so this is done by hand: while block i is scored, the rows of block i + 1 are in
             # flight (registers) and the block-table entries of block i + 2.
@@ -537,14 +550,62 @@ def _sm_count(device: torch.device) -> int:
 
 
 def mla_num_splits(
-    batch: int, heads: int, max_context: int, block_h: int, device: torch.device, *, cfg: dict | None = None
+    batch: int,
+    heads: int,
+    max_context: int,
+    block_h: int,
+    device: torch.device,
+    *,
+    block_n: int = 32,
+    resident: int = 1,
+    cfg: dict | None = None,
 ) -> int:
-    """Context splits per row: enough programs for ``waves`` programs per SM, each split at least ``min_chunk``
-    tokens of the largest possible context. Depends on shapes only (fixed grid for CUDA graphs)."""
+    """Context splits per row, from shapes only (a fixed grid for CUDA graphs). Programs run in waves of
+    ``resident * SMs``; a program's time is its share of the row plus a fixed cost, so the step takes about
+    ``waves(s) * (blocks_per_split(s) + overhead_blocks)``: the smallest split count that minimises that is chosen
+    (between 1, and enough splits that each keeps at least ``min_chunk`` tokens of the largest context)."""
     cfg = cfg or MLA_CONFIG
-    progs = batch * triton.cdiv(heads, block_h)
-    want = triton.cdiv(cfg["waves"] * _sm_count(device), max(progs, 1))
-    return max(1, min(want, triton.cdiv(max_context, cfg["min_chunk"])))
+    progs = max(1, batch * triton.cdiv(heads, block_h))
+    slots = max(1, resident * _sm_count(device))
+    blocks = triton.cdiv(max(1, max_context), block_n)
+    cap = max(1, min(cfg["max_splits"], triton.cdiv(max_context, cfg["min_chunk"])))
+    best, best_cost = 1, None
+    for ns in range(1, cap + 1):
+        cost = triton.cdiv(progs * ns, slots) * (triton.cdiv(blocks, ns) + cfg["overhead_blocks"])
+        if best_cost is None or cost < best_cost:
+            best, best_cost = ns, cost
+    return best
+
+
+_RESIDENT: dict[tuple, int] = {}
+MLA_LAST_LAUNCH: dict = {}  # the launch parameters (splits included) of the latest mla_decode_triton call
+
+
+def _mla_resident(args: tuple, consts: dict, num_warps: int, device: torch.device) -> int:
+    """How many programs of the split kernel with these launch parameters one SM holds at once, from the compiled
+    kernel's shared memory and registers (compiled once per configuration, not launched); 1 where that cannot be
+    read (the interpreter, or a Triton whose API differs)."""
+    if INTERPRET or device.type != "cuda":
+        return 1
+    key = (tuple(sorted(consts.items())), num_warps, str(args[1].dtype), device.index)
+    if key not in _RESIDENT:
+        try:
+            ck = _mla_split_kernel.warmup(*args, 2, DIRECT=False, **consts, num_warps=num_warps, grid=(1,))
+            ck._init_handles()
+            props = triton.runtime.driver.active.utils.get_device_properties(
+                device.index if device.index is not None else torch.cuda.current_device()
+            )
+            smem = (
+                props["max_shared_mem"] + 1024
+            )  # per SM: the per-block limit plus the 1 KB each block reserves
+            by_smem = smem // (ck.metadata.shared + 1024)
+            by_regs = 65536 // max(1, ck.n_regs * 32 * num_warps)
+            by_threads = 2048 // (32 * num_warps)
+            _RESIDENT[key] = max(1, min(by_smem, by_regs, by_threads))
+        except Exception as e:  # pragma: no cover - depends on the Triton build
+            log.warning("openk3: MLA decode occupancy unknown (%s); assuming one program per SM", e)
+            _RESIDENT[key] = 1
+    return _RESIDENT[key]
 
 
 def mla_decode_triton(
@@ -564,9 +625,11 @@ def mla_decode_triton(
     prefetch: bool | None = None,
 ) -> torch.Tensor:
     """Paged absorbed MLA decode (signature and layouts: :mod:`openk3.infer.decode`); returns ``[B, H, dc]`` fp32.
-    ``num_splits`` (default :func:`mla_num_splits`), ``block_h`` (heads per program), ``block_n``, ``num_warps``, ``num_stages`` (Triton's pipeliner; only without ``prefetch``), ``trans``
-    (transposed products) and ``prefetch`` (next block's rows loaded while the current one is scored) override
-    :data:`MLA_CONFIG`."""
+    ``num_splits`` (default :func:`mla_num_splits` with the compiled kernel's occupancy), ``block_h`` (heads per
+    program), ``block_n``, ``num_warps``, ``num_stages`` (Triton's pipeliner), ``trans`` (transposed products) and
+    ``prefetch`` (``True``: the next block's rows in registers; ``2``: the next block's page-table entries in
+    registers, the rows through the pipeliner) override :data:`MLA_CONFIG`. The parameters used are left in
+    :data:`MLA_LAST_LAUNCH`."""
     B, H, D = q.shape
     _, page_size, Dk = kv_cache.shape
     DC = kv_lora_rank
@@ -588,7 +651,12 @@ def mla_decode_triton(
     st = base["num_stages"] if num_stages is None else num_stages
     tr = base["trans"] if trans is None else trans
     pf = base["prefetch"] if prefetch is None else prefetch
-    if pf and bn >= 64 and bh <= 32 and not INTERPRET:
+    pf = int(pf)
+    if pf not in (0, 1, 2):
+        raise ValueError(
+            f"mla_decode_triton: prefetch must be False/True (rows) or 2 (table entries), got {pf}"
+        )
+    if pf == 1 and bn >= 64 and bh <= 32 and not INTERPRET:
         # measured: this combination gives wrong results when compiled by Triton 3.6 for an H200
         raise ValueError(
             "mla_decode_triton: prefetch with BLOCK_N >= 64 and block_h <= 32 is not supported (wrong results "
@@ -600,23 +668,29 @@ def mla_decode_triton(
         mode = 2
     else:
         mode = 0
-    ns = num_splits or mla_num_splits(B, H, block_table.shape[1] * page_size, bh, q.device)
     out = torch.empty(B, H, DC, dtype=torch.float32, device=q.device)
     if B == 0:
         return out
+    args = (
+        q, kv_cache, block_table, lengths, out, out, out,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1),
+        H, float(scale) * math.log2(math.e),
+    )  # fmt: skip
+    consts = dict(
+        PAGE=page_size, MODE=mode, DC=DC, DR=DR, BLOCK_H=bh, BLOCK_N=bn, F32=kv_cache.dtype == torch.float32,
+        TRANS=tr, PREFETCH=pf, STAGES=st, INTERP=INTERPRET,
+    )  # fmt: skip
+    ns = num_splits or mla_num_splits(
+        B, H, block_table.shape[1] * page_size, bh, q.device, block_n=bn,
+        resident=_mla_resident(args, consts, nw, q.device),
+    )  # fmt: skip
+    MLA_LAST_LAUNCH.update(splits=ns, block_h=bh, block_n=bn, num_warps=nw, num_stages=st, prefetch=pf)
     if ns > 1:
         part = torch.empty(B, H, ns, DC, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, H, ns, dtype=torch.float32, device=q.device)
-    else:
-        part = lse = out
-    _mla_split_kernel[(triton.cdiv(H, bh), ns, B)](
-        q, kv_cache, block_table, lengths, out, part, lse,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1),
-        H, float(scale) * math.log2(math.e), ns,
-        PAGE=page_size, MODE=mode, DIRECT=ns == 1, DC=DC, DR=DR, BLOCK_H=bh, BLOCK_N=bn, F32=kv_cache.dtype == torch.float32,
-        TRANS=tr, PREFETCH=pf, STAGES=st, INTERP=INTERPRET, num_warps=nw,
-    )  # fmt: skip
+        args = (*args[:5], part, lse, *args[7:])
+    _mla_split_kernel[(triton.cdiv(H, bh), ns, B)](*args, ns, DIRECT=ns == 1, **consts, num_warps=nw)
     if ns > 1:
         _mla_reduce_kernel[(H, B)](
             part, lse, lengths, out, H, out.stride(0), out.stride(1), ns, DC=DC, BLOCK_N=bn, BS=8, num_warps=4,
