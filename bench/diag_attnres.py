@@ -3,8 +3,7 @@ gradients), for the Triton reader, optionally another reader implementation load
 versions), and a plain residual. Prints a timing table and the CUDA kernel table of the Triton reader's walk.
 
     python bench/diag_attnres.py [--other path/to/attnres.py] [--N 16384 --D 2048 --blocks 4 --Q 8]
-                                 [--direct-max 0,1,2,3,4] [--dv all,all_unrolled,sources] [--sweep]
-                                 [--write-best FILE]
+                                 [--direct-max 0,1,2,3,4] [--sweep]
 
 ``--direct-max`` times the walk once per value of ``openk3.fast.attnres.DIRECT_MAX`` (sealed sets of up to that
 many sources keep no partials): synchronised and back to back, plus the summed CUDA kernel time of one walk.
@@ -29,12 +28,11 @@ def _load(path):
 
 
 SWEEP = {
-    "p1_bwd_dv_all": [(16, 64, 4), (16, 128, 8), (8, 64, 4), (32, 64, 8), (16, 32, 4), (8, 128, 4)],
-    "p1_bwd_dv": [(16, 128, 4), (32, 64, 4)],
+    "p1_bwd_dv": [(16, 128, 4), (32, 64, 4), (16, 64, 4), (32, 128, 8), (16, 256, 8)],
     "p2_fwd_direct": [(1, 2048, 4), (2, 1024, 4), (4, 512, 4), (2, 2048, 8), (8, 256, 4)],
-    "p2_bwd_direct": [(2, 2048, 8), (1, 2048, 8), (1, 2048, 16), (2, 2048, 16), (4, 2048, 16), (2, 1024, 4)],
+    "p2_bwd_direct": [(2, 2048, 8), (1, 2048, 8), (2, 1024, 4), (4, 512, 4), (8, 256, 4), (16, 128, 4)],
     "p2_fwd": [(1, 2048, 4), (2, 1024, 4), (4, 512, 4)],
-    "p2_bwd": [(2, 2048, 8), (1, 2048, 8), (1, 2048, 16), (2, 2048, 16)],
+    "p2_bwd": [(2, 2048, 8), (1, 2048, 8), (4, 512, 4)],
     "p1_scores": [(16, 128, 4), (32, 64, 4), (16, 64, 4)],
     "p1_bwd_coef": [(8, 256, 4), (16, 128, 4)],
 }
@@ -76,7 +74,6 @@ def sweep(walk, make, clear):
         print(f"  {name}: " + "  ".join(f"{'x'.join(map(str, c))} {t:.3f}" for c, t in times.items()))
     attnres.TILES.update(best)
     t = kernel_ms(walk, make, clear)
-    return ",".join(f"{k}={'x'.join(map(str, v))}" for k, v in best.items())
     print(
         "  best: "
         + ",".join(f"{k}={'x'.join(map(str, v))}" for k, v in best.items())
@@ -102,10 +99,6 @@ def main():
         help="kernel time per launch tile of each kernel, then all best together",
     )
     ap.add_argument("--direct-max", default="", help="comma-separated DIRECT_MAX values to compare")
-    ap.add_argument(
-        "--dv", default="", help="comma-separated source-gradient kernels to compare (attnres.DV_KERNELS)"
-    )
-    ap.add_argument("--write-best", default="", help="file for the best settings as shell assignments")
     a = ap.parse_args()
     N, D, nb, Q = a.N, a.D, a.blocks, a.Q
     dt = torch.bfloat16
@@ -140,24 +133,8 @@ def main():
     if a.other:
         other = _load(a.other)
         makers["other"] = lambda: other(1e-5)
-    best_dv = attnres.DV_KERNEL
-    if a.dv:
-        print(f"\nsource-gradient kernel (OPENK3_ATTNRES_DV; default {attnres.DV_KERNEL}): walk kernel ms")
-        times = {}
-        for dv in a.dv.split(","):
-            attnres.DV_KERNEL = dv
-            times[dv] = kernel_ms(walk, makers["triton"], clear)
-            print(f"  {dv:14s} {times[dv]:.3f}")
-        best_dv = min(times, key=times.get)
-        attnres.DV_KERNEL = best_dv
-    best_tiles = ""
     if a.sweep:
-        best_tiles = sweep(walk, makers["triton"], clear)
-    if a.write_best:
-        with open(a.write_best, "w") as f:
-            f.write(f"export OPENK3_ATTNRES_DV={best_dv}\n")
-            if best_tiles:
-                f.write(f"export OPENK3_ATTNRES_TILES={best_tiles}\n")
+        sweep(walk, makers["triton"], clear)
     res = {}
     for name, make in makers.items():
         with torch.no_grad():

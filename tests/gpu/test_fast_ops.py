@@ -390,38 +390,24 @@ def test_attnres_reader(dtype, S, Q, D, T, check):
 
 
 @pytest.mark.parametrize(
-    "dtype,blocks,Q,D,T,cap,direct_max,dv",
+    "dtype,blocks,Q,D,T,cap,direct_max",
     [
-        (
-            torch.bfloat16,
-            4,
-            8,
-            2048,
-            257,
-            None,
-            None,
-            "all",
-        ),  # the medium walk (sources buffer sized up front)
-        (torch.bfloat16, 4, 8, 2048, 257, None, None, "sources"),  # ... with the per-source gradient kernel
-        (torch.float32, 4, 8, 2048, 100, 2, 0, "all"),  # buffer grows twice; partials stored for every set
-        (torch.bfloat16, 9, 24, 1000, 64, 4, None, "all"),  # K3-like: up to 9 sealed sets, 24 sites per set
-        (torch.bfloat16, 9, 24, 1000, 64, 4, 9, "all"),  # ... with no partials stored for any set
-        (torch.float32, 6, 5, 1000, 77, 4, 0, "sources"),
-        (torch.bfloat16, 4, 8, 2048, 257, None, None, "all_unrolled"),
+        (torch.bfloat16, 4, 8, 2048, 257, None, None),  # the medium walk (sources buffer sized up front)
+        (torch.float32, 4, 8, 2048, 100, 2, 0),  # buffer grows twice; partials stored for every set
+        (torch.bfloat16, 9, 24, 1000, 64, 4, None),  # K3-like: up to 9 sealed sets, 24 sites per set
+        (torch.bfloat16, 9, 24, 1000, 64, 4, 9),  # ... with no partials stored for any set
     ],
 )
-def test_attnres_reader_model_walk(dtype, blocks, Q, D, T, cap, direct_max, dv, check, monkeypatch):
+def test_attnres_reader_model_walk(dtype, blocks, Q, D, T, cap, direct_max, check, monkeypatch):
     """A model's walk: ``blocks`` seals, each announcing its own Q sites, the reads of each set between its seal and
     the next (one site read twice, one unannounced), one backward through all of it; fast vs reference reader.
-    ``direct_max``: sets of up to that many sources keep no partials (None: the default); ``dv``: the
-    source-gradient kernel."""
+    ``direct_max``: sets of up to that many sources keep no partials (None: the default)."""
     from openk3.fast import attnres
     from openk3.fast.attnres import TritonAttnResReader
     from openk3.ops.attnres import AttnResReader
 
     if direct_max is not None:
         monkeypatch.setattr(attnres, "DIRECT_MAX", direct_max)
-    monkeypatch.setattr(attnres, "DV_KERNEL", dv)
 
     g = _fresh()
     B = 2
@@ -449,7 +435,7 @@ def test_attnres_reader_model_walk(dtype, blocks, Q, D, T, cap, direct_max, dv, 
         loss.backward()
         res.append((outs, [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]))
     tol = AR_TOL[dtype]
-    tag = f"attnres_walk.{str(dtype)[6:]}.B{blocks}.Q{Q}.D{D}.direct{attnres.DIRECT_MAX}.{dv}"
+    tag = f"attnres_walk.{str(dtype)[6:]}.B{blocks}.Q{Q}.D{D}.direct{attnres.DIRECT_MAX}"
     for j, (a, b) in enumerate(zip(res[0][0], res[1][0])):
         check(f"{tag}.out{j}", a, b, tol)
     names = (

@@ -56,28 +56,25 @@ SCRIPT = textwrap.dedent(
         worst = max([worst, rel(ya, yb)] + [rel(p.grad, q.grad) for p, q in zip(a_in, b_in)])
         assert all(bool((p.grad[E - 1] == 0).all()) for p in a_in[2:])
 
-    # a walk over several sealed sets (a model's blocks), the source buffer growing past its capacity (2), each
+    # a walk over three sealed sets (a model's blocks), the source buffer growing past its capacity (2), each
     # block's sites announced at its seal; every second site read, one read twice (second read: reference path),
-    # one site not announced; backward through everything at once.
+    # one site not announced; backward through everything at once. Run with partials stored for every set
+    # (DIRECT_MAX 0), with none stored (3), and mixed (2: the third set stores them).
     from openk3.fast import attnres
-    D, N = 200, 37
-    # (sets, sites per set, DIRECT_MAX, source-gradient kernel): partials stored for every set, for none, mixed;
-    # six sets (8 padded source slots: fewer tokens per tile in the all-sources kernel); the other kernels
-    for nb, Q, direct_max, dv_kernel in [(3, 5, 0, "all"), (3, 5, 3, "all"), (3, 5, 2, "all"), (6, 3, 0, "all"),
-                                         (3, 5, 2, "sources"), (3, 4, 1, "all_unrolled")]:
+    D, N, Q = 200, 37, 5
+    blocks = [torch.randn(1, N, D) * (1 + i % 3) for i in range(3)]
+    lives = [torch.randn(1, N, D) * 2 for _ in range(3)]
+    qs = [torch.randn(1, D) * 0.2 for _ in range(3 * Q)]
+    nws = [1 + 0.1 * torch.randn(D) for _ in range(3 * Q)]
+    for direct_max in (0, 3, 2):
         attnres.DIRECT_MAX = direct_max
-        attnres.DV_KERNEL = dv_kernel
-        blocks = [torch.randn(1, N, D) * (1 + i % 3) for i in range(nb)]
-        lives = [torch.randn(1, N, D) * 2 for _ in range(nb)]
-        qs = [torch.randn(1, D) * 0.2 for _ in range(nb * Q)]
-        nws = [1 + 0.1 * torch.randn(D) for _ in range(nb * Q)]
         res = []
         for cls in (TritonAttnResReader, AttnResReader):
             L = [t.clone().requires_grad_() for t in blocks + lives + qs + nws]
-            src, lv, qq, nw = L[:nb], L[nb : 2 * nb], L[2 * nb : 2 * nb + nb * Q], L[2 * nb + nb * Q :]
+            src, lv, qq, nw = L[:3], L[3:6], L[6 : 6 + 3 * Q], L[6 + 3 * Q :]
             rd = cls(1e-5, max_sources=2)
             outs = []
-            for b in range(nb):
+            for b in range(3):
                 ids = range(b * Q, (b + 1) * Q)
                 rd.seal(src[b], [(j, qq[j], nw[j]) for j in ids])
                 if cls is TritonAttnResReader:

@@ -41,12 +41,6 @@ PARTIAL_DTYPE = torch.float32
 # per element instead of 4 of fp32 partials (OPENK3_ATTNRES_DIRECT_MAX; 0 stores partials for every set).
 DIRECT_MAX = int(os.environ.get("OPENK3_ATTNRES_DIRECT_MAX", "3"))
 NBG = 16  # token blocks per program in the source-gradient kernel (query gradients are reduced over these groups)
-# source-gradient kernel: "all" (one program per tile for all sources of a set; "all_unrolled": its site loop
-# unrolled) or "sources" (one program per source)
-DV_KERNELS = ("all", "all_unrolled", "sources")
-DV_KERNEL = os.environ.get("OPENK3_ATTNRES_DV", "all")
-if DV_KERNEL not in DV_KERNELS:
-    raise ValueError(f"OPENK3_ATTNRES_DV must be one of {DV_KERNELS}, got {DV_KERNEL!r}")
 
 
 def available() -> tuple[bool, str]:
@@ -331,73 +325,6 @@ if HAS_TRITON:
             mask=qm[:, None] & dm[None, :],
         )
 
-    @triton.jit
-    def _dv_site(
-        q, acc, asum, dw, vf, nf, fm, f2, ci, qs, d, dm, N,
-        w_ptr, g_ptr, lam_ptr, pc_ptr, dc_ptr, ac_ptr, S: tl.constexpr, D: tl.constexpr,
-    ):  # fmt: skip
-        """Site q's terms of :func:`_p1_bwd_dv_all` for one tile of (source, token) rows."""
-        co = q * S * N + ci * N + nf
-        lam = tl.load(lam_ptr + q * N + nf, mask=fm, other=0.0)
-        pcq = tl.load(pc_ptr + co, mask=fm, other=0.0)
-        dcq = tl.load(dc_ptr + co, mask=fm, other=0.0)
-        asum += tl.load(ac_ptr + co, mask=fm, other=0.0)
-        wq = tl.load(w_ptr + q * D + d, mask=dm, other=0.0)
-        # the site's gradient rows of this tile, once per source row (the repeats come from L1)
-        gq = tl.load(g_ptr + q * N * D + nf[:, None] * D + d[None, :], mask=f2, other=0.0)
-        acc += (pcq * lam)[:, None] * gq.to(tl.float32) + dcq[:, None] * wq[None, :]
-        dwq = tl.sum(dcq[:, None] * vf, axis=0)
-        dw = tl.where(qs[:, None] == q, dw + dwq[None, :], dw)
-        return acc, asum, dw
-
-    @triton.jit
-    def _p1_bwd_dv_all(
-        v_ptr, w_ptr, g_ptr, lam_ptr, pc_ptr, dc_ptr, ac_ptr, inv_ptr, dv_ptr, dwp_ptr, N,
-        S: tl.constexpr, SP: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr,
-        BN: tl.constexpr, BD: tl.constexpr, NB: tl.constexpr, UNROLL: tl.constexpr,
-    ):  # fmt: skip
-        """The gradients of all S sources of a sealed set over NB token tiles x BD columns (grid [groups, D/BD]):
-        each site's output-gradient tile is read once for all sources (the per-source kernel reads it S times).
-        The (source, token) pairs of a tile are one axis of SP*BN rows (source-major). Per site q (unrolled), in
-        fp32: dv_i += pc[q,i] lam_q g_q + dc[q,i] W_q, and the query-gradient partial dW_q += dc[q,i] . v_i over
-        the rows; then dv_i -= (sum_q ac[q,i]) inv_i^2 / D * v_i. Rank-one updates instead of fp32 dots, whose
-        operand layouts would not fit in registers; the site loop unrolled (``UNROLL``: every site's loads in
-        flight together, about twice the registers) or not."""
-        grp = tl.program_id(0)
-        d = tl.program_id(1) * BD + tl.arange(0, BD)
-        dm = d < D
-        qs = tl.arange(0, QP)
-        c = tl.arange(0, SP * BN)
-        ci = c // BN  # source of row c
-        cn = c % BN  # token (within the tile) of row c
-        dw = tl.zeros([QP, BD], dtype=tl.float32)
-        for tb in tl.range(0, NB):
-            nf = ((grp * NB + tb) * BN + cn).to(tl.int64)
-            fm = (ci < S) & (nf < N)
-            f2 = fm[:, None] & dm[None, :]
-            off = ci.to(tl.int64)[:, None] * N * D + nf[:, None] * D + d[None, :]
-            vf = tl.load(v_ptr + off, mask=f2, other=0.0).to(tl.float32)  # [SP*BN, BD]
-            inv = tl.load(inv_ptr + ci * N + nf, mask=fm, other=0.0)
-            acc = tl.zeros([SP * BN, BD], dtype=tl.float32)
-            asum = tl.zeros([SP * BN], dtype=tl.float32)
-            if UNROLL:
-                for q in tl.static_range(Q):
-                    acc, asum, dw = _dv_site(
-                        q, acc, asum, dw, vf, nf, fm, f2, ci, qs, d, dm, N,
-                        w_ptr, g_ptr, lam_ptr, pc_ptr, dc_ptr, ac_ptr, S, D,
-                    )  # fmt: skip
-            else:
-                for q in tl.range(0, Q):
-                    acc, asum, dw = _dv_site(
-                        q, acc, asum, dw, vf, nf, fm, f2, ci, qs, d, dm, N,
-                        w_ptr, g_ptr, lam_ptr, pc_ptr, dc_ptr, ac_ptr, S, D,
-                    )  # fmt: skip
-            acc -= (asum * inv * inv / D)[:, None] * vf
-            tl.store(dv_ptr + off, acc.to(dv_ptr.dtype.element_ty), mask=f2)
-        tl.store(
-            dwp_ptr + grp * QP * D + qs[:, None] * D + d[None, :], dw, mask=(qs[:, None] < Q) & dm[None, :]
-        )
-
 
 def _pow2(x: int, lo: int = 2) -> int:
     return max(lo, triton.next_power_of_2(x))
@@ -418,7 +345,6 @@ TILES = {
     "p1_scores": (16, 128, 4),
     "p1_bwd_coef": (8, 256, 4),
     "p1_bwd_dv": (16, 128, 4),
-    "p1_bwd_dv_all": (16, 64, 4),  # tokens (for up to 4 sources; fewer per tile beyond), columns, warps
     "p2_fwd": (1, 2048, 4),
     "p2_bwd": (2, 2048, 8),
     "p2_fwd_direct": (1, 2048, 4),  # phase 2 of sets without partials (reads the sources)
@@ -588,31 +514,18 @@ class _Phase1(torch.autograd.Function):
                 V, W, lse, block.g, block.lam, dlse, pc, dc, ac, inv, N, block.eps,
                 S=S, SP=SP, D=D, BN=bn, BD=bd, num_warps=nw,
             )  # fmt: skip
+        bn, bd, nw = TILES["p1_bwd_dv"]
+        G = triton.cdiv(N, bn * NBG)
         QP16 = _pow2(Q, 16)
         dv = torch.empty(S, N, D, dtype=V.dtype, device=V.device)
-        if DV_KERNEL != "sources":  # one program for all sources of a tile: each site gradient read once
-            bn, bd, nw = TILES["p1_bwd_dv_all"]
-            bn = max(1, bn * 4 // SP) if SP > 4 else bn  # SP * bn rows of (source, token) pairs
-            bd = min(bd, _pow2(D, 16))
-            G = triton.cdiv(N, bn * NBG)
-            dwp = torch.empty(G, QP16, D, dtype=torch.float32, device=V.device)
-            _p1_bwd_dv_all[(G, triton.cdiv(D, bd))](
-                V, W, block.g, block.lam, pc, dc, ac, inv, dv, dwp, N,
-                S=S, SP=SP, Q=Q, QP=QP16, D=D, BN=bn, BD=bd, NB=NBG, UNROLL=DV_KERNEL == "all_unrolled",
-                num_warps=nw,
-            )  # fmt: skip
-            dW = dwp.sum(0)[:Q]
-        else:
-            bn, bd, nw = TILES["p1_bwd_dv"]
-            G = triton.cdiv(N, bn * NBG)
-            dwp = torch.empty(G, S, QP16, D, dtype=torch.float32, device=V.device)
-            _p1_bwd_dv[(S, G, triton.cdiv(D, bd))](
-                V, W, block.g, block.lam, pc, dc, ac, inv, dv, dwp, N,
-                S=S, Q=Q, QP=QP16, D=D, BN=bn, BD=bd, NB=NBG, num_warps=nw,
-            )  # fmt: skip
-            dW = dwp.sum((0, 1))[:Q]
+        dwp = torch.empty(G, S, QP16, D, dtype=torch.float32, device=V.device)
+        _p1_bwd_dv[(S, G, triton.cdiv(D, bd))](
+            V, W, block.g, block.lam, pc, dc, ac, inv, dv, dwp, N,
+            S=S, Q=Q, QP=QP16, D=D, BN=bn, BD=bd, NB=NBG, num_warps=nw,
+        )  # fmt: skip
         block.g = block.lam = block.dps = None
         block.written = set()
+        dW = dwp.sum((0, 1))[:Q]
         return (None, dW, None, *[dv[j].view_as(sealed[j]) for j in range(S)])
 
 
