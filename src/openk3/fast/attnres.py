@@ -342,13 +342,13 @@ def _tiles(SP: int) -> tuple[int, int]:
 # (tokens, columns, warps) per program of each kernel; OPENK3_ATTNRES_TILES="p2_bwd=32x64x8,..." overrides
 # (measured on an H200 at N=16384 D=2048, bench/diag_attnres.py --sweep; columns are capped at D's power of 2)
 TILES = {
-    "p1_scores": (16, 128, 4),
-    "p1_bwd_coef": (8, 256, 4),
+    "p1_scores": (32, 64, 4),
+    "p1_bwd_coef": (16, 128, 4),
     "p1_bwd_dv": (16, 128, 4),
     "p2_fwd": (1, 2048, 4),
     "p2_bwd": (2, 2048, 8),
     "p2_fwd_direct": (1, 2048, 4),  # phase 2 of sets without partials (reads the sources)
-    "p2_bwd_direct": (2, 2048, 8),
+    "p2_bwd_direct": (1, 2048, 8),
 }
 
 
