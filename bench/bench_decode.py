@@ -427,10 +427,17 @@ def main():
     ap.add_argument(
         "--targets-only", action="store_true", help="MLA: only the target shapes (and their sweep)"
     )
+    ap.add_argument(
+        "--mla-shapes", default="", help="MLA: only these BxHxL shapes, e.g. 1x16x4096,16x16x16384"
+    )
     args = ap.parse_args()
     BUDGET = args.budget_s
     global TARGETS_ONLY
     TARGETS_ONLY = args.targets_only
+    if args.mla_shapes:
+        global MLA_COMBOS, MLA_TARGETS
+        MLA_TARGETS = []
+        MLA_COMBOS = [tuple(int(v) for v in sh.split("x")) for sh in args.mla_shapes.split(",")]
     out = args.out
     if os.path.isdir(out) or out.endswith(os.sep):
         out = os.path.join(out, "decode.json")

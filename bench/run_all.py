@@ -778,6 +778,48 @@ def _medium_model(ckpt: bool, attn_res: bool = True):
     return cfg, model
 
 
+def _model_ab(rounds: int) -> None:
+    """AttnRes's share of the medium step, paired: the AttnRes model and the same model with a plain residual
+    stream, both built in this process and timed alternately for ``rounds`` rounds (3 timed steps each), so that
+    drift of the machine falls on both. Reports the median step of each and the per-round shares."""
+    from openk3.cost import train_flops_per_token
+
+    B, T = 4, 4096
+    models = {name: _medium_model(False, attn_res=ar) for name, ar in (("attnres", True), ("plain", False))}
+    cfg = models["attnres"][0]
+    ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
+    tg = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
+
+    def stepper(model):
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(ids, targets=tg, return_logits=False).loss.backward()
+
+        return step
+
+    steps = {name: stepper(m) for name, (_, m) in models.items()}
+    for st in steps.values():  # compile / warm up both before any timing
+        timeit(st, warmup=2, rep=1)
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, st in steps.items():
+            times[name].append(timeit(st, warmup=1, rep=3))
+    shares = sorted((a - p) / a for a, p in zip(times["attnres"], times["plain"]))
+    med = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+    share = (med["attnres"] - med["plain"]) / med["attnres"]
+    fl = train_flops_per_token(cfg, T) * B * T
+    note = (
+        f"AttnRes share of its step {share * 100:.2f}% (per round {shares[0] * 100:.2f}..{shares[-1] * 100:.2f}%, "
+        f"{rounds} rounds, paired); target < 3%"
+    )
+    print("    " + note)
+    INFO["attnres_ab"] = {"times_s": times, "share": share, "round_shares": shares}
+    row("model", "medium step, AttnRes vs plain residual (paired)", f"B{B} T{T} bf16", med["attnres"],
+        med["plain"], "plain residual", fl, 0, note=note, mfu=fl / med["attnres"] / CEIL["mm"])  # fmt: skip
+    models = steps = ids = tg = None
+    free()
+
+
 def sec_model(out_dir):
     import openk3.fast  # noqa: F401
     from openk3.cost import train_flops_per_token
@@ -786,6 +828,10 @@ def sec_model(out_dir):
     INFO["backends"] = {op: backend.resolve(op, True) for op in backend.OPS}
     from openk3.fast import attnres as fast_attnres
 
+    ab_rounds = int(os.environ.get("BENCH_MODEL_AB", "0"))
+    if ab_rounds:  # only the paired AttnRes / plain comparison
+        _model_ab(ab_rounds)
+        return
     dm0 = fast_attnres.DIRECT_MAX
     configs = [(4, 4096, False, True, dm0), (8, 4096, True, True, dm0)]
     if os.environ.get("BENCH_MODEL_CKPT", "1") == "0":  # skip the gradient-checkpointing row

@@ -578,6 +578,7 @@ def mla_num_splits(
 
 
 _RESIDENT: dict[tuple, int] = {}
+_SPLITS: dict[tuple, int] = {}
 MLA_LAST_LAUNCH: dict = {}  # the launch parameters (splits included) of the latest mla_decode_triton call
 
 
@@ -681,10 +682,28 @@ def mla_decode_triton(
         PAGE=page_size, MODE=mode, DC=DC, DR=DR, BLOCK_H=bh, BLOCK_N=bn, F32=kv_cache.dtype == torch.float32,
         TRANS=tr, PREFETCH=pf, STAGES=st, INTERP=INTERPRET,
     )  # fmt: skip
-    ns = num_splits or mla_num_splits(
-        B, H, block_table.shape[1] * page_size, bh, q.device, block_n=bn,
-        resident=_mla_resident(args, consts, nw, q.device),
-    )  # fmt: skip
+    ns = num_splits
+    if not ns:  # decided once per shape and configuration (this is on the decode step's host path)
+        key = (
+            B,
+            H,
+            block_table.shape[1] * page_size,
+            page_size,
+            bh,
+            bn,
+            nw,
+            st,
+            tr,
+            pf,
+            kv_cache.dtype,
+            q.device,
+        )
+        ns = _SPLITS.get(key)
+        if ns is None:
+            ns = _SPLITS[key] = mla_num_splits(
+                B, H, block_table.shape[1] * page_size, bh, q.device, block_n=bn,
+                resident=_mla_resident(args, consts, nw, q.device),
+            )  # fmt: skip
     MLA_LAST_LAUNCH.update(splits=ns, block_h=bh, block_n=bn, num_warps=nw, num_stages=st, prefetch=pf)
     if ns > 1:
         part = torch.empty(B, H, ns, DC, dtype=torch.float32, device=q.device)

@@ -1,0 +1,81 @@
+"""Diagnostic: the absorbed MLA decode kernel at a few shapes and launch configurations, timed two ways: eager calls
+(``triton.testing.do_bench``: L2 flushed, host work of the wrapper included when the GPU waits for it) and replays
+of a CUDA graph holding 20 calls (host work excluded), with the split count each call used.
+
+    python3 bench/diag_mla.py [--shapes 1x16x4096,16x16x16384,64x16x8192] [--configs default,old]
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+CONFIGS = {
+    "default": {},
+    # the defaults before the table-prefetch loop form (64-token blocks, table entries loaded inside the loop)
+    "old": dict(block_n=64, num_stages=2, prefetch=False),
+    "n32s3": dict(block_n=32, num_stages=3, prefetch=2),
+    "n64s2p2": dict(block_n=64, num_stages=2, prefetch=2),
+}
+
+
+def main():
+    import triton
+
+    from bench_decode import mla_inputs
+    from openk3.infer.kernels import MLA_LAST_LAUNCH, mla_decode_triton
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="1x16x4096,16x16x4096,16x16x16384,64x16x8192,1x16x65536")
+    ap.add_argument("--configs", default="default,old")
+    a = ap.parse_args()
+    print(f"{'config':10s} {'shape':18s} {'splits':>6s} {'eager ms':>9s} {'graph ms':>9s} {'graph TB/s':>10s}")
+    for sh in a.shapes.split(","):
+        B, H, L = (int(v) for v in sh.split("x"))
+        q, kv, table, lengths = mla_inputs(B, H, L)
+        nbytes = B * L * kv.shape[-1] * kv.element_size()
+        for name in a.configs.split(","):
+            kw = CONFIGS[name]
+
+            def call(kw=kw):
+                return mla_decode_triton(q, kv, table, lengths, scale=192**-0.5, kv_lora_rank=512, **kw)
+
+            call()
+            splits = MLA_LAST_LAUNCH["splits"]
+            t_eager = triton.testing.do_bench(call, warmup=5, rep=50, return_mode="median")
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                call()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(20):
+                    call()
+            g.replay()
+            torch.cuda.synchronize()
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ts = []
+            for _ in range(5):
+                ev[0].record()
+                g.replay()
+                ev[1].record()
+                torch.cuda.synchronize()
+                ts.append(ev[0].elapsed_time(ev[1]) / 20)
+            t_graph = sorted(ts)[2]
+            print(
+                f"{name:10s} {sh:18s} {splits:6d} {t_eager:9.4f} {t_graph:9.4f} {nbytes / t_graph / 1e9:10.2f}",
+                flush=True,
+            )
+            g = None
+        q = kv = table = lengths = None
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
