@@ -34,7 +34,9 @@ def main():
     ap.add_argument("--shapes", default="1x16x4096,16x16x4096,16x16x16384,64x16x8192,1x16x65536")
     ap.add_argument("--configs", default="default,old")
     a = ap.parse_args()
-    print(f"{'config':10s} {'shape':18s} {'splits':>6s} {'eager ms':>9s} {'graph ms':>9s} {'graph TB/s':>10s}")
+    print(
+        f"{'config':10s} {'shape':18s} {'splits':>6s} {'eager ms':>9s} {'graph ms':>9s} {'graph TB/s':>10s}"
+    )
     for sh in a.shapes.split(","):
         B, H, L = (int(v) for v in sh.split("x"))
         q, kv, table, lengths = mla_inputs(B, H, L)
@@ -42,8 +44,8 @@ def main():
         for name in a.configs.split(","):
             kw = CONFIGS[name]
 
-            def call(kw=kw):
-                return mla_decode_triton(q, kv, table, lengths, scale=192**-0.5, kv_lora_rank=512, **kw)
+            def call(kw=kw, ins=(q, kv, table, lengths)):
+                return mla_decode_triton(*ins, scale=192**-0.5, kv_lora_rank=512, **kw)
 
             call()
             splits = MLA_LAST_LAUNCH["splits"]
