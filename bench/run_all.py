@@ -913,6 +913,14 @@ def _profile(step, out_dir):
         step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    # AttnRes's own kernels (the two-phase reader's Triton kernels) in this step's GPU time
+    evs = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in evs)
+    ar = sum(e.self_device_time_total for e in evs if e.key.startswith(("_p1_", "_p2_")))
+    if total and ar:
+        msg = f"AttnRes reader kernels {ar / 1e3:.2f} ms of {total / 1e3:.2f} ms GPU time ({ar / total * 100:.2f}%)"
+        print("    " + msg)
+        INFO["attnres_kernel_share"] = {"attnres_ms": ar / 1e3, "total_ms": total / 1e3, "share": ar / total}
     with open(os.path.join(out_dir, "profile.txt"), "w") as f:
         f.write(table)
     print("\n".join(table.splitlines()[:19]))

@@ -247,7 +247,10 @@ def test_mla_decode_variants(trans, prefetch):
     """Both product orientations and both loop forms; more heads than one head block (masked tail block), more
     splits than a short row has tokens, several block sizes."""
     kw = dict(trans=trans, prefetch=prefetch)
-    run_mla_case([3, 70, 129], 20, 32, 16, 4, torch.bfloat16, 3, 1e-2, block_h=16, num_splits=5, **kw)
+    # (32-token blocks: register prefetch with 64-token blocks and <= 32 heads per program is refused when compiled)
+    run_mla_case(
+        [3, 70, 129], 20, 32, 16, 4, torch.bfloat16, 3, 1e-2, block_h=16, block_n=32, num_splits=5, **kw
+    )
     run_mla_case([40, 9, 1], 16, 32, 16, 8, torch.float32, 4, 1e-5, n_pad=2, block_n=16, **kw)
     run_mla_case([33, 200], 3, 32, 16, 32, torch.float32, 5, 1e-5, block_n=16, num_splits=2, **kw)
 
@@ -386,3 +389,15 @@ def test_mla_num_splits_fills_whole_waves(monkeypatch):
     for B in (1, 3, 16, 50, 64, 100, 300):
         n = ns(B)
         assert 1 <= n <= KN.MLA_CONFIG["max_splits"]
+
+
+@pytest.mark.gpu
+def test_mla_decode_refuses_miscompiled_prefetch():
+    """Register prefetch with 64-token blocks and <= 32 heads per program gave wrong results when compiled (Triton
+    3.6, H200): it is refused with a clear error rather than run."""
+    if not CUDA or KN.INTERPRET:
+        pytest.skip("compiled kernels only")
+    with pytest.raises(ValueError, match="not supported"):
+        run_mla_case(
+            [40, 9], 16, 512, 64, 16, torch.bfloat16, 11, 1e-2, prefetch=True, block_n=64, block_h=16
+        )
