@@ -29,9 +29,13 @@ size is a compile-time constant, so a block needs one table entry when it lies i
 when it spans whole pages, one per token otherwise), forms ``scale * kv . q`` and ``kv^T p`` with ``tl.dot``
 (operands in the cache dtype with fp32 accumulation; three-pass tf32 for fp32 caches; by default transposed, tokens
 and latent dims on the M side and heads on the N side, so few heads still fill wgmma tiles) and keeps an online
-softmax in fp32. Triton's software pipeliner does not overlap loads whose addresses come from other loads, so the
-loop prefetches by hand: the rows of block i + 1 and the table entries of block i + 2 are in flight while block i
-is scored. With one split the program writes the output; otherwise it writes a normalised partial and its log2
+softmax in fp32. With a block-table load inside the loop, Triton's software pipeliner keeps the rows of only one
+block in flight (the table load takes the first stage, the rows the last), so the default loop form
+(``prefetch=2``) carries the next block's table entries in registers from one iteration to the next: the row loads
+then depend on no load of their own iteration and get ``num_stages - 1`` shared-memory buffers. (``prefetch=True``,
+the older form, carries the next block's rows in registers instead.) The split count fills the SMs in whole waves of
+the programs they hold at once (:func:`mla_num_splits`, from the compiled kernel's shared memory and registers).
+With one split the program writes the output; otherwise it writes a normalised partial and its log2
 sum-exp, and a reduce kernel ``[H, B]`` combines the splits that hold tokens. Head blocks of one (row, split) are
 adjacent in launch order, so with several head blocks the cache bytes come from L2 after the first.
 """
