@@ -189,9 +189,9 @@ class Engine:
         # fp32 copies of the absorbed MLA weights (W_UK, W_UV), made once here rather than at every decode step
         # (before the cache pool is sized, so that a pool sized from free memory accounts for them)
         self._absorbed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for i, layer in enumerate(model.model.layers):
-            if layer.attn_type != "kda":
-                with torch.no_grad():
+        with torch.no_grad():
+            for i, layer in enumerate(model.model.layers):
+                if layer.attn_type != "kda":
                     w_uk, w_uv = layer.self_attn.absorbed_weights()
                     self._absorbed[i] = (w_uk.float().contiguous(), w_uv.float().contiguous())
         cache_dtype = cfg.cache_dtype or self.dtype

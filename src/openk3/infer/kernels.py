@@ -403,7 +403,9 @@ if HAS_TRITON:
         else:
             acc = tl.zeros([BLOCK_H, DC], tl.float32)
         bt = bt_ptr + b.to(tl.int64) * s_btb
-        kn = tl.zeros([BLOCK_N, DC], kv_dtype)  # loop-carried only with PREFETCH
+        kn = tl.zeros(
+            [BLOCK_N, DC], kv_dtype
+        )  # loop-carried rows: used only by the register form (PREFETCH 1)
         kr = tl.zeros([BLOCK_N, DR], kv_dtype)
         pages = _mla_pages(bt, start, start, PAGE, BLOCK_N, MODE)
         if PREFETCH == 2:
@@ -600,9 +602,8 @@ def _mla_resident(args: tuple, consts: dict, num_warps: int, device: torch.devic
             props = triton.runtime.driver.active.utils.get_device_properties(
                 device.index if device.index is not None else torch.cuda.current_device()
             )
-            smem = (
-                props["max_shared_mem"] + 1024
-            )  # per SM: the per-block limit plus the 1 KB each block reserves
+            # per SM: the per-block limit plus the 1 KB each block reserves
+            smem = props["max_shared_mem"] + 1024
             by_smem = smem // (ck.metadata.shared + 1024)
             by_regs = 65536 // max(1, ck.n_regs * 32 * num_warps)
             by_threads = 2048 // (32 * num_warps)
@@ -688,26 +689,19 @@ def mla_decode_triton(
     )  # fmt: skip
     ns = num_splits
     if not ns:  # decided once per shape and configuration (this is on the decode step's host path)
-        key = (
-            B,
-            H,
-            block_table.shape[1] * page_size,
-            page_size,
-            bh,
-            bn,
-            nw,
-            st,
-            tr,
-            pf,
-            kv_cache.dtype,
-            q.device,
-        )
+        max_context = block_table.shape[1] * page_size
+        key = (B, H, max_context, nw, kv_cache.dtype, q.device, *consts.values())
         ns = _SPLITS.get(key)
         if ns is None:
             ns = _SPLITS[key] = mla_num_splits(
-                B, H, block_table.shape[1] * page_size, bh, q.device, block_n=bn,
+                B,
+                H,
+                max_context,
+                bh,
+                q.device,
+                block_n=bn,
                 resident=_mla_resident(args, consts, nw, q.device),
-            )  # fmt: skip
+            )
     MLA_LAST_LAUNCH.update(splits=ns, block_h=bh, block_n=bn, num_warps=nw, num_stages=st, prefetch=pf)
     if ns > 1:
         part = torch.empty(B, H, ns, DC, dtype=torch.float32, device=q.device)
