@@ -13,7 +13,10 @@
   H in {16, 96}, context in {4096, 16384, 65536} plus the target shape B=64, L=8192: ours vs ``mla_decode_reference``
   (n/a where the reference would need more than ~24 GB); bytes = latent cache bytes read; combos whose cache
   exceeds 20 GB are skipped;
-* a small sweep of launch configurations at the target shapes (``--no-sweep`` skips it).
+* a small sweep of launch configurations at the target shapes (``--no-sweep`` skips it);
+* few-token MoE (``openk3.fast.moe_small``, section ``moe``) at 1, 4 and 16 tokens for the medium, 48B and K3 expert
+  shapes: its router (two kernels) vs ``openk3.ops.moe.route``, its routed experts (three kernels) vs the permuted
+  ``torch._grouped_mm`` path; bytes = router weight, resp. the distinct experts' weights the tokens route to.
 
 Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, median), random inputs, warm-up
 (compilation) outside the timed region. Roofline per row: floor = max(bytes / copy bandwidth, FLOPs / matmul rate);
@@ -376,6 +379,104 @@ def mla_section(sweep: bool):
 
 
 # ---------------------------------------------------------------------------------------------------------- main
+# ---------------------------------------------------------------------------------------------------------- MoE
+# (name, E, k, router input D, expert width W, intermediate I, experts held): medium, the 48B shape, and K3's expert
+# shapes with 64 of its 896 experts held (the router row uses all 896)
+MOE_SHAPES = [
+    ("medium", 64, 8, 2048, 1024, 640, 64),
+    ("48b", 256, 8, 2304, 2304, 1024, 256),
+    ("k3", 896, 16, 7168, 3584, 3072, 64),
+]
+MOE_TOKENS = (1, 4, 16)
+# (UP_TILE, DOWN_TILE) of openk3.fast.moe_small tried at one token (medium and 48B shapes)
+MOE_TILE_SWEEP = [
+    ((16, 256), (32, 128)),
+    ((8, 512), (32, 128)),
+    ((32, 128), (32, 128)),
+    ((16, 256), (16, 256)),
+    ((16, 256), (64, 64)),
+    ((8, 256), (16, 128)),
+]
+
+
+def moe_section(sweep: bool):
+    """Few-token MoE (openk3.fast.moe_small) vs the permuted grouped-GEMM path and the torch router."""
+    from openk3.fast import moe_small
+    from openk3.fast.moe import experts_grouped
+    from openk3.ops.moe import experts_reference, route
+
+    print("MoE decode (router, routed experts; bf16):", flush=True)
+    bf = torch.bfloat16
+    for name, E, K, D, W, I, held in MOE_SHAPES:
+        rw = torch.randn(E, D, device=DEV).div_(D**0.5).to(bf)
+        bias = torch.randn(E, device=DEV) * 0.01
+        w13 = torch.randn(held, 2 * I, W, device=DEV, dtype=bf) * W**-0.5
+        w1, w3 = w13[:, :I], w13[:, I:]
+        w2 = torch.randn(held, W, I, device=DEV, dtype=bf) * I**-0.5
+        for N in MOE_TOKENS:
+            x = torch.randn(N, D, device=DEV, dtype=bf)
+            kw = dict(top_k=K, activation="sigmoid", renormalize=True, scaling=2.5)
+            with torch.no_grad():
+                i_o, w_o, _ = moe_small.route_small(x, rw, bias, **kw)
+                i_r, w_r, s_r = route(x, rw, bias, **kw)
+                chosen = (s_r + bias).gather(1, i_o) - (s_r + bias).gather(1, i_r)
+                INFO["checks"][f"router.{name}.N{N}"] = float(chosen.abs().max())
+                t_o = bench(lambda: moe_small.route_small(x, rw, bias, **kw))
+                t_r = bench(lambda: route(x, rw, bias, **kw))
+            row(
+                "moe router",
+                f"{name} N{N} E{E} k{K} D{D}",
+                t_o,
+                t_r,
+                "torch route",
+                E * D * 2 + N * D * 2,
+                2 * N * E * D,
+            )
+            h = torch.randn(N, W, device=DEV, dtype=bf)
+            idx = torch.stack([torch.randperm(held, device=DEV)[:K] for _ in range(N)])
+            wt = torch.rand(N, K, device=DEV)
+            nbytes = int(idx.unique().numel()) * 3 * I * W * 2 + 2 * N * W * 2
+            with torch.no_grad():
+                y_o = moe_small.experts_small(h, idx, wt, w1, w2, w3, act="situ")
+                y_r = experts_reference(h, idx, wt, w1, w2, w3, act="situ")
+                INFO["checks"][f"experts.{name}.N{N}"] = rel(y_o, y_r)
+                t_o = bench(lambda: moe_small.experts_small(h, idx, wt, w1, w2, w3, act="situ"))
+                t_g = bench(lambda: experts_grouped(h, idx, wt, w1, w2, w3, act="situ"))
+            pairs_bytes = N * K * 3 * I * W * 2  # what the per-pair kernels read when tokens share no expert
+            row(
+                "moe experts",
+                f"{name} N{N} E{held} k{K} W{W} I{I}",
+                t_o,
+                t_g,
+                "grouped_mm path",
+                nbytes,
+                2 * N * K * 3 * I * W,
+                f"per-pair reads {pairs_bytes / 1e6:.0f} MB",
+            )
+            if sweep and N == 1 and name in ("medium", "48b"):
+                base = (moe_small.UP_TILE, moe_small.DOWN_TILE)
+                for up, down in MOE_TILE_SWEEP:
+                    moe_small.UP_TILE, moe_small.DOWN_TILE = up, down
+                    try:
+                        with torch.no_grad():
+                            e = rel(moe_small.experts_small(h, idx, wt, w1, w2, w3, act="situ"), y_r)
+                            t = bench(lambda: moe_small.experts_small(h, idx, wt, w1, w2, w3, act="situ"))
+                        row(
+                            "moe experts sweep",
+                            f"{name} N1 up{up} down{down}",
+                            t,
+                            None,
+                            None,
+                            nbytes,
+                            0,
+                            f"err {e:.1e}",
+                        )
+                    finally:
+                        moe_small.UP_TILE, moe_small.DOWN_TILE = base
+        rw = w13 = w1 = w2 = w3 = None
+        empty_cache()
+
+
 def table() -> str:
     hdr = (
         "op",
@@ -422,7 +523,7 @@ def main():
         "--budget-s", type=float, default=210.0, help="no new shape starts after this many seconds"
     )
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
-    ap.add_argument("--sections", default="kda,mla")
+    ap.add_argument("--sections", default="kda,mla,moe")
     ap.add_argument(
         "--targets-only", action="store_true", help="MLA: only the target shapes (and their sweep)"
     )
@@ -455,7 +556,7 @@ def main():
         argv=sys.argv,
     )
     ceilings()
-    for name, fn in (("kda", kda_section), ("mla", mla_section)):
+    for name, fn in (("kda", kda_section), ("mla", mla_section), ("moe", moe_section)):
         if name not in args.sections.split(","):
             continue
         try:

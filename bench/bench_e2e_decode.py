@@ -2,7 +2,7 @@
 cost model's weight-and-cache bandwidth roofline.
 
     python3 bench/bench_e2e_decode.py [--presets medium,kimi-linear-48b] [--batches 1,4,16,64] [--context 1024]
-                                      [--steps 24] [--out PATH]
+                                      [--steps 24] [--moe-small N] [--out PATH]
 
 Per preset: a model with random weights is built on the GPU in bf16 (fp32 where SPEC keeps it), an
 :class:`~openk3.infer.engine.Engine` (paged cache, Triton decode steps, CUDA graphs) prefills ``batch`` random prompts
@@ -79,12 +79,27 @@ def build(preset: str):
 
 
 def run_preset(
-    preset: str, batches: list[int], context: int, steps: int, graphs: bool, fuse: bool = True
+    preset: str,
+    batches: list[int],
+    context: int,
+    steps: int,
+    graphs: bool,
+    fuse: bool = True,
+    moe_small_n: int | None = None,
 ) -> None:
     from openk3.cost import predict_decode_time
+    from openk3.fast import moe_small
     from openk3.infer.engine import Engine
     from openk3.infer.sampling import SamplingParams
 
+    small_before = moe_small.SMALL_N
+    if moe_small_n is not None:  # before the engine captures its graphs
+        moe_small.SMALL_N = moe_small_n
+    label = (
+        preset
+        + ("" if fuse else " unfused-proj")
+        + ("" if moe_small_n is None else f" moe-small<={moe_small_n}")
+    )
     t0 = time.time()
     model = build(preset)
     cfg = model.config
@@ -151,7 +166,7 @@ def run_preset(
             pred = predict_decode_time(cfg, B, ctx)
             st, fw = statistics.median(step_t), statistics.median(n_fwd)
             row = {
-                "preset": preset + ("" if fuse else " unfused-proj"),
+                "preset": label,
                 "batch": B,
                 "context": ctx,
                 "step_ms": st * 1e3,
@@ -169,6 +184,7 @@ def run_preset(
             ERRORS.append(f"{preset} B={B}: {e!r}")
             traceback.print_exc()
             empty_cache()
+    moe_small.SMALL_N = small_before
     del eng, model
     empty_cache()
 
@@ -224,6 +240,13 @@ def main():
         action="store_true",
         help="also time each preset with EngineConfig.fuse_projections off (one GEMM per projection)",
     )
+    ap.add_argument(
+        "--moe-small",
+        type=int,
+        default=None,
+        metavar="N",
+        help="A/B: time each preset with the few-token MoE path off and on for up to N tokens (OPENK3_MOE_SMALL_N)",
+    )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
     ap.add_argument(
         "--profile",
@@ -246,7 +269,8 @@ def main():
     for preset in args.presets.split(","):
         try:
             for fuse in (True, False) if args.compare_unfused else (True,):
-                run_preset(preset, batches, args.context, args.steps, not args.no_graphs, fuse)
+                for small in (None,) if args.moe_small is None else (0, args.moe_small):
+                    run_preset(preset, batches, args.context, args.steps, not args.no_graphs, fuse, small)
         except Exception as e:
             ERRORS.append(f"{preset}: {e!r}")
             traceback.print_exc()

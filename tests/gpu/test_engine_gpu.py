@@ -181,6 +181,28 @@ def test_engine_unsupported_kernel_falls_back():
         Engine(model, None, max_tokens=2048, decode_backend="triton")
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_moe_small_decode(graphs, monkeypatch):
+    """The few-token MoE path (OPENK3_MOE_SMALL_N) in the engine: fp32 decode logits against a full forward of the
+    same model, tightly, with batches above and below the threshold (both paths run)."""
+    from openk3.fast import moe_small
+
+    monkeypatch.setattr(moe_small, "SMALL_N", 2)
+    calls = []
+    experts = moe_small.experts_small
+    monkeypatch.setattr(moe_small, "experts_small", lambda *a, **k: calls.append(1) or experts(*a, **k))
+    model = _model("small", torch.float32)
+    eng = Engine(
+        model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, prefix_cache=False,
+        use_cuda_graphs=graphs,
+    )  # fmt: skip
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (24, 6, 12)]
+    reqs = eng.generate(_prompts(5, [9, 77, 150], model.config.vocab_size), params)
+    assert calls, "the few-token path did not run"
+    err = _full_forward_err(model, reqs)
+    assert err < 1e-3, err
+
+
 @pytest.mark.parametrize("N", [1, 3, 64])
 def test_grouped_moe_inference_layout(N):
     """Without autograd the grouped path gives unused experts no rows: same result as the reference experts."""

@@ -296,6 +296,70 @@ def test_moe_row_plan_matches_torch_plan():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("N,E,K,D", [(1, 64, 8, 2048), (4, 256, 8, 2304), (3, 896, 16, 7168), (2, 20, 3, 50)])
+def test_moe_small_router(dtype, act, N, E, K, D, check):
+    """Few-token router (two kernels) vs ``route``: the same experts (up to fp32 near-ties of the biased scores),
+    the same mixture weights and scores."""
+    from openk3.fast import moe_small
+    from openk3.ops.moe import route
+
+    g = _fresh()
+    x = _rand(N, D, dtype=dtype, g=g)
+    w = _rand(E, D, dtype=dtype, scale=D**-0.5, g=g)
+    bias = _rand(E, scale=0.05, g=g)
+    kw = dict(top_k=K, activation=act, renormalize=True, scaling=2.5)
+    with torch.no_grad():
+        i1, w1, s1 = moe_small.route_small(x, w, bias, **kw)
+        i0, w0, s0 = route(x, w, bias, **kw)
+    tag = f"moe_small.router.{act}.{str(dtype)[6:]}.N{N}.E{E}"
+    check(f"{tag}.scores", s1, s0, 1e-5)
+    choice = s0 + bias
+    # each pick is as good as the reference's pick at that rank (equal ids unless two scores tie within fp32 noise)
+    gap = (choice.gather(1, i1) - choice.gather(1, i0)).abs().max()
+    assert float(gap) <= 1e-5, gap
+    same = (i1 == i0).all(1)
+    assert bool(same.float().mean() >= 0.5), (i1, i0)
+    check(f"{tag}.weights", w1[same], w0[same], 1e-5)
+    assert all(len(set(r)) == K for r in i1.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "N,E,K,W,I,act",
+    [
+        (1, 64, 8, 1024, 640, "situ"),
+        (4, 256, 8, 2304, 1024, "silu"),
+        (16, 64, 16, 3584, 384, "situ"),
+        (3, 10, 3, 200, 40, "situ"),
+    ],
+)
+def test_moe_small_experts(dtype, N, E, K, W, I, act, check):
+    """Few-token experts (three kernels, weights read by expert index) vs the reference experts; w1/w3 as the halves
+    of one buffer (the module's layout) for the first shapes, separate tensors for the odd one."""
+    from openk3.fast import moe_small
+    from openk3.ops.moe import experts_reference
+
+    g = _fresh()
+    x = _rand(N, W, dtype=dtype, scale=2.0, g=g)
+    idx = torch.stack([torch.randperm(E, device=DEV, generator=g)[:K] for _ in range(N)])
+    wt = torch.rand(N, K, device=DEV, generator=g)
+    if W % 8 == 0:
+        w13 = _rand(E, 2 * I, W, dtype=dtype, scale=W**-0.5, g=g)
+        w1, w3 = w13[:, :I], w13[:, I:]
+    else:
+        w1, w3 = (
+            _rand(E, I, W, dtype=dtype, scale=W**-0.5, g=g),
+            _rand(E, I, W, dtype=dtype, scale=W**-0.5, g=g),
+        )
+    w2 = _rand(E, W, I, dtype=dtype, scale=I**-0.5, g=g)
+    with torch.no_grad():
+        y = moe_small.experts_small(x, idx, wt, w1, w2, w3, act=act)
+        y_r = experts_reference(x, idx, wt, w1, w2, w3, act=act)
+    check(f"moe_small.experts.{str(dtype)[6:]}.N{N}.E{E}.k{K}.W{W}.{act}", y, y_r, MOE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("W,cap", [(96, 1024), (1000, 256), (1024, 1024)])
 def test_moe_dy_dweights(dtype, W, cap, check, monkeypatch):
     """The one-pass combine backward against plain torch: dy = dout[token] * weight (one rounding of the same

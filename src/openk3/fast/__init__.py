@@ -6,7 +6,8 @@ op        backend name    what
 kda       ``fla``         fla-core ``chunk_kda`` / ``fused_recurrent_kda`` (gate, beta, L2 norm in-kernel)
 mla       ``sdpa``        ``scaled_dot_product_attention`` (+ ``varlen_attn`` for packed documents)
 mla       ``flex``        FlexAttention with causal / document block masks
-moe       ``grouped_mm``  token permutation + ``torch._grouped_mm`` forward/backward, Triton SiTU-GLU
+moe       ``grouped_mm``  token permutation + ``torch._grouped_mm`` forward/backward, Triton SiTU-GLU; for a
+                          few tokens without autograd (``OPENK3_MOE_SMALL_N``) router + experts in five launches
 attnres   ``triton``      two-phase Block AttnRes reader (Triton, exact fp32 mixing, forward/backward)
 norm      ``fla``         fla-core fused ``rms_norm`` (every RMSNorm) and ``rms_norm_gated`` (KDA output norm)
 glu       ``triton``      fused SiTU-GLU / SwiGLU of the dense FFN and shared experts (one kernel fwd, one bwd)
@@ -20,11 +21,11 @@ conv      ``fla``         fla-core ``causal_conv1d`` + SiLU (KDA q/k/v short con
 
 from __future__ import annotations
 
-from openk3.fast import attnres, conv, kda, mla, moe, norm
+from openk3.fast import attnres, conv, kda, mla, moe, moe_small, norm
 from openk3.ops import backend as _backend
 from openk3.ops.backend import Backend
 
-__all__ = ["attnres", "conv", "kda", "mla", "moe", "norm", "register_all"]
+__all__ = ["attnres", "conv", "kda", "mla", "moe", "moe_small", "norm", "register_all"]
 
 
 def register_all() -> None:
@@ -32,7 +33,7 @@ def register_all() -> None:
     from openk3.modules.ffn import FAST_GLU
     from openk3.modules.kda import FAST_CONV, FAST_KDA
     from openk3.modules.mla import FAST_MHA
-    from openk3.modules.moe import FAST_EXPERTS
+    from openk3.modules.moe import FAST_EXPERTS, FAST_SMALL
     from openk3.modules.norm import FAST_GATED_NORM, FAST_RMS_NORM
     from openk3.ops.attnres import FAST_READERS
 
@@ -45,6 +46,7 @@ def register_all() -> None:
     _backend.register("mla", Backend("sdpa", mla.sdpa_available))
 
     FAST_EXPERTS["grouped_mm"] = moe.experts_grouped
+    FAST_SMALL["grouped_mm"] = moe_small  # few tokens without autograd (OPENK3_MOE_SMALL_N, off by default)
     _backend.register("moe", Backend("grouped_mm", moe.available))
 
     FAST_READERS["triton"] = attnres.TritonAttnResReader

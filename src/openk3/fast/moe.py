@@ -309,16 +309,20 @@ if HAS_TRITON:
         s_y,
         K: tl.constexpr,
         HAS_W: tl.constexpr,
+        IDENT: tl.constexpr,
         BLOCK_W: tl.constexpr,
     ):
         """out[n] = sum_j w[n, j] * y[rows[n, j]] accumulated in fp32, one row of y at a time (no cross-lane
-        reduction)."""
+        reduction). IDENT: rows[n, j] = n * K + j (one row of y per pair, rows_ptr unused)."""
         n = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
         cm = cols < W
         acc = tl.zeros([BLOCK_W], dtype=tl.float32)
         for j in tl.static_range(K):
-            r = tl.load(rows_ptr + n * K + j).to(tl.int64)
+            if IDENT:
+                r = n * K + j
+            else:
+                r = tl.load(rows_ptr + n * K + j).to(tl.int64)
             v = tl.load(y_ptr + r * s_y + cols, mask=cm, other=0.0).to(tl.float32)
             if HAS_W:
                 v = v * tl.load(w_ptr + n * K + j)
@@ -593,14 +597,30 @@ def glu_act_triton(
     return _GLU.apply(g, u, kind, float(beta1), float(beta2)).view(gate.shape)
 
 
-def combine2(y: torch.Tensor, rows: torch.Tensor, w: torch.Tensor | None, dtype) -> torch.Tensor:
-    """Same as :func:`combine` with a per-slot loop (fp32 accumulation); y may have a padded row stride."""
-    N, K = rows.shape
+def combine2(
+    y: torch.Tensor,
+    rows: torch.Tensor | None,
+    w: torch.Tensor | None,
+    dtype,
+    shape: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Same as :func:`combine` with a per-slot loop (fp32 accumulation); y may have a padded row stride.
+    ``rows=None``: y holds one row per (token, slot) pair in order (row n * K + j), ``shape=(N, K)``."""
+    N, K = rows.shape if rows is not None else shape
     W = y.shape[1]
     out = torch.empty(N, W, dtype=dtype, device=y.device)
     BW = _bw(W)
     _combine2_kernel[(N, triton.cdiv(W, BW))](
-        y, rows, w if w is not None else y, out, W, y.stride(0), K=K, HAS_W=w is not None, BLOCK_W=BW
+        y,
+        rows if rows is not None else y,
+        w if w is not None else y,
+        out,
+        W,
+        y.stride(0),
+        K=K,
+        HAS_W=w is not None,
+        IDENT=rows is None,
+        BLOCK_W=BW,
     )
     return out
 

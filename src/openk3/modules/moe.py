@@ -13,6 +13,9 @@ from openk3.ops.moe import experts_reference, route
 
 # Fast-path hook for the expert compute: name -> fn(x, idx, weights, w1, w2, w3, act=, beta1=, beta2=) -> y
 FAST_EXPERTS: dict[str, callable] = {}
+# Few-token (decode) variant of a backend: name -> object with ``enabled(x) -> bool``, ``route_small(x, weight, bias,
+# top_k=, activation=, renormalize=, scaling=)`` (``route`` for n_group == 1) and ``experts_small`` (as FAST_EXPERTS)
+FAST_SMALL: dict[str, object] = {}
 
 
 class Router(nn.Module):
@@ -139,12 +142,26 @@ class SparseMoE(nn.Module):
         """x: [B, T, D] (post-attention-normed). Returns [B, T, D]."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        idx, w, scores = self.gate(xf)
+        be = _backend.resolve("moe", x.is_cuda, self.backend)
+        fn = experts_reference if be == "reference" else FAST_EXPERTS[be]
+        small = FAST_SMALL.get(be)
+        if small is not None and self.gate.n_group == 1 and small.enabled(xf):
+            g = self.gate
+            idx, w, scores = small.route_small(
+                xf,
+                g.weight,
+                g.e_score_correction_bias,
+                top_k=g.top_k,
+                activation=g.activation,
+                renormalize=g.renormalize,
+                scaling=g.scaling,
+            )
+            fn = small.experts_small
+        else:
+            idx, w, scores = self.gate(xf)
         if self.record_router:
             self.last_router = (scores.detach(), idx.detach())
         h = self.routed_expert_down_proj(xf) if self.latent else xf
-        be = _backend.resolve("moe", x.is_cuda, self.backend)
-        fn = experts_reference if be == "reference" else FAST_EXPERTS[be]
         u = fn(
             h,
             idx,

@@ -1,0 +1,337 @@
+"""Few-token MoE path (decode): router and routed experts in five Triton launches, no token permutation.
+
+At decode a MoE layer sees one to a few tokens. The permuted path of :mod:`openk3.fast.moe` then spends most of its
+time on launches: the router (an fp32 copy of the activations and of the router weight, one GEMV, sigmoid, bias add,
+top-k, gather, renormalisation, scaling: about ten kernels) and the experts (row planning in five launches, a
+gather, two grouped GEMMs over 16-row padded groups, the GLU and the combine). Here:
+
+* :func:`route_small`: one kernel for the fp32 logits (bf16 weights and activations read as they are, products and
+  sums in fp32, i.e. ``linear(x.float(), weight.float())``) and one for the selection (activation, correction bias,
+  top-k, mixture weights from the unbiased scores, renormalisation, scaling) -- ``openk3.ops.moe.route``'s
+  semantics for ``n_group == 1``;
+* :func:`experts_small`: one kernel per (token, slot) pair for the gate and up rows of its expert (read straight
+  from the stacked weights by expert index) and the GLU, one kernel for the down projection of each pair, and the
+  fp32 weighted combine of :func:`openk3.fast.moe.combine2`. Rounding as in
+  ``openk3.ops.moe.experts_reference``: gate, up and the down projection's output are rounded to the activation
+  dtype before the activation / the weighting, the mixture is accumulated in fp32.
+
+Each pair reads its expert's weights once, so tokens that share an expert read it twice: the path pays only for a
+few tokens. It is taken without autograd for at most :data:`SMALL_N` tokens (``OPENK3_MOE_SMALL_N``; 0, the default,
+turns it off until it is measured against the permuted path on a GPU: ``bench/bench_e2e_decode.py --moe-small``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from openk3.fast._triton import HAS_TRITON, tanh_f32, tl, triton, triton_ok
+from openk3.fast.moe import combine2
+
+SMALL_N = int(os.environ.get("OPENK3_MOE_SMALL_N", "0"))
+# tiles: (gate/up rows per program, input columns per step), (down-projection rows per program, columns per step)
+UP_TILE = (16, 256)
+DOWN_TILE = (32, 128)
+ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few tokens, to fill the SMs)
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether the few-token path applies to activations ``x`` [N, D]: at most SMALL_N tokens, no autograd."""
+    if SMALL_N <= 0 or x.dim() != 2 or not 0 < x.shape[0] <= SMALL_N:
+        return False
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
+    return triton_ok(x)[0]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _router_logits_kernel(
+        x_ptr, w_ptr, out_ptr, D, E, s_x, s_w, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, ND: tl.constexpr
+    ):
+        """out[n, e] = sum_d x[n, d] * w[e, d] in fp32 (inputs read in their own dtype)."""
+        n = tl.program_id(0).to(tl.int64)
+        es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+        em = es < E
+        acc = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
+        for t in range(ND):  # ND = cdiv(D, BLOCK_D): a constexpr trip count
+            ds = t * BLOCK_D + tl.arange(0, BLOCK_D)
+            dm = ds < D
+            xv = tl.load(x_ptr + n * s_x + ds, mask=dm, other=0.0).to(tl.float32)
+            wv = tl.load(
+                w_ptr + es[:, None].to(tl.int64) * s_w + ds[None, :],
+                mask=em[:, None] & dm[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc += wv * xv[None, :]
+        tl.store(out_ptr + n * E + es, tl.sum(acc, 1), mask=em)
+
+    @triton.jit
+    def _router_select_kernel(
+        logit_ptr,
+        bias_ptr,
+        idx_ptr,
+        wt_ptr,
+        score_ptr,
+        E,
+        scaling,
+        K: tl.constexpr,
+        KP: tl.constexpr,
+        EP: tl.constexpr,
+        SOFTMAX: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        RENORM: tl.constexpr,
+    ):
+        """Scores, top-k of scores + bias (NaN counts as the largest, as in torch.topk; ties: lowest index), mixture
+        weights from the unbiased scores, renormalised (+1e-20) and scaled."""
+        n = tl.program_id(0).to(tl.int64)
+        es = tl.arange(0, EP)
+        em = es < E
+        lg = tl.load(logit_ptr + n * E + es, mask=em, other=float("-inf"))
+        if SOFTMAX:
+            p = tl.exp(lg - tl.max(lg, 0))
+            p = tl.where(em, p, 0.0)
+            s = p / tl.sum(p, 0)
+        else:
+            s = tl.where(em, tl.sigmoid(lg), 0.0)
+        tl.store(score_ptr + n * E + es, s, mask=em)
+        choice = s
+        if HAS_BIAS:
+            choice = s + tl.load(bias_ptr + es, mask=em, other=0.0).to(tl.float32)
+        choice = tl.where(choice != choice, float("inf"), choice)
+        avail = em
+        ks = tl.arange(0, KP)
+        sel_i = tl.zeros([KP], dtype=tl.int32)
+        sel_w = tl.zeros([KP], dtype=tl.float32)
+        for j in tl.static_range(K):
+            m = tl.max(tl.where(avail, choice, float("-inf")), 0)
+            i = tl.min(tl.where(avail & (choice == m), es, EP), 0)
+            hit = es == i
+            wj = tl.sum(tl.where(hit, s, 0.0), 0)
+            sel_i = tl.where(ks == j, i, sel_i)
+            sel_w = tl.where(ks == j, wj, sel_w)
+            avail = avail & (es != i)
+        if RENORM:
+            sel_w = sel_w / (tl.sum(sel_w, 0) + 1e-20)
+        km = ks < K
+        tl.store(idx_ptr + n * K + ks, sel_i.to(tl.int64), mask=km)
+        tl.store(wt_ptr + n * K + ks, sel_w * scaling, mask=km)
+
+    @triton.jit
+    def _experts_up_kernel(
+        x_ptr,
+        idx_ptr,
+        w1_ptr,
+        w3_ptr,
+        a_ptr,
+        W,
+        I,
+        s_x,
+        s1_e,
+        s1_i,
+        s3_e,
+        s3_i,
+        b1,
+        ib1,
+        b2,
+        ib2,
+        K: tl.constexpr,
+        SITU: tl.constexpr,
+        BLOCK_I: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+        NW: tl.constexpr,
+    ):
+        """a[p, i] = act(round(x[p // K] . w1[e_p, i]), round(x[p // K] . w3[e_p, i])) for pair p, expert e_p."""
+        p = tl.program_id(0).to(tl.int64)
+        n = p // K
+        e = tl.load(idx_ptr + p).to(tl.int64)
+        ii = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        im = ii < I
+        g_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
+        u_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
+        for t in range(NW):
+            cols = t * BLOCK_W + tl.arange(0, BLOCK_W)
+            cm = cols < W
+            m2 = im[:, None] & cm[None, :]
+            xv = tl.load(x_ptr + n * s_x + cols, mask=cm, other=0.0).to(tl.float32)
+            wg = tl.load(w1_ptr + e * s1_e + ii[:, None] * s1_i + cols[None, :], mask=m2, other=0.0)
+            wu = tl.load(w3_ptr + e * s3_e + ii[:, None] * s3_i + cols[None, :], mask=m2, other=0.0)
+            g_acc += wg.to(tl.float32) * xv[None, :]
+            u_acc += wu.to(tl.float32) * xv[None, :]
+        dt = a_ptr.dtype.element_ty
+        g = tl.sum(g_acc, 1).to(dt).to(tl.float32)
+        u = tl.sum(u_acc, 1).to(dt).to(tl.float32)
+        sg = tl.sigmoid(g)
+        if SITU:
+            a = (b1 * tanh_f32(g * ib1)) * sg * (b2 * tanh_f32(u * ib2))
+        else:
+            a = g * sg * u
+        tl.store(a_ptr + p * I + ii, a.to(dt), mask=im)
+
+    @triton.jit
+    def _experts_down_kernel(
+        a_ptr,
+        idx_ptr,
+        w2_ptr,
+        y_ptr,
+        W,
+        I,
+        s2_e,
+        s2_w,
+        BLOCK_O: tl.constexpr,
+        BLOCK_I: tl.constexpr,
+        NI: tl.constexpr,
+    ):
+        """y[p, o] = round(a[p] . w2[e_p, o]) for pair p."""
+        p = tl.program_id(0).to(tl.int64)
+        e = tl.load(idx_ptr + p).to(tl.int64)
+        oo = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+        om = oo < W
+        acc = tl.zeros([BLOCK_O, BLOCK_I], dtype=tl.float32)
+        for t in range(NI):
+            ii = t * BLOCK_I + tl.arange(0, BLOCK_I)
+            im = ii < I
+            av = tl.load(a_ptr + p * I + ii, mask=im, other=0.0).to(tl.float32)
+            wv = tl.load(
+                w2_ptr + e * s2_e + oo[:, None] * s2_w + ii[None, :],
+                mask=om[:, None] & im[None, :],
+                other=0.0,
+            )
+            acc += wv.to(tl.float32) * av[None, :]
+        tl.store(y_ptr + p * W + oo, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=om)
+
+
+def _check_2d(name: str, t: torch.Tensor, cols: int | None = None) -> None:
+    if t.dim() != 2 or (cols is not None and t.shape[1] != cols):
+        raise ValueError(
+            f"{name}: expected a 2-D tensor{'' if cols is None else f' with {cols} columns'}, got {tuple(t.shape)}"
+        )
+
+
+def route_small(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    activation: str = "sigmoid",
+    renormalize: bool = True,
+    scaling: float = 1.0,
+):
+    """``openk3.ops.moe.route`` for ``n_group == 1`` in two kernels. x: [N, D]; weight: [E, D]; bias: [E] or None.
+    Returns (topk_idx [N, k] int64, topk_weight [N, k] fp32, scores [N, E] fp32)."""
+    if activation not in ("sigmoid", "softmax"):
+        raise ValueError(f"unknown router activation {activation!r}")
+    E, D = weight.shape
+    _check_2d("router input", x, D)
+    if not 0 < top_k <= E:
+        raise ValueError(f"top_k must be in [1, {E}], got {top_k}")
+    if bias is not None and bias.shape != (E,):
+        raise ValueError(f"correction bias: expected shape ({E},), got {tuple(bias.shape)}")
+    N = x.shape[0]
+    dev = x.device
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    logits = torch.empty(N, E, dtype=torch.float32, device=dev)
+    # experts per program: enough programs to spread the weight read over the SMs
+    be = 1
+    while be * 2 <= min(ROUTER_ROWS_MAX, N * E // 128):
+        be *= 2
+    bd = min(1024, triton.next_power_of_2(D))
+    _router_logits_kernel[(N, triton.cdiv(E, be))](
+        x,
+        weight,
+        logits,
+        D,
+        E,
+        x.stride(0),
+        weight.stride(0),
+        BLOCK_E=be,
+        BLOCK_D=bd,
+        ND=triton.cdiv(D, bd),
+    )
+    idx = torch.empty(N, top_k, dtype=torch.long, device=dev)
+    w = torch.empty(N, top_k, dtype=torch.float32, device=dev)
+    scores = torch.empty(N, E, dtype=torch.float32, device=dev)
+    _router_select_kernel[(N,)](
+        logits,
+        bias if bias is not None else logits,
+        idx,
+        w,
+        scores,
+        E,
+        float(scaling),
+        K=top_k,
+        KP=triton.next_power_of_2(top_k),
+        EP=triton.next_power_of_2(E),
+        SOFTMAX=activation == "softmax",
+        HAS_BIAS=bias is not None,
+        RENORM=bool(renormalize),
+    )
+    return idx, w, scores
+
+
+def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=25.0) -> torch.Tensor:
+    """``openk3.ops.moe.experts_reference`` for a few tokens (no autograd). x: [N, W]; idx, weights: [N, k];
+    w1, w3: [E, I, W]; w2: [E, W, I] (unit stride along the last dimension). Returns [N, W] in x.dtype."""
+    if act not in ("situ", "silu", "swiglu"):
+        raise ValueError(f"unknown activation {act!r}; expected 'situ' or 'silu'")
+    E, I, W = w1.shape
+    _check_2d("expert input", x, W)
+    N = x.shape[0]
+    if idx.shape != weights.shape or idx.dim() != 2 or idx.shape[0] != N:
+        raise ValueError(f"idx {tuple(idx.shape)} and weights {tuple(weights.shape)} must both be [{N}, k]")
+    if w3.shape != w1.shape or w2.shape != (E, W, I):
+        raise ValueError(f"expert weights: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)}")
+    K = idx.shape[1]
+    if N == 0:
+        return x.new_zeros(x.shape)
+    w1, w2, w3 = (t if t.stride(-1) == 1 else t.contiguous() for t in (w1, w2, w3))
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    idx = idx.contiguous()
+    dev = x.device
+    a = torch.empty(N * K, I, dtype=x.dtype, device=dev)
+    bi, bw = UP_TILE
+    bw = min(bw, triton.next_power_of_2(W))
+    _experts_up_kernel[(N * K, triton.cdiv(I, bi))](
+        x,
+        idx,
+        w1,
+        w3,
+        a,
+        W,
+        I,
+        x.stride(0),
+        w1.stride(0),
+        w1.stride(1),
+        w3.stride(0),
+        w3.stride(1),
+        float(beta1),
+        1.0 / float(beta1),
+        float(beta2),
+        1.0 / float(beta2),
+        K=K,
+        SITU=act == "situ",
+        BLOCK_I=bi,
+        BLOCK_W=bw,
+        NW=triton.cdiv(W, bw),
+    )
+    y = torch.empty(N * K, W, dtype=x.dtype, device=dev)
+    bo, bk = DOWN_TILE
+    bk = min(bk, triton.next_power_of_2(I))
+    _experts_down_kernel[(N * K, triton.cdiv(W, bo))](
+        a,
+        idx,
+        w2,
+        y,
+        W,
+        I,
+        w2.stride(0),
+        w2.stride(1),
+        BLOCK_O=bo,
+        BLOCK_I=bk,
+        NI=triton.cdiv(I, bk),
+    )
+    return combine2(y, None, weights.float().contiguous(), x.dtype, shape=(N, K))

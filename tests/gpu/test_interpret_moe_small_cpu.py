@@ -1,0 +1,150 @@
+"""The few-token MoE path (``openk3.fast.moe_small``: router and routed experts for decode) under TRITON_INTERPRET=1
+on CPU against ``openk3.ops.moe.route`` / ``experts_reference``: sigmoid and softmax routers, with and without the
+correction bias and renormalisation, expert counts that are not powers of two, widths that are not multiples of
+the tiles, packed and separate gate/up weights, SiTU and SwiGLU, bf16 and fp32, and bad input. (bf16 against the
+fp32 computation, loosely: the interpreter truncates fp32 -> bf16 casts; tests/gpu/test_fast_ops.py checks the
+compiled kernels against the bf16 reference.)
+Runs in a subprocess (the interpreter must be chosen before triton kernels are defined); skipped without triton.
+"""
+
+import importlib.util
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from openk3.fast import moe_small
+    from openk3.ops.moe import experts_reference, route
+
+    torch.manual_seed(0)
+
+    def rel(a, b):
+        a, b = a.detach().double(), b.detach().double()
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+    worst = 0.0  # largest relative error / its tolerance
+    # router: every option, bf16 and fp32 inputs
+    for E, K, D, N in [(64, 8, 96, 1), (20, 3, 50, 3), (9, 9, 17, 2)]:
+        for act in ("sigmoid", "softmax"):
+            for renorm, scale in [(True, 2.5), (False, 1.0)]:
+                for dtype in (torch.float32, torch.bfloat16):
+                    x = torch.randn(N, D).to(dtype)
+                    w = (torch.randn(E, D) / D**0.5).to(dtype)
+                    for bias in (None, torch.randn(E) * 0.1):
+                        kw = dict(top_k=K, activation=act, renormalize=renorm, scaling=scale)
+                        i1, w1, s1 = moe_small.route_small(x, w, bias, **kw)
+                        i0, w0, s0 = route(x, w, bias, **kw)
+                        assert i1.dtype == torch.long and w1.dtype == torch.float32 and s1.dtype == torch.float32
+                        assert torch.equal(i1, i0), (E, K, act, i1, i0)
+                        worst = max(worst, rel(w1, w0) / 1e-5, rel(s1, s0) / 1e-5)  # fp32 sums
+    # a NaN logit is chosen first, as torch.topk does; an expert is never chosen twice
+    x = torch.randn(1, 8)
+    w = torch.randn(6, 8)
+    w[4] = float("nan")
+    i1, _, _ = moe_small.route_small(x, w, None, top_k=3)
+    i0, _, _ = route(x, w, None, top_k=3)
+    assert int(i1[0, 0]) == 4 == int(i0[0, 0]) and len(set(i1[0].tolist())) == 3, (i1, i0)
+    # experts: packed (two halves of one buffer, as openk3.modules.moe.Experts stores them) and separate gate/up
+    for E, I, W, N, K in [(10, 40, 200, 1, 3), (6, 17, 33, 4, 2), (4, 64, 256, 2, 4)]:
+        for act in ("situ", "silu"):
+            for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+                for packed in (True, False):
+                    if packed:
+                        w13 = torch.randn(E, 2 * I, W) / W**0.5
+                        w1, w3 = w13[:, :I].to(dtype), w13[:, I:].to(dtype)
+                        if dtype == torch.float32:
+                            w1, w3 = w13[:, :I], w13[:, I:]
+                    else:
+                        w1, w3 = (torch.randn(E, I, W) / W**0.5).to(dtype), (torch.randn(E, I, W) / W**0.5).to(dtype)
+                    w2 = (torch.randn(E, W, I) / I**0.5).to(dtype)
+                    x = (torch.randn(N, W) * 2).to(dtype)
+                    idx = torch.stack([torch.randperm(E)[:K] for _ in range(N)])
+                    wt = torch.rand(N, K)
+                    got = moe_small.experts_small(x, idx, wt, w1, w2, w3, act=act, beta1=4.0, beta2=25.0)
+                    want = experts_reference(x, idx, wt, w1, w2, w3, act=act, beta1=4.0, beta2=25.0)
+                    assert got.shape == want.shape and got.dtype == want.dtype
+                    if dtype == torch.bfloat16:
+                        # the interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest), which
+                        # triples the rounding error: compare with the fp32 computation on the same bf16 values
+                        f = [t.float() for t in (x, w1, w2, w3)]
+                        want = experts_reference(f[0], idx, wt, f[1], f[2], f[3], act=act, beta1=4.0, beta2=25.0)
+                    e = rel(got, want)
+                    assert e <= tol, (E, I, W, act, dtype, packed, e)
+                    worst = max(worst, e / tol)
+    # when the path applies
+    x = torch.randn(3, 8)
+    moe_small.SMALL_N = 0
+    assert not moe_small.enabled(x)
+    moe_small.SMALL_N = 4
+    assert moe_small.enabled(x) and not moe_small.enabled(torch.randn(5, 8))
+    xg = x.clone().requires_grad_()
+    assert not moe_small.enabled(xg)
+    with torch.no_grad():
+        assert moe_small.enabled(xg)
+    # bad input: a clear ValueError
+    w1 = torch.randn(4, 6, 8)
+    w2 = torch.randn(4, 8, 6)
+    bad = [
+        lambda: moe_small.route_small(torch.randn(2, 7), torch.randn(4, 8), None, top_k=2),
+        lambda: moe_small.route_small(torch.randn(2, 8), torch.randn(4, 8), None, top_k=5),
+        lambda: moe_small.route_small(torch.randn(2, 8), torch.randn(4, 8), torch.zeros(3), top_k=2),
+        lambda: moe_small.route_small(torch.randn(2, 8), torch.randn(4, 8), None, top_k=2, activation="relu"),
+        lambda: moe_small.experts_small(torch.randn(2, 7), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2), w1, w2, w1),
+        lambda: moe_small.experts_small(torch.randn(2, 8), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 2), w1, w2, w1),
+        lambda: moe_small.experts_small(torch.randn(2, 8), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2), w1, w1, w1),
+        lambda: moe_small.experts_small(torch.randn(2, 8), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2), w1, w2, w1, act="gelu"),
+    ]
+    for f in bad:
+        try:
+            f()
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("bad input accepted")
+    # registered as the few-token variant of the "moe" op's grouped_mm backend
+    import openk3.fast  # noqa: F401
+    from openk3.modules.moe import FAST_SMALL
+    assert FAST_SMALL["grouped_mm"] is moe_small
+    # whole model (tiny preset: latent MoE with its norm, shared experts), the "moe" op resolved to grouped_mm as on
+    # CUDA: 3 tokens take the few-token path (router and experts), and the logits match the reference backend
+    from openk3.config import get_preset
+    from openk3.model import K3ForCausalLM
+    from openk3.ops import backend
+
+    resolve = backend.resolve
+    calls = []
+    route0, experts0 = moe_small.route_small, moe_small.experts_small
+    moe_small.route_small = lambda *a, **k: calls.append("route") or route0(*a, **k)
+    moe_small.experts_small = lambda *a, **k: calls.append("experts") or experts0(*a, **k)
+    for groups in (1, 2):
+        cfg = get_preset("tiny").replace(num_expert_group=groups, topk_group=1)
+        model = K3ForCausalLM(cfg).eval()
+        ids = torch.randint(0, cfg.vocab_size, (1, 3))
+        with torch.no_grad():
+            want = model(ids).logits
+            backend.resolve = lambda op, cuda, req=None: "grouped_mm" if op == "moe" else resolve(op, cuda, req)
+            try:
+                calls.clear()
+                got = model(ids).logits
+            finally:
+                backend.resolve = resolve
+        n_moe = sum(layer.is_moe for layer in model.model.layers)
+        if groups == 1:
+            assert calls.count("route") == n_moe == calls.count("experts") > 0, calls
+        else:  # group-limited routing: the torch router, the permuted experts
+            assert calls == [], calls
+        e = rel(got, want)
+        assert e < 1e-5, (groups, e)
+        worst = max(worst, e / 1e-5)
+    print("WORST", worst)
+    """
+)
+
+
+def test_moe_small_interpreted_on_cpu(run_interpreted):
+    worst = run_interpreted(SCRIPT)
+    assert worst <= 1.0, worst
