@@ -50,7 +50,20 @@ DEV = "cuda"
 KDA_SHAPE = dict(H=32, K=128, W=4)
 KDA_BATCHES = (1, 16, 64, 256)
 KDA_SWEEP_AT = (64, 256)
-KDA_SWEEP = [(32, 2), (64, 4), (32, 8), (16, 4), (128, 8)]  # (BV, num_warps); BV 0: the whole head
+# (BV, num_warps, stages); BV 0: the whole head; stages 0: manual one-tile prefetch, >= 2: pipelined loop
+KDA_SWEEP = [
+    (32, 2, 0),
+    (64, 4, 0),
+    (32, 8, 0),
+    (16, 4, 0),
+    (128, 8, 0),
+    (32, 4, 3),
+    (16, 4, 3),
+    (16, 2, 3),
+    (32, 8, 3),
+    (64, 8, 3),
+    (16, 4, 4),
+]
 MLA_DIMS = dict(DC=512, DR=64, page_size=16)
 MLA_TARGETS = [(64, 16, 8192), (64, 96, 8192)]  # (B, H, L): swept
 MLA_COMBOS = [(B, H, L) for L in (4096, 16384, 65536) for H in (16, 96) for B in (1, 16, 64, 256)]
@@ -217,7 +230,7 @@ def kda_section(sweep: bool):
         o1 = kda_decode_triton(layer, q, k, v, z, beta, gate, c1, s1, slots)
         o2 = kda_decode_reference(layer, q, k, v, z, beta, gate, c2, s2, slots)
         INFO["checks"][f"kda {shape}"] = {"o": rel(o1, o2), "state": rel(s1[slots], s2[slots])}
-        c1 = s1 = c2 = s2 = None
+        c1 = s1 = None
         state_bytes = 2 * B * H * K * K * 4
         nbytes = state_bytes + 2 * B * 3 * HK * (W - 1) * 4 + 6 * B * HK * 2 + B * H * 2
         flops = B * H * 7 * K * K
@@ -258,19 +271,25 @@ def kda_section(sweep: bool):
                 INFO["errors"].append(f"fla peer B={B}: {type(e).__name__}: {e}")
                 print(f"  fla peer failed: {e}", flush=True)
         if B in KDA_SWEEP_AT:
-            for bv, nw in configs:
+            for bv, nw, st in configs:
                 if time.time() - T0 > BUDGET:
                     break
                 try:
-                    t = bench(ours(BV=bv, num_warps=nw))
+                    c1, s1 = conv.clone(), state.clone()
+                    o1 = kda_decode_triton(
+                        layer, q, k, v, z, beta, gate, c1, s1, slots, BV=bv, num_warps=nw, stages=st
+                    )
+                    err = max(rel(o1, o2), rel(s1[slots], s2[slots]))
+                    c1 = s1 = None
+                    t = bench(ours(BV=bv, num_warps=nw, stages=st))
                     row(
-                        f"kda [BV={bv or K},w={nw}]", shape, t, t_ours, "ours default", nbytes, flops,
-                        f"state-only {state_bytes / t / 1e12:.2f} TB/s",
+                        f"kda [BV={bv or K},w={nw},st={st}]", shape, t, t_ours, "ours default", nbytes, flops,
+                        f"state-only {state_bytes / t / 1e12:.2f} TB/s; err {err:.1e}",
                     )  # fmt: skip
                 except Exception as e:
-                    INFO["errors"].append(f"kda config {(bv, nw)}: {type(e).__name__}: {e}")
-                    print(f"  config {(bv, nw)} failed: {e}", flush=True)
-        q = k = v = z = gate = beta = conv = state = None
+                    INFO["errors"].append(f"kda config {(bv, nw, st)}: {type(e).__name__}: {e}")
+                    print(f"  config {(bv, nw, st)} failed: {e}", flush=True)
+        q = k = v = z = gate = beta = conv = state = c2 = s2 = o2 = None
         empty_cache()
 
 

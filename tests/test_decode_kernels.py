@@ -106,7 +106,7 @@ def make_kda_layer(H: int, K: int, W: int, gate_kind: str, gen: torch.Generator)
     )
 
 
-def run_kda_case(B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_warps=None):
+def run_kda_case(B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_warps=None, stages=None):
     gen = torch.Generator().manual_seed(seed)
     HK = H * K
     layer = make_kda_layer(H, K, W, gate_kind, gen)
@@ -131,12 +131,12 @@ def run_kda_case(B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_wa
     c2, s2 = conv_state.clone(), state.clone()
     with poisoned_empty():
         o1 = KN.kda_decode_triton(
-            layer, q, k, v, z, beta_logits, gate, c1, s1, slots, BV=bv, num_warps=num_warps
+            layer, q, k, v, z, beta_logits, gate, c1, s1, slots, BV=bv, num_warps=num_warps, stages=stages
         )
     assert torch.isfinite(o1).all(), "kda: output not fully written"
     o2 = kda_decode_reference(layer, q, k, v, z, beta_logits, gate, c2, s2, slots)
     assert o1.dtype == dtype and o1.shape == (B, HK)
-    tag = f"kda B={B} H={H} K={K} W={W} {dtype} {gate_kind} BV={bv}"
+    tag = f"kda B={B} H={H} K={K} W={W} {dtype} {gate_kind} BV={bv} stages={stages}"
     errs = {"o": check(f"{tag} o", o1[is_real], o2[is_real], tol_o)}
     rs = slots[is_real]
     errs["state"] = check(f"{tag} state", s1[rs], s2[rs], tol_s)
@@ -159,6 +159,25 @@ def test_kda_decode(dtype, gate_kind, bv):
     """One program per (row, head) walking the state in tiles of BV columns (0: the whole head)."""
     seed = seed_of(str(dtype), gate_kind, bv)
     run_kda_case(6, 2, 32, 4, 9, dtype, gate_kind, bv, seed, *KDA_TOL[dtype])
+
+
+@here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bv,stages", [(16, 3), (8, 2), (8, 4)])
+def test_kda_decode_pipelined(dtype, bv, stages):
+    """The plain-loop form (tile loads streamed by Triton's pipeliner, ``stages`` >= 2)."""
+    seed = seed_of(str(dtype), "pipelined", bv, stages)
+    run_kda_case(6, 2, 32, 4, 9, dtype, "lowerbound", bv, seed, *KDA_TOL[dtype], stages=stages)
+
+
+def test_kda_decode_bad_stages():
+    layer = make_kda_layer(2, 16, 4, "lowerbound", torch.Generator().manual_seed(0))
+    z = torch.zeros(1, 32, device=DEV)
+    with pytest.raises(ValueError, match="stages"):
+        KN.kda_decode_triton(
+            layer, z, z, z, z, torch.zeros(1, 2, device=DEV), z, torch.zeros(2, 3, 32, 3, device=DEV),
+            torch.zeros(2, 2, 16, 16, device=DEV), torch.zeros(1, dtype=torch.long, device=DEV), BV=8, stages=1,
+        )  # fmt: skip
 
 
 @here
@@ -268,11 +287,15 @@ def test_register_only_with_cuda():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gate_kind", ["lowerbound", "softplus"])
 @pytest.mark.parametrize(
-    "bv,num_warps", [(0, 16), (16, 4), (32, 4), (64, 8), (16, 2), (32, 2), (64, 4), (32, 8)]
+    "bv,num_warps,stages",
+    [(0, 16, 0), (16, 4, 0), (32, 4, 0), (64, 8, 0), (16, 2, 0), (32, 2, 0), (64, 4, 0), (32, 8, 0)]
+    + [(32, 4, 3), (16, 4, 3), (16, 2, 3), (32, 8, 3), (64, 8, 3), (16, 4, 4)],
 )
-def test_kda_decode_gpu(dtype, gate_kind, bv, num_warps):
-    seed = seed_of(str(dtype), gate_kind, bv, num_warps)
-    run_kda_case(37, 32, 128, 4, 48, dtype, gate_kind, bv, seed, *KDA_TOL[dtype], num_warps=num_warps)
+def test_kda_decode_gpu(dtype, gate_kind, bv, num_warps, stages):
+    seed = seed_of(str(dtype), gate_kind, bv, num_warps, stages)
+    run_kda_case(
+        37, 32, 128, 4, 48, dtype, gate_kind, bv, seed, *KDA_TOL[dtype], num_warps=num_warps, stages=stages
+    )
 
 
 @pytest.mark.gpu

@@ -77,7 +77,9 @@ __all__ = [
 # Launch parameters (the benchmark sweeps alternatives through the keyword overrides of the wrappers).
 # BV = 0: the whole head in one tile. (A two-launch form with one program per state column tile, meant for small
 # batches, measured 1.3-3.9x slower than this one at B = 1..256 on an H200 and was removed; bench/NOTES.md.)
-KDA_CONFIG = {"BV": 32, "num_warps": 4}
+# stages = 0: the next state tile is requested by hand one tile ahead (into registers); stages >= 2: a plain loop that
+# Triton's pipeliner streams through shared memory, stages - 1 tiles ahead (fewer registers per program).
+KDA_CONFIG = {"BV": 32, "num_warps": 4, "stages": 0}
 MLA_CONFIG = {
     # launch parameters by regime (chosen by measurement on an H200, bench/NOTES.md). prefetch 2: the next block's
     # page-table entries ride in registers, so Triton's pipeliner can stream the latent rows through shared memory
@@ -197,7 +199,7 @@ if HAS_TRITON:
         conv_ptr, state_ptr, slots_ptr, s_conv, s_state,
         lower_bound, eps, q_scale,
         H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-        LB_GATE: tl.constexpr,
+        LB_GATE: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -207,7 +209,8 @@ if HAS_TRITON:
         ck = tl.arange(0, K)
         cv = tl.arange(0, BV)
         sp0 = state_ptr + slot * s_state + h * (K * K) + ck[:, None] * K + cv[None, :]
-        S_next = tl.load(sp0)  # the first state tile is requested before anything else
+        if BV == K or STAGES == 0:
+            S_next = tl.load(sp0)  # the first state tile is requested before anything else
         conv = conv_ptr + slot * s_conv
         cw = tl.arange(0, WP)
         ch = h * K + ck
@@ -236,14 +239,23 @@ if HAS_TRITON:
         else:
             NT: tl.constexpr = K // BV
             ss = 0.0
-            for j in tl.range(0, NT):
-                S = S_next
-                S_next = tl.load(sp0 + (j + 1) * BV, mask=j + 1 < NT, other=0.0)
-                cols = j * BV + cv
-                vsel = tl.where(ck[:, None] == cols[None, :], v[:, None], 0.0)
-                o, ssj = _kda_tile(S, sp0 + j * BV, vsel, q, k, decay, beta, qk, dtype, True)
-                ss += ssj
-                tl.store(obase + cols, o.to(dtype))  # raw, normalised below
+            if STAGES == 0:
+                for j in tl.range(0, NT):
+                    S = S_next
+                    S_next = tl.load(sp0 + (j + 1) * BV, mask=j + 1 < NT, other=0.0)
+                    cols = j * BV + cv
+                    vsel = tl.where(ck[:, None] == cols[None, :], v[:, None], 0.0)
+                    o, ssj = _kda_tile(S, sp0 + j * BV, vsel, q, k, decay, beta, qk, dtype, True)
+                    ss += ssj
+                    tl.store(obase + cols, o.to(dtype))  # raw, normalised below
+            else:  # the tile loads go through shared memory, STAGES - 1 tiles ahead
+                for j in tl.range(0, NT, num_stages=STAGES):
+                    S = tl.load(sp0 + j * BV)
+                    cols = j * BV + cv
+                    vsel = tl.where(ck[:, None] == cols[None, :], v[:, None], 0.0)
+                    o, ssj = _kda_tile(S, sp0 + j * BV, vsel, q, k, decay, beta, qk, dtype, True)
+                    ss += ssj
+                    tl.store(obase + cols, o.to(dtype))
             r = 1.0 / tl.sqrt(ss / K + eps)
             tl.debug_barrier()  # the raw tiles were written by other threads of this program
             for j in tl.range(0, NT):
@@ -498,9 +510,11 @@ def kda_decode_triton(
     *,
     BV: int | None = None,
     num_warps: int | None = None,
+    stages: int | None = None,
 ) -> torch.Tensor:
     """Fused single-token KDA step (signature and layouts: :mod:`openk3.infer.decode`). ``BV`` (state columns per
-    tile, a power of two; 0: the whole head) and ``num_warps`` override :data:`KDA_CONFIG`."""
+    tile, a power of two; 0: the whole head), ``num_warps`` and ``stages`` (0, or >= 2: the loop form, see
+    :data:`KDA_CONFIG`) override :data:`KDA_CONFIG`."""
     B, HK = q.shape
     H, K = layer.num_heads, layer.head_dim
     wq, wk, wv = (c.weight.reshape(HK, -1) for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d))
@@ -531,13 +545,16 @@ def kda_decode_triton(
         return o
     lb_gate = layer.gate_kind == "lowerbound"
     nw = cfg["num_warps"] if num_warps is None else num_warps
+    st = cfg.get("stages", 0) if stages is None else stages
+    if st == 1 or st < 0:
+        raise ValueError(f"kda_decode_triton: stages must be 0 or >= 2, got {st}")
     _kda_decode_kernel[(B, H)](
         q, k, v, z, beta_logits, gate, o,
         q.stride(0), k.stride(0), v.stride(0), z.stride(0), beta_logits.stride(0), gate.stride(0), o.stride(0),
         wq, wk, wv, a_log, dt_bias, norm_w,
         conv_state, state, slots, conv_state.stride(0), state.stride(0),
         float(layer.lower_bound) if lb_gate else 0.0, float(layer.eps), K**-0.5,
-        H=H, K=K, W=W, WP=triton.next_power_of_2(W), BV=bv, LB_GATE=lb_gate,
+        H=H, K=K, W=W, WP=triton.next_power_of_2(W), BV=bv, LB_GATE=lb_gate, STAGES=st,
         num_warps=nw,
     )  # fmt: skip
     return o
