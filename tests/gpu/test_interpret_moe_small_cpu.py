@@ -77,14 +77,16 @@ SCRIPT = textwrap.dedent(
                     worst = max(worst, e / tol)
     # when the path applies
     x = torch.randn(3, 8)
-    moe_small.SMALL_N = 0
-    assert not moe_small.enabled(x)
-    moe_small.SMALL_N = 4
-    assert moe_small.enabled(x) and not moe_small.enabled(torch.randn(5, 8))
-    xg = x.clone().requires_grad_()
-    assert not moe_small.enabled(xg)
     with torch.no_grad():
-        assert moe_small.enabled(xg)
+        moe_small.SMALL_N = 0
+        assert not moe_small.enabled(x)
+        moe_small.SMALL_N = 4
+        assert moe_small.enabled(x) and not moe_small.enabled(torch.randn(5, 8))
+        assert not moe_small.enabled(torch.randn(8)) and not moe_small.enabled(torch.randn(0, 8))
+    with torch.inference_mode():
+        assert moe_small.enabled(x)
+    # gradients on: never (the weights may need gradients even when x does not)
+    assert not moe_small.enabled(x) and not moe_small.enabled(x.clone().requires_grad_())
     # bad input: a clear ValueError
     w1 = torch.randn(4, 6, 8)
     w2 = torch.randn(4, 8, 6)

@@ -16,7 +16,7 @@ gather, two grouped GEMMs over 16-row padded groups, the GLU and the combine). H
   dtype before the activation / the weighting, the mixture is accumulated in fp32.
 
 Each pair reads its expert's weights once, so tokens that share an expert read it twice: the path pays only for a
-few tokens. It is taken without autograd for at most :data:`SMALL_N` tokens (``OPENK3_MOE_SMALL_N``; 0, the default,
+few tokens. It is taken with gradients off for at most :data:`SMALL_N` tokens (``OPENK3_MOE_SMALL_N``; 0, the default,
 turns it off until it is measured against the permuted path on a GPU: ``bench/bench_e2e_decode.py --moe-small``).
 """
 
@@ -37,10 +37,12 @@ ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few 
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether the few-token path applies to activations ``x`` [N, D]: at most SMALL_N tokens, no autograd."""
+    """Whether the few-token path applies to activations ``x`` [N, D]: at most SMALL_N tokens, gradients off (the
+    kernels have no backward; with gradients on, the router and expert weights may need them even when ``x`` does
+    not)."""
     if SMALL_N <= 0 or x.dim() != 2 or not 0 < x.shape[0] <= SMALL_N:
         return False
-    if torch.is_grad_enabled() and x.requires_grad:
+    if torch.is_grad_enabled():
         return False
     return triton_ok(x)[0]
 
