@@ -157,7 +157,7 @@ def run_preset(
                 step_t.append(time.perf_counter() - t)
             n_fwd = list(fwd_times)
             if PROFILE and B == min(batches) and fuse:
-                profile_steps(eng, preset, B)
+                profile_steps(eng, label, B)
             for r in reqs:
                 eng.abort(r.id)
             while eng.has_work():
@@ -207,7 +207,8 @@ def profile_steps(eng, preset: str, B: int, steps: int = 5) -> None:
     table_txt = events.table(sort_by=sort, row_limit=30, max_name_column_width=70)
     head = f"{preset} batch {B}: {kernels / steps:.0f} GPU kernels per engine step ({steps} steps profiled)\n"
     INFO_PROFILE[f"{preset} b{B}"] = kernels / steps
-    path = os.path.join(PROFILE, f"profile_{preset}_b{B}.txt")
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in preset)
+    path = os.path.join(PROFILE, f"profile_{safe}_b{B}.txt")
     with open(path, "w") as f:
         f.write(head + table_txt)
     print(head + "\n".join(table_txt.splitlines()[:16]), flush=True)
@@ -261,7 +262,7 @@ def main():
         sys.exit("bench_e2e_decode.py needs a CUDA device (or --device cpu for a smoke run)")
     batches = [int(b) for b in args.batches.split(",")]
     out = args.out
-    if os.path.isdir(out):
+    if os.path.isdir(out) or out.endswith(os.sep):
         out = os.path.join(out, "e2e_decode.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     if args.profile:

@@ -9,7 +9,8 @@
 # 20 minutes in all; under a shorter per-command limit pass a subset of steps per call.
 # steps (comma separated, default all): tests, decode, e2e, train. Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
-#   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile --compare-unfused),
+#   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile --moe-small 4: the few-token
+#   MoE path off and on),
 #   bench.json + profile.txt
 #   (bench/run_all.py: ceilings, KDA, MLA, MoE, AttnRes, norms, medium training step).
 set -u
@@ -33,7 +34,7 @@ if has decode; then
     2>&1 | tail -60
 fi
 if has e2e; then
-  timeout "$T_E2E" python3 bench/bench_e2e_decode.py --profile --compare-unfused --steps 12 \
+  timeout "$T_E2E" python3 bench/bench_e2e_decode.py --profile --moe-small 4 --steps 12 \
     --out "$OUT_DIR/e2e_decode.json" 2>&1 | grep -v "^\[.*{'preset" | tail -40
 fi
 if has train; then
