@@ -295,9 +295,16 @@ def test_env_command_reports_every_op_and_decode_step(capsys):
         assert d["chosen"] in d["backends"] and "reference" in d["backends"], op
         if not info["cuda"]:
             assert d["chosen"] == "reference", op
-    assert set(info["decode_steps"]) == {"kda", "mla"}
+    assert set(info["decode_steps"]) == {"kda", "mla", "moe"}
     if not info["cuda"]:
-        assert all(d["chosen"] == "reference" for d in info["decode_steps"].values())
+        assert all(info["decode_steps"][op]["chosen"] == "reference" for op in ("kda", "mla"))
+        assert info["decode_steps"]["moe"]["chosen"] == "layer"
+    from openk3.fast import moe_small
+
+    want = (
+        "OPENK3_MOE_SMALL_N=0" if moe_small.SMALL_N <= 0 else "OPENK3_MOE_SMALL_N" if info["cuda"] else "CUDA"
+    )
+    assert want in info["decode_steps"]["moe"]["why"]
     assert main(["env"]) == 0
     text = capsys.readouterr().out
     assert "inference decode steps" in text and "op backends" in text

@@ -138,7 +138,25 @@ def _decode_steps() -> dict:
     else:
         ok, why = kernels.available()
     chosen = "triton" if ok else "reference"
-    return {op: {"chosen": chosen, "why": why} for op in ("kda", "mla")}
+    out = {op: {"chosen": chosen, "why": why} for op in ("kda", "mla")}
+    try:
+        from openk3.fast import moe_small
+    except Exception as e:  # pragma: no cover
+        out["moe"] = {"chosen": "layer", "why": f"few-token path not importable: {e}"}
+    else:
+        if moe_small.SMALL_N <= 0:
+            out["moe"] = {
+                "chosen": "layer",
+                "why": "the layer's backend; few-token path off (OPENK3_MOE_SMALL_N=0)",
+            }
+        elif not ok:
+            out["moe"] = {"chosen": "layer", "why": f"few-token path needs CUDA + triton ({why})"}
+        else:
+            out["moe"] = {
+                "chosen": "few-token",
+                "why": f"router + experts in 5 Triton launches at <= {moe_small.SMALL_N} tokens (OPENK3_MOE_SMALL_N)",
+            }
+    return out
 
 
 def _import_fast_paths() -> None:
