@@ -32,15 +32,18 @@ class Router(nn.Module):
         self.scaling = config.routed_scaling_factor
         self.n_group, self.topk_group = config.num_expert_group, config.topk_group
 
+    def options(self) -> dict:
+        """The routing options other than group-limited selection (the keyword arguments of ``route_small``)."""
+        return dict(
+            top_k=self.top_k, activation=self.activation, renormalize=self.renormalize, scaling=self.scaling
+        )
+
     def forward(self, x: torch.Tensor):
         return route(
             x,
             self.weight,
             self.e_score_correction_bias,
-            top_k=self.top_k,
-            activation=self.activation,
-            renormalize=self.renormalize,
-            scaling=self.scaling,
+            **self.options(),
             n_group=self.n_group,
             topk_group=self.topk_group,
         )
@@ -147,15 +150,7 @@ class SparseMoE(nn.Module):
         small = FAST_SMALL.get(be)
         if small is not None and self.gate.n_group == 1 and small.enabled(xf):
             g = self.gate
-            idx, w, scores = small.route_small(
-                xf,
-                g.weight,
-                g.e_score_correction_bias,
-                top_k=g.top_k,
-                activation=g.activation,
-                renormalize=g.renormalize,
-                scaling=g.scaling,
-            )
+            idx, w, scores = small.route_small(xf, g.weight, g.e_score_correction_bias, **g.options())
             fn = small.experts_small
         else:
             idx, w, scores = self.gate(xf)
