@@ -2,7 +2,7 @@
 cost model's weight-and-cache bandwidth roofline.
 
     python3 bench/bench_e2e_decode.py [--presets medium,kimi-linear-48b] [--batches 1,4,16,64] [--context 1024]
-                                      [--steps 24] [--moe-small N] [--out PATH]
+                                      [--steps 24] [--moe-small N] [--compare-ffn-fusion] [--out PATH]
 
 Per preset: a model with random weights is built on the GPU in bf16 (fp32 where SPEC keeps it), an
 :class:`~openk3.infer.engine.Engine` (paged cache, Triton decode steps, CUDA graphs) prefills ``batch`` random prompts
@@ -86,6 +86,7 @@ def run_preset(
     graphs: bool,
     fuse: bool = True,
     moe_small_n: int | None = None,
+    fuse_ffn: bool = False,
 ) -> None:
     from openk3.cost import predict_decode_time
     from openk3.fast import moe_small
@@ -98,6 +99,7 @@ def run_preset(
     label = (
         preset
         + ("" if fuse else " unfused-proj")
+        + (" fused-ffn" if fuse_ffn else "")
         + ("" if moe_small_n is None else f" moe-small<={moe_small_n}")
     )
     t0 = time.time()
@@ -123,6 +125,7 @@ def run_preset(
         use_cuda_graphs=graphs,
         cuda_graph_max_batch=bmax,
         fuse_projections=fuse,
+        fuse_ffn_projections=fuse_ffn,
     )
     print(f"[{preset}] engine: {eng.memory_report()}", flush=True)
     fwd_times: list[float] = []
@@ -242,6 +245,11 @@ def main():
         help="also time each preset with EngineConfig.fuse_projections off (one GEMM per projection)",
     )
     ap.add_argument(
+        "--compare-ffn-fusion",
+        action="store_true",
+        help="A/B: time each preset with EngineConfig.fuse_ffn_projections off and on (one GEMM per FFN input)",
+    )
+    ap.add_argument(
         "--moe-small",
         type=int,
         default=None,
@@ -270,8 +278,11 @@ def main():
     for preset in args.presets.split(","):
         try:
             for fuse in (True, False) if args.compare_unfused else (True,):
-                for small in (None,) if args.moe_small is None else (0, args.moe_small):
-                    run_preset(preset, batches, args.context, args.steps, not args.no_graphs, fuse, small)
+                for ffn in (False, True) if args.compare_ffn_fusion else (False,):
+                    for small in (None,) if args.moe_small is None else (0, args.moe_small):
+                        run_preset(
+                            preset, batches, args.context, args.steps, not args.no_graphs, fuse, small, ffn
+                        )
         except Exception as e:
             ERRORS.append(f"{preset}: {e!r}")
             traceback.print_exc()

@@ -517,6 +517,49 @@ def test_fused_projections_match(tiny, variant):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("variant", ["tiny", "plain MoE", "latent MoE without shared experts"])
+def test_fused_ffn_projections_match(tiny, variant):
+    """fuse_ffn_projections: one GEMM per FFN over the projections that read its input (dense gate/up; MoE latent
+    down projection + shared experts' gate/up) gives the decode logits of the unfused engine and of a full
+    re-forward; a layer with a single such projection stays unfused; the weights become views of the buffer."""
+    model = tiny
+    if variant != "tiny":
+        torch.manual_seed(2)
+        over = (
+            dict(routed_expert_hidden_size=None)
+            if variant == "plain MoE"
+            else dict(num_shared_experts=0, first_k_dense_replace=0)
+        )
+        model = K3ForCausalLM(get_preset("tiny").replace(attn_res_init="normal", **over)).eval()
+    prompts = _prompts(22, [4, 31, 17], model.config.vocab_size)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    runs = []
+    for fuse in (False, True):
+        eng = Engine(model, None, max_seqs=4, max_tokens=512, record_logits=True, fuse_ffn_projections=fuse)
+        reqs = eng.generate(prompts, GREEDY)
+        _check_against_full_forward(model, reqs)
+        runs.append((eng, reqs))
+    (e0, r0), (e1, r1) = runs
+    for a, b in zip(r0, r1):
+        assert a.output_ids == b.output_ids
+        assert _rel(torch.stack(b.logits_log), torch.stack(a.logits_log)) < 1e-5
+    want = [i for i, layer in enumerate(model.model.layers) if len(layer.ffn_input_projections()) >= 2]
+    assert e0.memory_report()["fused_ffn_layers"] == 0
+    assert sorted(e1._fused_ffn) == want and e1.memory_report()["fused_ffn_layers"] == len(want)
+    if variant == "latent MoE without shared experts":
+        assert want == []  # one projection per layer: nothing to fuse
+    else:
+        assert want
+    for i in want:
+        buf, sizes = e1._fused_ffn[i]
+        mods = model.model.layers[i].ffn_input_projections()
+        assert sizes == [m.weight.shape[0] for m in mods]
+        for m in mods:
+            assert m.weight.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_cli_backend_choice_is_checked(tmp_path):
     """`openk3 generate --backend OP=NAME`: a clear one-line error for an unknown op or a backend this device
     cannot run; a valid choice is applied."""

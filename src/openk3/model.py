@@ -97,8 +97,18 @@ class DecoderLayer(nn.Module):
             self.seal = layer_idx % config.attn_res_block_size == 0
         self.eps = config.rms_norm_eps
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
+    def ffn(self, x: torch.Tensor, projections: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The FFN of the layer on its normed input ``x`` [B, T, D]. ``projections``: the outputs of
+        :meth:`ffn_input_projections` for ``x`` (flattened to [B*T, out]) when computed elsewhere."""
+        if self.is_moe:
+            return self.block_sparse_moe(x, projections)
+        if projections is None:
+            return self.mlp(x)
+        return self.mlp.from_projections(*projections).view(x.shape)
+
+    def ffn_input_projections(self) -> list[nn.Linear]:
+        """The Linear layers that read the FFN input (the MoE router excluded)."""
+        return self.block_sparse_moe.input_projections() if self.is_moe else self.mlp.input_projections()
 
     def site(self, which: str) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(site id, query [1, D], norm weight [D]) of this layer's pre-attention or pre-FFN AttnRes read."""

@@ -104,15 +104,18 @@ def test_engine_fast_decode_bf16(graphs):
     assert e_eng < max(1.5 * e_full, 1e-2), (e_eng, e_full)
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused-proj"])
-def test_engine_fast_decode_fp32(fuse):
+@pytest.mark.parametrize(
+    "fuse,fuse_ffn", [(False, False), (True, False), (True, True)], ids=["plain", "fused-proj", "fused-ffn"]
+)
+def test_engine_fast_decode_fp32(fuse, fuse_ffn):
     """fp32: Triton decode steps against a full forward of the same model, tightly (also with the input projections
-    fused into one GEMM per layer)."""
+    fused into one GEMM per attention layer, and per FFN)."""
     model = _model("small", torch.float32)
     eng = Engine(
         model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, prefix_cache=False,
-        fuse_projections=fuse,
+        fuse_projections=fuse, fuse_ffn_projections=fuse_ffn,
     )  # fmt: skip
+    assert bool(eng.memory_report()["fused_ffn_layers"]) == fuse_ffn
     from openk3.infer import kernels as KN
 
     assert eng._kda_step is KN.kda_decode_triton and eng._mla_step is KN.mla_decode_triton

@@ -74,6 +74,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="decode: one GEMM per attention layer over its input projections, stored side by side (default on)",
     )
     g.add_argument(
+        "--fuse-ffn-projections",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode: one GEMM per FFN over its input projections (dense gate/up; MoE latent down + shared gate/up); "
+        "default off until measured",
+    )
+    g.add_argument(
         "--backend",
         action="append",
         default=[],
@@ -127,6 +134,7 @@ def _load(args):
         prefix_interval=args.prefix_interval,
         use_cuda_graphs=args.cuda_graphs,
         fuse_projections=args.fuse_projections,
+        fuse_ffn_projections=args.fuse_ffn_projections,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     engine = Engine(model, tok, cfg)

@@ -82,6 +82,10 @@ class EngineConfig:
     # their weights stored side by side (fewer, larger kernels; no extra memory: the model's projection weights become
     # views into the concatenated buffer)
     fuse_projections: bool = True
+    # decode step: each FFN's input projections (dense gate/up; MoE latent down projection and the shared experts'
+    # gate/up, the router excluded) as one GEMM the same way. Off by default until measured on a GPU
+    # (bench/bench_e2e_decode.py --compare-ffn-fusion)
+    fuse_ffn_projections: bool = False
 
 
 @dataclass
@@ -266,8 +270,11 @@ class Engine:
             if self.mcfg.use_attn_res and layer.seal
         }
         self._fused: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        self._fused_ffn: dict[int, tuple[torch.Tensor, list[int]]] = {}
         if cfg.fuse_projections:
-            self._build_fused_projections()
+            self._build_fused_projections(self._input_projections, self._fused)
+        if cfg.fuse_ffn_projections:
+            self._build_fused_projections(lambda layer: layer.ffn_input_projections(), self._fused_ffn)
         self._kda_step = resolve_kda_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
         self._mla_step = resolve_mla_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
@@ -296,15 +303,16 @@ class Engine:
         return [q, m.kv_a_proj_with_mqa] + ([m.g_proj] if m.use_gate else [])
 
     @torch.no_grad()
-    def _build_fused_projections(self) -> None:
-        """Per attention layer, one buffer holding its input-projection weights side by side. The modules' weights
-        are re-pointed to views of it (same values, no second copy), so the model's own forward (prefill) and the
-        fused decode GEMM read the same memory. A layer whose projection weights differ in dtype or device, or are
-        not plain tensors, is left unfused."""
+    def _build_fused_projections(self, projections: Callable, out: dict) -> None:
+        """Per layer, one buffer holding the weights of ``projections(layer)`` (Linear layers reading the same input)
+        side by side, recorded in ``out[i] = (buffer, sizes)``. The modules' weights are re-pointed to views of it
+        (same values, no second copy), so the model's own forward (prefill) and the fused decode GEMM read the same
+        memory. A layer with fewer than two such projections, or whose weights differ in dtype or device, or are not
+        plain tensors, is left unfused."""
         for i, layer in enumerate(self.model.model.layers):
-            mods = self._input_projections(layer)
+            mods = projections(layer)
             ws = [m.weight for m in mods]
-            if any(
+            if len(ws) < 2 or any(
                 type(w.data) is not torch.Tensor or w.dtype != ws[0].dtype or w.device != ws[0].device
                 for w in ws
             ):
@@ -313,7 +321,7 @@ class Engine:
             sizes = [w.shape[0] for w in ws]
             for m, part in zip(mods, buf.split(sizes, 0)):
                 m.weight.data = part
-            self._fused[i] = (buf, sizes)
+            out[i] = (buf, sizes)
 
     def _reserve_bytes(self) -> int:
         if self.device.type != "cuda":
@@ -340,6 +348,7 @@ class Engine:
         r["plan"] = self.plan.source
         r["prefix_cache_bytes"] = self.prefix.max_bytes if self.prefix else 0
         r["fused_projection_layers"] = len(self._fused)
+        r["fused_ffn_layers"] = len(self._fused_ffn)
         r["absorbed_weight_bytes"] = sum(a.numel() * 4 + b.numel() * 4 for a, b in self._absorbed.values())
         return r
 
@@ -709,8 +718,9 @@ class Engine:
                 pool.write_latent(pool.pool_index[li], rows, lat)
 
     # ------------------------------------------------------------------------------------------------ layer walk
-    def _walk(self, r: torch.Tensor, attn: Callable) -> torch.Tensor:
-        """``K3Model.forward`` with the attention call replaced: r [B, T, D] embeddings -> final-normed hidden."""
+    def _walk(self, r: torch.Tensor, attn: Callable, ffn: Callable | None = None) -> torch.Tensor:
+        """``K3Model.forward`` with the attention call (and optionally the FFN call, ``ffn(i, layer, x_normed)``)
+        replaced: r [B, T, D] embeddings -> final-normed hidden."""
         cfg, inner = self.mcfg, self.model.model
         reader = (
             make_reader(
@@ -724,8 +734,9 @@ class Engine:
             def a(h, i=i, layer=layer):
                 return attn(i, layer, layer.input_layernorm(h))
 
-            def f(h, layer=layer):
-                return layer.ffn(layer.post_attention_layernorm(h))
+            def f(h, i=i, layer=layer):
+                x = layer.post_attention_layernorm(h)
+                return layer.ffn(x) if ffn is None else ffn(i, layer, x)
 
             if not layer.use_attn_res:
                 r = r + a(r)
@@ -875,7 +886,13 @@ class Engine:
                 o = torch.sigmoid(parts[2] if fused is not None else m.g_proj(xx)) * o
             return m.o_proj(o)[:, None]
 
-        h = self._walk(self.model.model.embed_tokens(ids)[:, None], attn)
+        def ffn(i, layer, x):
+            fused = self._fused_ffn.get(i)
+            if fused is None:
+                return layer.ffn(x)
+            return layer.ffn(x, list(F.linear(x[:, 0], fused[0]).split(fused[1], dim=-1)))
+
+        h = self._walk(self.model.model.embed_tokens(ids)[:, None], attn, ffn)
         return F.linear(h[:, 0], self.model.output_weight).float()
 
     def _graph_decode(self, bucket, ids, slots, table, lengths, rows) -> torch.Tensor:

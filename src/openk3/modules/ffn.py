@@ -25,6 +25,15 @@ class GLUMLP(nn.Module):
         self.backend: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        be = _backend.resolve("glu", x.is_cuda, self.backend)
+        return self.from_projections(self.gate_proj(x), self.up_proj(x))
+
+    def from_projections(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``down(act(gate, up))`` for gate / up projections computed elsewhere (e.g. by one GEMM over the gate and
+        up weights stored side by side, as the inference engine does)."""
+        be = _backend.resolve("glu", gate.is_cuda, self.backend)
         fn = glu_act if be == "reference" else FAST_GLU.get(be, glu_act)
-        return self.down_proj(fn(self.gate_proj(x), self.up_proj(x), self.act, self.beta1, self.beta2))
+        return self.down_proj(fn(gate, up, self.act, self.beta1, self.beta2))
+
+    def input_projections(self) -> list[nn.Linear]:
+        """The Linear layers that read the FFN input, in :meth:`from_projections`' order."""
+        return [self.gate_proj, self.up_proj]

@@ -141,10 +141,22 @@ class SparseMoE(nn.Module):
         )
         self.last_router: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, D] (post-attention-normed). Returns [B, T, D]."""
+    def input_projections(self) -> list[nn.Linear]:
+        """The Linear layers that read the layer input besides the router, in the order :meth:`forward`'s
+        ``projections`` lists their outputs: the latent down projection (latent MoE), the shared experts' gate and up
+        projections (when there are shared experts)."""
+        mods = [self.routed_expert_down_proj] if self.latent else []
+        if self.shared_experts is not None:
+            mods += self.shared_experts.input_projections()
+        return mods
+
+    def forward(self, x: torch.Tensor, projections: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """x: [B, T, D] (post-attention-normed). Returns [B, T, D]. ``projections``: the outputs of
+        :meth:`input_projections` for ``x`` ([B*T, out] each) when they were computed elsewhere (the inference engine
+        runs them as one GEMM)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
+        pre = list(projections) if projections is not None else None
         be = _backend.resolve("moe", x.is_cuda, self.backend)
         fn = experts_reference if be == "reference" else FAST_EXPERTS[be]
         small = FAST_SMALL.get(be)
@@ -156,7 +168,10 @@ class SparseMoE(nn.Module):
             idx, w, scores = self.gate(xf)
         if self.record_router:
             self.last_router = (scores.detach(), idx.detach())
-        h = self.routed_expert_down_proj(xf) if self.latent else xf
+        if self.latent:
+            h = pre.pop(0) if pre is not None else self.routed_expert_down_proj(xf)
+        else:
+            h = xf
         u = fn(
             h,
             idx,
@@ -173,5 +188,5 @@ class SparseMoE(nn.Module):
                 u = self.routed_expert_norm(u)
             u = self.routed_expert_up_proj(u)
         if self.shared_experts is not None:
-            u = u + self.shared_experts(xf)
+            u = u + (self.shared_experts(xf) if pre is None else self.shared_experts.from_projections(*pre))
         return u.view(shape)
