@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
 
     worst = 0.0  # largest relative error / its tolerance
     # router: every option, bf16 and fp32 inputs
-    for E, K, D, N in [(64, 8, 96, 1), (20, 3, 50, 3), (9, 9, 17, 2)]:
+    for E, K, D, N in [(64, 8, 96, 1), (20, 3, 50, 3), (9, 9, 17, 2), (5, 1, 8, 2)]:
         for act in ("sigmoid", "softmax"):
             for renorm, scale in [(True, 2.5), (False, 1.0)]:
                 for dtype in (torch.float32, torch.bfloat16):
@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent(
     i0, _, _ = route(x, w, None, top_k=3)
     assert int(i1[0, 0]) == 4 == int(i0[0, 0]) and len(set(i1[0].tolist())) == 3, (i1, i0)
     # experts: packed (two halves of one buffer, as openk3.modules.moe.Experts stores them) and separate gate/up
-    for E, I, W, N, K in [(10, 40, 200, 1, 3), (6, 17, 33, 4, 2), (4, 64, 256, 2, 4)]:
+    for E, I, W, N, K in [(10, 40, 200, 1, 3), (6, 17, 33, 4, 2), (4, 64, 256, 2, 4), (3, 8, 16, 2, 1)]:
         for act in ("situ", "silu"):
             for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
                 for packed in (True, False):
