@@ -359,6 +359,18 @@ def test_moe_small_experts(dtype, N, E, K, W, I, act, check):
     check(f"moe_small.experts.{str(dtype)[6:]}.N{N}.E{E}.k{K}.W{W}.{act}", y, y_r, MOE_TOL[dtype])
 
 
+@pytest.mark.parametrize(
+    "up,down", [((16, 256, 1), (32, 128, 1)), ((8, 512, 4), (16, 256, 4)), ((32, 128, 3), (64, 64, 2))]
+)
+def test_moe_small_experts_tiles(up, down, check, monkeypatch):
+    """Every launch-tile / pipeline-stage combination the benchmark sweeps gives the reference's result."""
+    from openk3.fast import moe_small
+
+    monkeypatch.setattr(moe_small, "UP_TILE", up)
+    monkeypatch.setattr(moe_small, "DOWN_TILE", down)
+    test_moe_small_experts(torch.bfloat16, 2, 64, 8, 1000, 640, "situ", check)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("W,cap", [(96, 1024), (1000, 256), (1024, 1024)])
 def test_moe_dy_dweights(dtype, W, cap, check, monkeypatch):

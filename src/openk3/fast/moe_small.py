@@ -30,9 +30,11 @@ from openk3.fast._triton import HAS_TRITON, tanh_f32, tl, triton, triton_ok
 from openk3.fast.moe import combine2
 
 SMALL_N = int(os.environ.get("OPENK3_MOE_SMALL_N", "0"))
-# tiles: (gate/up rows per program, input columns per step), (down-projection rows per program, columns per step)
-UP_TILE = (16, 256)
-DOWN_TILE = (32, 128)
+# tiles: (gate/up rows per program, input columns per step, pipeline stages), (down-projection rows per program,
+# columns per step, stages); stages >= 2 stream the weight tiles through shared memory (Triton's pipeliner), 1 loads
+# them straight into registers
+UP_TILE = (16, 256, 3)
+DOWN_TILE = (32, 128, 3)
 ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few tokens, to fill the SMs)
 
 
@@ -144,6 +146,7 @@ if HAS_TRITON:
         BLOCK_I: tl.constexpr,
         BLOCK_W: tl.constexpr,
         NW: tl.constexpr,
+        STAGES: tl.constexpr,
     ):
         """a[p, i] = act(round(x[p // K] . w1[e_p, i]), round(x[p // K] . w3[e_p, i])) for pair p, expert e_p."""
         p = tl.program_id(0).to(tl.int64)
@@ -153,7 +156,7 @@ if HAS_TRITON:
         im = ii < I
         g_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
         u_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
-        for t in range(NW):
+        for t in tl.range(NW, num_stages=STAGES):
             cols = t * BLOCK_W + tl.arange(0, BLOCK_W)
             cm = cols < W
             m2 = im[:, None] & cm[None, :]
@@ -185,6 +188,7 @@ if HAS_TRITON:
         BLOCK_O: tl.constexpr,
         BLOCK_I: tl.constexpr,
         NI: tl.constexpr,
+        STAGES: tl.constexpr,
     ):
         """y[p, o] = round(a[p] . w2[e_p, o]) for pair p."""
         p = tl.program_id(0).to(tl.int64)
@@ -192,7 +196,7 @@ if HAS_TRITON:
         oo = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         om = oo < W
         acc = tl.zeros([BLOCK_O, BLOCK_I], dtype=tl.float32)
-        for t in range(NI):
+        for t in tl.range(NI, num_stages=STAGES):
             ii = t * BLOCK_I + tl.arange(0, BLOCK_I)
             im = ii < I
             av = tl.load(a_ptr + p * I + ii, mask=im, other=0.0).to(tl.float32)
@@ -295,7 +299,7 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
     idx = idx.contiguous()
     dev = x.device
     a = torch.empty(N * K, I, dtype=x.dtype, device=dev)
-    bi, bw = UP_TILE
+    bi, bw, ups = UP_TILE
     bw = min(bw, triton.next_power_of_2(W))
     _experts_up_kernel[(N * K, triton.cdiv(I, bi))](
         x,
@@ -319,9 +323,10 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
         BLOCK_I=bi,
         BLOCK_W=bw,
         NW=triton.cdiv(W, bw),
+        STAGES=ups,
     )
     y = torch.empty(N * K, W, dtype=x.dtype, device=dev)
-    bo, bk = DOWN_TILE
+    bo, bk, dns = DOWN_TILE
     bk = min(bk, triton.next_power_of_2(I))
     _experts_down_kernel[(N * K, triton.cdiv(W, bo))](
         a,
@@ -335,5 +340,6 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
         BLOCK_O=bo,
         BLOCK_I=bk,
         NI=triton.cdiv(I, bk),
+        STAGES=dns,
     )
     return combine2(y, None, weights.float().contiguous(), x.dtype, shape=(N, K))
