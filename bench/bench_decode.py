@@ -49,7 +49,7 @@ DEV = "cuda"
 # shapes (module constants, so a smoke run can shrink them)
 KDA_SHAPE = dict(H=32, K=128, W=4)
 KDA_BATCHES = (1, 16, 64, 256)
-KDA_SWEEP_AT = (64, 256)
+KDA_SWEEP_AT = (1, 16, 64, 256)  # small batches too: one program per (row, head) walks its tiles one by one
 # (BV, num_warps, stages); BV 0: the whole head; stages 0: manual one-tile prefetch, >= 2: pipelined loop
 KDA_SWEEP = [
     (32, 2, 0),
@@ -63,6 +63,8 @@ KDA_SWEEP = [
     (32, 8, 3),
     (64, 8, 3),
     (16, 4, 4),
+    (0, 16, 0),
+    (0, 8, 0),
 ]
 MLA_DIMS = dict(DC=512, DR=64, page_size=16)
 MLA_TARGETS = [(64, 16, 8192), (64, 96, 8192)]  # (B, H, L): swept
