@@ -170,6 +170,22 @@ def test_kda_decode_pipelined(dtype, bv, stages):
     run_kda_case(6, 2, 32, 4, 9, dtype, "lowerbound", bv, seed, *KDA_TOL[dtype], stages=stages)
 
 
+@here
+def test_kda_decode_few_rows_config(monkeypatch):
+    """KDA_CONFIG["few"]: batches of at most few_max_batch rows launch with those parameters (and stay exact)."""
+    monkeypatch.setitem(KN.KDA_CONFIG, "few", {"BV": 8, "stages": 2, "num_warps": 2})
+    monkeypatch.setitem(KN.KDA_CONFIG, "few_max_batch", 4)
+    run_kda_case(3, 2, 32, 4, 5, torch.float32, "lowerbound", None, 31, *KDA_TOL[torch.float32])
+    assert KN.KDA_LAST_LAUNCH == {"BV": 8, "num_warps": 2, "stages": 2}
+    run_kda_case(6, 2, 32, 4, 9, torch.float32, "lowerbound", None, 32, *KDA_TOL[torch.float32])
+    default = KN.KDA_CONFIG
+    assert KN.KDA_LAST_LAUNCH == {
+        "BV": min(default["BV"] or 32, 32),
+        "num_warps": default["num_warps"],
+        "stages": 0,
+    }
+
+
 def test_kda_decode_bad_stages():
     layer = make_kda_layer(2, 16, 4, "lowerbound", torch.Generator().manual_seed(0))
     z = torch.zeros(1, 32, device=DEV)

@@ -63,6 +63,7 @@ __all__ = [
     "HAS_TRITON",
     "INTERPRET",
     "KDA_CONFIG",
+    "KDA_LAST_LAUNCH",
     "MLA_CONFIG",
     "MLA_LAST_LAUNCH",
     "available",
@@ -79,7 +80,10 @@ __all__ = [
 # batches, measured 1.3-3.9x slower than this one at B = 1..256 on an H200 and was removed; bench/NOTES.md.)
 # stages = 0: the next state tile is requested by hand one tile ahead (into registers); stages >= 2: a plain loop that
 # Triton's pipeliner streams through shared memory, stages - 1 tiles ahead (fewer registers per program).
-KDA_CONFIG = {"BV": 32, "num_warps": 4, "stages": 0}
+# "few": launch parameters for batches of at most "few_max_batch" rows (None: the same as above), where one program
+# per (row, head) leaves most SMs idle and the tile walk's latency, not bandwidth, sets the time.
+KDA_CONFIG = {"BV": 32, "num_warps": 4, "stages": 0, "few": None, "few_max_batch": 16}
+KDA_LAST_LAUNCH: dict = {}  # the launch parameters of the latest kda_decode_triton call
 MLA_CONFIG = {
     # launch parameters by regime (chosen by measurement on an H200, bench/NOTES.md). prefetch 2: the next block's
     # page-table entries ride in registers, so Triton's pipeliner can stream the latent rows through shared memory
@@ -531,6 +535,8 @@ def kda_decode_triton(
     if state[0].stride() != (K * K, K, 1) or conv_state[0].stride() != (HK * (W - 1), W - 1, 1):
         raise ValueError("kda_decode_triton: state / conv_state must be contiguous past the slot dimension")
     cfg = KDA_CONFIG
+    if cfg.get("few") and B <= cfg.get("few_max_batch", 0):
+        cfg = {**cfg, **cfg["few"]}
     bv = cfg["BV"] if BV is None else BV
     bv = K if not bv else min(bv, K)
     if bv & (bv - 1):
@@ -548,6 +554,8 @@ def kda_decode_triton(
     st = cfg.get("stages", 0) if stages is None else stages
     if st == 1 or st < 0:
         raise ValueError(f"kda_decode_triton: stages must be 0 or >= 2, got {st}")
+    KDA_LAST_LAUNCH.clear()
+    KDA_LAST_LAUNCH.update(BV=bv, num_warps=nw, stages=st)
     _kda_decode_kernel[(B, H)](
         q, k, v, z, beta_logits, gate, o,
         q.stride(0), k.stride(0), v.stride(0), z.stride(0), beta_logits.stride(0), gate.stride(0), o.stride(0),
