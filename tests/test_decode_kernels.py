@@ -182,7 +182,7 @@ def test_kda_decode_few_rows_config(monkeypatch):
     assert KN.KDA_LAST_LAUNCH == {
         "BV": min(default["BV"] or 32, 32),
         "num_warps": default["num_warps"],
-        "stages": 0,
+        "stages": default["stages"],
     }
 
 
