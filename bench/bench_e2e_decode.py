@@ -2,7 +2,7 @@
 cost model's weight-and-cache bandwidth roofline.
 
     python3 bench/bench_e2e_decode.py [--presets medium,kimi-linear-48b] [--batches 1,4,16,64] [--context 1024]
-                                      [--steps 24] [--moe-small N] [--compare-ffn-fusion] [--out PATH]
+                                      [--steps 24] [--moe-small N] [--compare-fusion] [--out PATH]
 
 Per preset: a model with random weights is built on the GPU in bf16 (fp32 where SPEC keeps it), an
 :class:`~openk3.infer.engine.Engine` (paged cache, Triton decode steps, CUDA graphs) prefills ``batch`` random prompts
@@ -87,6 +87,7 @@ def run_preset(
     fuse: bool = True,
     moe_small_n: int | None = None,
     fuse_ffn: bool = False,
+    fuse_res: bool = False,
 ) -> None:
     from openk3.cost import predict_decode_time
     from openk3.fast import moe_small
@@ -100,6 +101,7 @@ def run_preset(
         preset
         + ("" if fuse else " unfused-proj")
         + (" fused-ffn" if fuse_ffn else "")
+        + (" fused-residual" if fuse_res else "")
         + ("" if moe_small_n is None else f" moe-small<={moe_small_n}")
     )
     t0 = time.time()
@@ -126,6 +128,7 @@ def run_preset(
         cuda_graph_max_batch=bmax,
         fuse_projections=fuse,
         fuse_ffn_projections=fuse_ffn,
+        fuse_residual=fuse_res,
     )
     print(f"[{preset}] engine: {eng.memory_report()}", flush=True)
     fwd_times: list[float] = []
@@ -245,9 +248,10 @@ def main():
         help="also time each preset with EngineConfig.fuse_projections off (one GEMM per projection)",
     )
     ap.add_argument(
-        "--compare-ffn-fusion",
+        "--compare-fusion",
         action="store_true",
-        help="A/B: time each preset with EngineConfig.fuse_ffn_projections off and on (one GEMM per FFN input)",
+        help="A/B/C: time each preset without the decode fusions that are off by default, with "
+        "EngineConfig.fuse_ffn_projections, and with fuse_ffn_projections + fuse_residual",
     )
     ap.add_argument(
         "--moe-small",
@@ -278,10 +282,23 @@ def main():
     for preset in args.presets.split(","):
         try:
             for fuse in (True, False) if args.compare_unfused else (True,):
-                for ffn in (False, True) if args.compare_ffn_fusion else (False,):
+                variants = (
+                    ((False, False), (True, False), (True, True))
+                    if args.compare_fusion
+                    else ((False, False),)
+                )
+                for ffn, res in variants:
                     for small in (None,) if args.moe_small is None else (0, args.moe_small):
                         run_preset(
-                            preset, batches, args.context, args.steps, not args.no_graphs, fuse, small, ffn
+                            preset,
+                            batches,
+                            args.context,
+                            args.steps,
+                            not args.no_graphs,
+                            fuse,
+                            small,
+                            ffn,
+                            res,
                         )
         except Exception as e:
             ERRORS.append(f"{preset}: {e!r}")

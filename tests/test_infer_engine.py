@@ -518,10 +518,12 @@ def test_fused_projections_match(tiny, variant):
 
 
 @pytest.mark.parametrize("variant", ["tiny", "plain MoE", "latent MoE without shared experts"])
-def test_fused_ffn_projections_match(tiny, variant):
-    """fuse_ffn_projections: one GEMM per FFN over the projections that read its input (dense gate/up; MoE latent
-    down projection + shared experts' gate/up) gives the decode logits of the unfused engine and of a full
-    re-forward; a layer with a single such projection stays unfused; the weights become views of the buffer."""
+def test_fused_ffn_and_residual_match(tiny, variant):
+    """fuse_ffn_projections (one GEMM per FFN over the projections that read its input: dense gate/up, MoE latent
+    down + shared gate/up; and one over the output projections' inputs side by side: latent up + shared down) and
+    fuse_residual (residual adds folded into the last GEMM of attention and FFN) give the decode logits of the
+    unfused engine and of a full re-forward; a layer with a single such projection stays unfused; the weights become
+    views of the buffers (no copies) and keep their values."""
     model = tiny
     if variant != "tiny":
         torch.manual_seed(2)
@@ -534,26 +536,54 @@ def test_fused_ffn_projections_match(tiny, variant):
     prompts = _prompts(22, [4, 31, 17], model.config.vocab_size)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     runs = []
-    for fuse in (False, True):
-        eng = Engine(model, None, max_seqs=4, max_tokens=512, record_logits=True, fuse_ffn_projections=fuse)
+    combos = [(False, False), (True, False), (False, True), (True, True)]
+    for ffn, res in combos:
+        eng = Engine(
+            model,
+            None,
+            max_seqs=4,
+            max_tokens=512,
+            record_logits=True,
+            fuse_ffn_projections=ffn,
+            fuse_residual=res,
+        )
         reqs = eng.generate(prompts, GREEDY)
         _check_against_full_forward(model, reqs)
         runs.append((eng, reqs))
-    (e0, r0), (e1, r1) = runs
-    for a, b in zip(r0, r1):
-        assert a.output_ids == b.output_ids
-        assert _rel(torch.stack(b.logits_log), torch.stack(a.logits_log)) < 1e-5
-    want = [i for i, layer in enumerate(model.model.layers) if len(layer.ffn_input_projections()) >= 2]
-    assert e0.memory_report()["fused_ffn_layers"] == 0
-    assert sorted(e1._fused_ffn) == want and e1.memory_report()["fused_ffn_layers"] == len(want)
+    e0, r0 = runs[0]
+    for (ffn, res), (_e, r) in zip(combos[1:], runs[1:]):
+        for a, b in zip(r0, r):
+            assert a.output_ids == b.output_ids, (ffn, res)
+            assert _rel(torch.stack(b.logits_log), torch.stack(a.logits_log)) < 1e-5, (ffn, res)
+    layers = model.model.layers
+    want_in = [i for i, layer in enumerate(layers) if len(layer.ffn_input_projections()) >= 2]
+    want_out = [
+        i
+        for i, layer in enumerate(layers)
+        if len(layer.ffn_output_projections()) >= 2 and None not in layer.ffn_output_projections()
+    ]
+    assert e0.memory_report()["fused_ffn_layers"] == 0 == e0.memory_report()["fused_ffn_output_layers"]
+    e1 = runs[-1][0]
+    assert sorted(e1._fused_ffn) == want_in and e1.memory_report()["fused_ffn_layers"] == len(want_in)
+    assert sorted(e1._fused_ffn_out) == want_out and e1.memory_report()["fused_ffn_output_layers"] == len(
+        want_out
+    )
     if variant == "latent MoE without shared experts":
-        assert want == []  # one projection per layer: nothing to fuse
+        assert want_in == [] == want_out  # one projection per side: nothing to fuse
+    elif variant == "plain MoE":
+        assert want_in and want_out == []  # the routed mixture is added as it is
     else:
-        assert want
-    for i in want:
+        assert want_in and want_out
+    for i in want_in:
         buf, sizes = e1._fused_ffn[i]
-        mods = model.model.layers[i].ffn_input_projections()
+        mods = layers[i].ffn_input_projections()
         assert sizes == [m.weight.shape[0] for m in mods]
+        for m in mods:
+            assert m.weight.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    for i in want_out:
+        buf = e1._fused_ffn_out[i]
+        mods = layers[i].ffn_output_projections()
+        assert buf.shape == (model.config.hidden_size, sum(m.weight.shape[1] for m in mods))
         for m in mods:
             assert m.weight.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
     after = model.state_dict()

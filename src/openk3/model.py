@@ -110,6 +110,21 @@ class DecoderLayer(nn.Module):
         """The Linear layers that read the FFN input (the MoE router excluded)."""
         return self.block_sparse_moe.input_projections() if self.is_moe else self.mlp.input_projections()
 
+    def ffn_output_projections(self) -> list[nn.Linear | None]:
+        """The projections whose outputs sum to the FFN output (None: identity), one per :meth:`ffn_pre_output`."""
+        return self.block_sparse_moe.output_projections() if self.is_moe else [self.mlp.down_proj]
+
+    def ffn_pre_output(
+        self, x: torch.Tensor, projections: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """The FFN up to its output projections: their inputs, flattened to [B*T, in]."""
+        if self.is_moe:
+            return self.block_sparse_moe.pre_output(x, projections)
+        mlp = self.mlp
+        xf = x.reshape(-1, x.shape[-1])
+        g, u = (mlp.gate_proj(xf), mlp.up_proj(xf)) if projections is None else projections
+        return [mlp.activation(g, u)]
+
     def site(self, which: str) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(site id, query [1, D], norm weight [D]) of this layer's pre-attention or pre-FFN AttnRes read."""
         sid = 2 * self.layer_idx + (0 if which == "self_attention" else 1)

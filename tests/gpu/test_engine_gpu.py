@@ -105,15 +105,17 @@ def test_engine_fast_decode_bf16(graphs):
 
 
 @pytest.mark.parametrize(
-    "fuse,fuse_ffn", [(False, False), (True, False), (True, True)], ids=["plain", "fused-proj", "fused-ffn"]
+    "fuse,fuse_ffn,fuse_res",
+    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+    ids=["plain", "fused-proj", "fused-ffn", "fused-all"],
 )
-def test_engine_fast_decode_fp32(fuse, fuse_ffn):
+def test_engine_fast_decode_fp32(fuse, fuse_ffn, fuse_res):
     """fp32: Triton decode steps against a full forward of the same model, tightly (also with the input projections
     fused into one GEMM per attention layer, and per FFN)."""
     model = _model("small", torch.float32)
     eng = Engine(
         model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, prefix_cache=False,
-        fuse_projections=fuse, fuse_ffn_projections=fuse_ffn,
+        fuse_projections=fuse, fuse_ffn_projections=fuse_ffn, fuse_residual=fuse_res,
     )  # fmt: skip
     assert bool(eng.memory_report()["fused_ffn_layers"]) == fuse_ffn
     from openk3.infer import kernels as KN

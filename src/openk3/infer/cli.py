@@ -77,8 +77,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--fuse-ffn-projections",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="decode: one GEMM per FFN over its input projections (dense gate/up; MoE latent down + shared gate/up); "
-        "default off until measured",
+        help="decode: one GEMM per FFN over its input projections (dense gate/up; MoE latent down + shared gate/up) "
+        "and one over its output projections (latent up + shared down); default off until measured",
+    )
+    g.add_argument(
+        "--fuse-residual",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode: fold the residual adds into the attention / FFN output GEMMs (addmm); default off until measured",
     )
     g.add_argument(
         "--backend",
@@ -135,6 +141,7 @@ def _load(args):
         use_cuda_graphs=args.cuda_graphs,
         fuse_projections=args.fuse_projections,
         fuse_ffn_projections=args.fuse_ffn_projections,
+        fuse_residual=args.fuse_residual,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     engine = Engine(model, tok, cfg)

@@ -86,6 +86,10 @@ class EngineConfig:
     # gate/up, the router excluded) as one GEMM the same way. Off by default until measured on a GPU
     # (bench/bench_e2e_decode.py --compare-ffn-fusion)
     fuse_ffn_projections: bool = False
+    # ... and, with the above, its output projections (latent up projection, shared experts' down projection) as one
+    # GEMM over their inputs side by side. fuse_residual: the residual adds of the decode step folded into the last
+    # GEMM of the attention and FFN outputs (addmm: one rounding instead of two). Both off until measured
+    fuse_residual: bool = False
 
 
 @dataclass
@@ -273,8 +277,10 @@ class Engine:
         self._fused_ffn: dict[int, tuple[torch.Tensor, list[int]]] = {}
         if cfg.fuse_projections:
             self._build_fused_projections(self._input_projections, self._fused)
+        self._fused_ffn_out: dict[int, torch.Tensor] = {}
         if cfg.fuse_ffn_projections:
             self._build_fused_projections(lambda layer: layer.ffn_input_projections(), self._fused_ffn)
+            self._build_fused_outputs()
         self._kda_step = resolve_kda_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
         self._mla_step = resolve_mla_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
@@ -323,6 +329,26 @@ class Engine:
                 m.weight.data = part
             out[i] = (buf, sizes)
 
+    @torch.no_grad()
+    def _build_fused_outputs(self) -> None:
+        """Per FFN whose output is a sum of two or more projections (latent MoE with shared experts: the latent up
+        projection and the shared down projection), one ``[D, sum(in)]`` buffer with their weights side by side along
+        the input dimension; the modules' weights become column views of it (no second copy)."""
+        for i, layer in enumerate(self.model.model.layers):
+            mods = layer.ffn_output_projections()
+            if len(mods) < 2 or any(m is None for m in mods):
+                continue
+            ws = [m.weight for m in mods]
+            if any(
+                type(w.data) is not torch.Tensor or w.dtype != ws[0].dtype or w.device != ws[0].device
+                for w in ws
+            ):
+                continue
+            buf = torch.cat([w.data for w in ws], 1)
+            for m, part in zip(mods, buf.split([w.shape[1] for w in ws], 1)):
+                m.weight.data = part
+            self._fused_ffn_out[i] = buf
+
     def _reserve_bytes(self) -> int:
         if self.device.type != "cuda":
             return 0
@@ -349,6 +375,7 @@ class Engine:
         r["prefix_cache_bytes"] = self.prefix.max_bytes if self.prefix else 0
         r["fused_projection_layers"] = len(self._fused)
         r["fused_ffn_layers"] = len(self._fused_ffn)
+        r["fused_ffn_output_layers"] = len(self._fused_ffn_out)
         r["absorbed_weight_bytes"] = sum(a.numel() * 4 + b.numel() * 4 for a, b in self._absorbed.values())
         return r
 
@@ -718,9 +745,12 @@ class Engine:
                 pool.write_latent(pool.pool_index[li], rows, lat)
 
     # ------------------------------------------------------------------------------------------------ layer walk
-    def _walk(self, r: torch.Tensor, attn: Callable, ffn: Callable | None = None) -> torch.Tensor:
+    def _walk(
+        self, r: torch.Tensor, attn: Callable, ffn: Callable | None = None, residual: bool = False
+    ) -> torch.Tensor:
         """``K3Model.forward`` with the attention call (and optionally the FFN call, ``ffn(i, layer, x_normed)``)
-        replaced: r [B, T, D] embeddings -> final-normed hidden."""
+        replaced: r [B, T, D] embeddings -> final-normed hidden. ``residual``: ``attn`` and ``ffn`` take ``res=``
+        and return ``res`` plus their output (so that they can fold the add into a GEMM)."""
         cfg, inner = self.mcfg, self.model.model
         reader = (
             make_reader(
@@ -731,25 +761,30 @@ class Engine:
         )
         for i, layer in enumerate(inner.layers):
 
-            def a(h, i=i, layer=layer):
-                return attn(i, layer, layer.input_layernorm(h))
+            def a(h, res=None, i=i, layer=layer):  # res + attention(h), or attention(h) alone
+                x = layer.input_layernorm(h)
+                if res is None:
+                    return attn(i, layer, x)
+                return attn(i, layer, x, res=res) if residual else res + attn(i, layer, x)
 
-            def f(h, i=i, layer=layer):
+            def f(h, res, i=i, layer=layer):  # res + ffn(h)
                 x = layer.post_attention_layernorm(h)
-                return layer.ffn(x) if ffn is None else ffn(i, layer, x)
+                if ffn is None:
+                    return res + layer.ffn(x)
+                return ffn(i, layer, x, res=res) if residual else res + ffn(i, layer, x)
 
             if not layer.use_attn_res:
-                r = r + a(r)
-                r = r + f(r)
+                r = a(r, r)
+                r = f(r, r)
                 continue
             h = reader.read(*layer.site("self_attention"), r) if reader.num_sealed else r
             if layer.seal:
                 reader.seal(r, self._seal_sites[i])
                 r = a(h)
             else:
-                r = r + a(h)
+                r = a(h, r)
             m = reader.read(*layer.site("mlp"), r)
-            r = r + f(m)
+            r = f(m, r)
         if cfg.use_attn_res:
             r = reader.read(*inner.output_site(), r)
         return inner.norm(r)
@@ -849,7 +884,12 @@ class Engine:
         pool, lay = self.pool, self.pool.layout
         dc = lay.kv_lora_rank
 
-        def attn(i, layer, x):
+        def out_proj(linear, y, res):  # linear(y) [B, D] -> [B, 1, D], plus res [B, 1, D] when given
+            if res is None:
+                return linear(y)[:, None]
+            return torch.addmm(res[:, 0], y, linear.weight.t())[:, None]
+
+        def attn(i, layer, x, res=None):
             xx = x[:, 0]
             B = xx.shape[0]
             m = layer.self_attn
@@ -865,7 +905,7 @@ class Engine:
                     ga = m.g_proj(xx) if m.full_rank_gate else m.g_a_proj(xx)
                 gate = ga if m.full_rank_gate else m.g_b_proj(ga)
                 o = self._kda_step(m, q, k, v, m.f_b_proj(fa), bl, gate, pool.conv[j], pool.state[j], slots)
-                return m.o_proj(o)[:, None]
+                return out_proj(m.o_proj, o, res)
             H = m.num_heads
             if fused is not None:
                 qx = parts[0] if m.q_lora_rank is None else m.q_b_proj(m.q_a_layernorm(parts[0]))
@@ -884,15 +924,27 @@ class Engine:
             o = o.transpose(0, 1).to(xx.dtype).reshape(B, H * m.dv)
             if m.use_gate:
                 o = torch.sigmoid(parts[2] if fused is not None else m.g_proj(xx)) * o
-            return m.o_proj(o)[:, None]
+            return out_proj(m.o_proj, o, res)
 
-        def ffn(i, layer, x):
+        def ffn(i, layer, x, res=None):
             fused = self._fused_ffn.get(i)
-            if fused is None:
-                return layer.ffn(x)
-            return layer.ffn(x, list(F.linear(x[:, 0], fused[0]).split(fused[1], dim=-1)))
+            proj = None if fused is None else list(F.linear(x[:, 0], fused[0]).split(fused[1], dim=-1))
+            out = self._fused_ffn_out.get(i)
+            mods = layer.ffn_output_projections()
+            if out is None and (res is None or len(mods) != 1 or mods[0] is None):
+                y = layer.ffn(x, proj)
+                return y if res is None else res + y
+            parts = layer.ffn_pre_output(x, proj)
+            if out is None:  # one output projection: fold the residual add into it
+                return out_proj(mods[0], parts[0], res)
+            cat = torch.cat(parts, dim=-1)  # the output projections' inputs side by side: one GEMM
+            return (
+                F.linear(cat, out)[:, None] if res is None else torch.addmm(res[:, 0], cat, out.t())[:, None]
+            )
 
-        h = self._walk(self.model.model.embed_tokens(ids)[:, None], attn, ffn)
+        h = self._walk(
+            self.model.model.embed_tokens(ids)[:, None], attn, ffn, residual=self.cfg.fuse_residual
+        )
         return F.linear(h[:, 0], self.model.output_weight).float()
 
     def _graph_decode(self, bucket, ids, slots, table, lengths, rows) -> torch.Tensor:

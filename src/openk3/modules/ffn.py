@@ -30,9 +30,13 @@ class GLUMLP(nn.Module):
     def from_projections(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``down(act(gate, up))`` for gate / up projections computed elsewhere (e.g. by one GEMM over the gate and
         up weights stored side by side, as the inference engine does)."""
+        return self.down_proj(self.activation(gate, up))
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``act(gate, up)``: the input of ``down_proj``."""
         be = _backend.resolve("glu", gate.is_cuda, self.backend)
         fn = glu_act if be == "reference" else FAST_GLU.get(be, glu_act)
-        return self.down_proj(fn(gate, up, self.act, self.beta1, self.beta2))
+        return fn(gate, up, self.act, self.beta1, self.beta2)
 
     def input_projections(self) -> list[nn.Linear]:
         """The Linear layers that read the FFN input, in :meth:`from_projections`' order."""

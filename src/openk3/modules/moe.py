@@ -150,12 +150,32 @@ class SparseMoE(nn.Module):
             mods += self.shared_experts.input_projections()
         return mods
 
+    def output_projections(self) -> list[nn.Linear | None]:
+        """The projections whose outputs sum to the layer output, one per entry of :meth:`pre_output` (None: the
+        entry is added as it is): the latent up projection (identity for a plain MoE), then the shared experts'
+        down projection (when there are shared experts)."""
+        mods = [self.routed_expert_up_proj if self.latent else None]
+        if self.shared_experts is not None:
+            mods.append(self.shared_experts.down_proj)
+        return mods
+
     def forward(self, x: torch.Tensor, projections: list[torch.Tensor] | None = None) -> torch.Tensor:
         """x: [B, T, D] (post-attention-normed). Returns [B, T, D]. ``projections``: the outputs of
         :meth:`input_projections` for ``x`` ([B*T, out] each) when they were computed elsewhere (the inference engine
         runs them as one GEMM)."""
-        shape = x.shape
-        xf = x.reshape(-1, shape[-1])
+        parts = self.pre_output(x, projections)
+        u = None
+        for m, part in zip(self.output_projections(), parts):
+            y = part if m is None else m(part)
+            u = y if u is None else u + y
+        return u.view(x.shape)
+
+    def pre_output(
+        self, x: torch.Tensor, projections: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """The inputs of :meth:`output_projections` ([B*T, in] each): the routed experts' mixture (normed, for a
+        latent MoE) and the shared experts' activation."""
+        xf = x.reshape(-1, x.shape[-1])
         pre = list(projections) if projections is not None else None
         be = _backend.resolve("moe", x.is_cuda, self.backend)
         fn = experts_reference if be == "reference" else FAST_EXPERTS[be]
@@ -183,10 +203,11 @@ class SparseMoE(nn.Module):
             beta1=self.beta1,
             beta2=self.beta2,
         )
-        if self.latent:
-            if self.routed_expert_norm is not None:
-                u = self.routed_expert_norm(u)
-            u = self.routed_expert_up_proj(u)
+        if self.latent and self.routed_expert_norm is not None:
+            u = self.routed_expert_norm(u)
+        parts = [u]
         if self.shared_experts is not None:
-            u = u + (self.shared_experts(xf) if pre is None else self.shared_experts.from_projections(*pre))
-        return u.view(shape)
+            se = self.shared_experts
+            g, up = (se.gate_proj(xf), se.up_proj(xf)) if pre is None else pre
+            parts.append(se.activation(g, up))
+        return parts
