@@ -75,6 +75,15 @@ SCRIPT = textwrap.dedent(
                     e = rel(got, want)
                     assert e <= tol, (E, I, W, act, dtype, packed, e)
                     worst = max(worst, e / tol)
+    # an expert id out of range: NaN on that token only (no out-of-bounds read), the other tokens exact
+    w1, w3 = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
+    w2 = torch.randn(4, 8, 6)
+    x = torch.randn(3, 8)
+    idx = torch.tensor([[0, 1], [2, 7], [3, -1]])
+    wt = torch.rand(3, 2)
+    got = moe_small.experts_small(x, idx, wt, w1, w2, w3)
+    assert torch.isnan(got[1:]).all() and torch.isfinite(got[0]).all()
+    assert rel(got[0], experts_reference(x[:1], idx[:1], wt[:1], w1, w2, w3)[0]) < 1e-5
     # when the path applies
     x = torch.randn(3, 8)
     with torch.no_grad():

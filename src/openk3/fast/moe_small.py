@@ -130,6 +130,7 @@ if HAS_TRITON:
         w1_ptr,
         w3_ptr,
         a_ptr,
+        E,
         W,
         I,
         s_x,
@@ -148,10 +149,13 @@ if HAS_TRITON:
         NW: tl.constexpr,
         STAGES: tl.constexpr,
     ):
-        """a[p, i] = act(round(x[p // K] . w1[e_p, i]), round(x[p // K] . w3[e_p, i])) for pair p, expert e_p."""
+        """a[p, i] = act(round(x[p // K] . w1[e_p, i]), round(x[p // K] . w3[e_p, i])) for pair p, expert e_p (NaN
+        for an expert id outside [0, E): no out-of-bounds read, and the bad id shows in the output)."""
         p = tl.program_id(0).to(tl.int64)
         n = p // K
         e = tl.load(idx_ptr + p).to(tl.int64)
+        ok = (e >= 0) & (e < E)
+        e = tl.where(ok, e, 0)
         ii = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         im = ii < I
         g_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
@@ -159,7 +163,7 @@ if HAS_TRITON:
         for t in tl.range(NW, num_stages=STAGES):
             cols = t * BLOCK_W + tl.arange(0, BLOCK_W)
             cm = cols < W
-            m2 = im[:, None] & cm[None, :]
+            m2 = im[:, None] & cm[None, :] & ok
             xv = tl.load(x_ptr + n * s_x + cols, mask=cm, other=0.0).to(tl.float32)
             wg = tl.load(w1_ptr + e * s1_e + ii[:, None] * s1_i + cols[None, :], mask=m2, other=0.0)
             wu = tl.load(w3_ptr + e * s3_e + ii[:, None] * s3_i + cols[None, :], mask=m2, other=0.0)
@@ -173,6 +177,7 @@ if HAS_TRITON:
             a = (b1 * tanh_f32(g * ib1)) * sg * (b2 * tanh_f32(u * ib2))
         else:
             a = g * sg * u
+        a = tl.where(ok, a, float("nan"))
         tl.store(a_ptr + p * I + ii, a.to(dt), mask=im)
 
     @triton.jit
@@ -181,6 +186,7 @@ if HAS_TRITON:
         idx_ptr,
         w2_ptr,
         y_ptr,
+        E,
         W,
         I,
         s2_e,
@@ -190,9 +196,11 @@ if HAS_TRITON:
         NI: tl.constexpr,
         STAGES: tl.constexpr,
     ):
-        """y[p, o] = round(a[p] . w2[e_p, o]) for pair p."""
+        """y[p, o] = round(a[p] . w2[e_p, o]) for pair p (NaN for an expert id outside [0, E))."""
         p = tl.program_id(0).to(tl.int64)
         e = tl.load(idx_ptr + p).to(tl.int64)
+        ok = (e >= 0) & (e < E)
+        e = tl.where(ok, e, 0)
         oo = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         om = oo < W
         acc = tl.zeros([BLOCK_O, BLOCK_I], dtype=tl.float32)
@@ -202,11 +210,12 @@ if HAS_TRITON:
             av = tl.load(a_ptr + p * I + ii, mask=im, other=0.0).to(tl.float32)
             wv = tl.load(
                 w2_ptr + e * s2_e + oo[:, None] * s2_w + ii[None, :],
-                mask=om[:, None] & im[None, :],
+                mask=om[:, None] & im[None, :] & ok,
                 other=0.0,
             )
             acc += wv.to(tl.float32) * av[None, :]
-        tl.store(y_ptr + p * W + oo, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=om)
+        y = tl.where(ok, tl.sum(acc, 1), float("nan"))
+        tl.store(y_ptr + p * W + oo, y.to(y_ptr.dtype.element_ty), mask=om)
 
 
 def _check_2d(name: str, t: torch.Tensor, cols: int | None = None) -> None:
@@ -281,7 +290,9 @@ def route_small(
 
 def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=25.0) -> torch.Tensor:
     """``openk3.ops.moe.experts_reference`` for a few tokens (no autograd). x: [N, W]; idx, weights: [N, k];
-    w1, w3: [E, I, W]; w2: [E, W, I] (unit stride along the last dimension). Returns [N, W] in x.dtype."""
+    w1, w3: [E, I, W]; w2: [E, W, I] (unit stride along the last dimension). Returns [N, W] in x.dtype. A token
+    routed to an expert id outside [0, E) gets NaN (checked in the kernels: no host synchronisation, no
+    out-of-bounds read)."""
     if act not in ("situ", "silu", "swiglu"):
         raise ValueError(f"unknown activation {act!r}; expected 'situ' or 'silu'")
     E, I, W = w1.shape
@@ -307,6 +318,7 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
         w1,
         w3,
         a,
+        E,
         W,
         I,
         x.stride(0),
@@ -333,6 +345,7 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
         idx,
         w2,
         y,
+        E,
         W,
         I,
         w2.stride(0),
