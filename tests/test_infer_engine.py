@@ -590,6 +590,26 @@ def test_fused_ffn_and_residual_match(tiny, variant):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_cli_moe_small_tokens_is_checked(tmp_path):
+    """`--moe-small-tokens N` / OPENK3_MOE_SMALL_N: a negative count or a non-integer is a clear one-line error; a
+    valid one runs (on CPU the few-token path does not apply: the layer's backend runs)."""
+    import os
+    import subprocess
+    import sys
+
+    def run(*extra, env=None):
+        cmd = [sys.executable, "-m", "openk3", "generate", "--prompt", "def f", "-n", "2", *extra]
+        env = dict(os.environ, **(env or {}))
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+
+    r = run("--moe-small-tokens", "-1")
+    assert r.returncode != 0 and "--moe-small-tokens must be >= 0" in r.stderr
+    r = run(env={"OPENK3_MOE_SMALL_N": "four"})
+    assert r.returncode != 0 and "OPENK3_MOE_SMALL_N must be a non-negative integer" in r.stderr
+    r = run("--moe-small-tokens", "4", "--fuse-ffn-projections", "--fuse-residual")
+    assert r.returncode == 0, r.stderr
+
+
 def test_cli_backend_choice_is_checked(tmp_path):
     """`openk3 generate --backend OP=NAME`: a clear one-line error for an unknown op or a backend this device
     cannot run; a valid choice is applied."""

@@ -29,7 +29,15 @@ import torch
 from openk3.fast._triton import HAS_TRITON, tanh_f32, tl, triton, triton_ok
 from openk3.fast.moe import combine2
 
-SMALL_N = int(os.environ.get("OPENK3_MOE_SMALL_N", "0"))
+
+def _env_tokens(name: str) -> int:
+    raw = os.environ.get(name, "0").strip() or "0"
+    if not raw.isdigit():
+        raise ValueError(f"{name} must be a non-negative integer (a token count; 0 = off), got {raw!r}")
+    return int(raw)
+
+
+SMALL_N = _env_tokens("OPENK3_MOE_SMALL_N")
 # tiles: (gate/up rows per program, input columns per step, pipeline stages), (down-projection rows per program,
 # columns per step, stages); stages >= 2 stream the weight tiles through shared memory (Triton's pipeliner), 1 loads
 # them straight into registers

@@ -97,6 +97,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--decode-backend", default=None, help="decode steps: auto (default), reference, or a registered name"
     )
+    g.add_argument(
+        "--moe-small-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="MoE layers seeing at most N tokens (decode at batch <= N) use the few-token Triton path on CUDA "
+        "(default: $OPENK3_MOE_SMALL_N, else 0 = off)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new_default: int | None) -> None:
@@ -121,6 +129,8 @@ def _load(args):
 
     from openk3.infer.engine import Engine, EngineConfig, load_for_inference
 
+    if args.moe_small_tokens is not None and args.moe_small_tokens < 0:
+        raise SystemExit(f"--moe-small-tokens must be >= 0, got {args.moe_small_tokens}")
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     model, tok, name, source = load_for_inference(
         args.ckpt, device=args.device, dtype=dtype, tokenizer=args.tokenizer, seed=args.seed_init
@@ -144,6 +154,10 @@ def _load(args):
         fuse_residual=args.fuse_residual,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
+    if args.moe_small_tokens is not None:
+        from openk3.fast import moe_small
+
+        moe_small.SMALL_N = args.moe_small_tokens
     engine = Engine(model, tok, cfg)
     return engine, name, source
 
