@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from openk3.infer.cache import PagedHybridCache, PrefixCache, plan_pool
 from openk3.infer.decode import resolve_kda_decode, resolve_mla_decode
-from openk3.infer.sampling import SamplingParams, find_stop, sample, stop_holdback
+from openk3.infer.sampling import SamplingParams, find_stop, sample, sample_keys, stop_holdback
 from openk3.ops import backend as _backend
 from openk3.ops.attnres import make_reader
 
@@ -158,7 +158,7 @@ class Request:
         self.stop_hit = False  # a stop string matched: text is final
         self.detok = None
         self.seen: torch.Tensor | None = None
-        self.generator: torch.Generator | None = None
+        self.seed: int | None = None  # sampled requests: the draw seed (params.seed, or a random one)
         self.logits_log: list[torch.Tensor] = []
         self.prefix_hit = 0
         self.arrival = time.monotonic()
@@ -424,8 +424,7 @@ class Engine:
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer)
         if not params.greedy:
-            seed = params.seed if params.seed is not None else random.getrandbits(63)
-            req.generator = torch.Generator(device=self.device).manual_seed(seed)
+            req.seed = params.seed if params.seed is not None else random.getrandbits(63)
         return req
 
     def submit(
@@ -803,18 +802,7 @@ class Engine:
         ]  # a later allocation may have preempted an earlier one
         if not batch:
             return
-        ps = self.pool.page_size
-        pos = [r.num_computed for r in batch]
-        ids = torch.tensor([r.all_ids[-1] for r in batch], dtype=torch.long)
-        slots = torch.tensor([r.slot for r in batch], dtype=torch.long)
-        lengths = torch.tensor([p + 1 for p in pos], dtype=torch.int32)
-        rows = torch.tensor([r.pages[p // ps] * ps + p % ps for r, p in zip(batch, pos)], dtype=torch.long)
-        width = max(self.pool.pages_for(p + 1) for p in pos)
-        table = torch.full((len(batch), width), self.pool.dummy_page, dtype=torch.int32)
-        for b, (r, p) in enumerate(zip(batch, pos)):
-            n = self.pool.pages_for(p + 1)
-            table[b, :n] = torch.tensor(r.pages[:n], dtype=torch.int32)
-        logits = self._decode_logits(ids, slots, table, lengths, rows)
+        logits = self._decode_logits(*self._decode_inputs(batch))
         self.metrics["decode_steps_total"] += 1
         for r in batch:
             r.num_computed += 1
@@ -837,7 +825,7 @@ class Engine:
             top_p=[r.params.top_p for r in batch],
             repetition_penalty=[r.params.repetition_penalty for r in batch],
             seen=seen,
-            generators=[r.generator for r in batch],
+            keys=sample_keys([r.seed or 0 for r in batch], [len(r.output_ids) for r in batch]),
         ).tolist()
         for b, (r, t) in enumerate(zip(batch, toks)):
             if self.cfg.record_logits:
@@ -867,17 +855,50 @@ class Engine:
             return
         self._emit(req, [t], text)
 
-    def _decode_logits(self, ids, slots, table, lengths, rows) -> torch.Tensor:
+    def _bucket(self, B: int) -> int | None:
+        """The CUDA-graph batch bucket a decode batch of B rows runs in (None: eager)."""
+        if not self.graphs_enabled:
+            return None
+        return next((b for b in self._buckets if b >= B), None)
+
+    def _decode_inputs(self, batch: list[Request]):
+        """Host tensors of one decode step, padded to its graph bucket with scratch rows (slot / page of the pool's
+        scratch, length 1): ``meta`` [3, n] int64 (token ids, slots, cache rows of the new token), ``lengths`` [n]
+        int32 and the block ``table`` [n, W] int32 (W: the widest row, unused entries the scratch page). Three
+        tensors built from Python lists in one call each (a per-row build cost ~10 us per row)."""
+        pool, B = self.pool, len(batch)
+        ps, dummy = pool.page_size, pool.dummy_page
+        n = self._bucket(B) or B
+        pad = n - B
+        pos = [r.num_computed for r in batch]
+        npg = [pool.pages_for(p + 1) for p in pos]
+        W = max(npg)
+        meta = torch.tensor(
+            [
+                [r.all_ids[-1] for r in batch] + [0] * pad,
+                [r.slot for r in batch] + [pool.dummy_slot] * pad,
+                [r.pages[p // ps] * ps + p % ps for r, p in zip(batch, pos)] + [dummy * ps] * pad,
+            ],
+            dtype=torch.long,
+        )
+        lengths = torch.tensor([p + 1 for p in pos] + [1] * pad, dtype=torch.int32)
+        fill = [dummy] * W
+        table = torch.tensor(
+            [r.pages[:k] + fill[k:] for r, k in zip(batch, npg)] + [fill] * pad, dtype=torch.int32
+        )
+        return meta, lengths, table, B
+
+    def _decode_logits(self, meta, lengths, table, B: int) -> torch.Tensor:
+        """Logits [B, V] of one decode step from :meth:`_decode_inputs`' tensors (graph replay or eager)."""
+        bucket = self._bucket(B)
+        if bucket is not None and bucket == meta.shape[1]:
+            try:
+                return self._graph_decode(bucket, meta, lengths, table, B)
+            except Exception as e:  # capture failed (host sync in some op): run eagerly from now on
+                self._disable_graphs(e)
         dev = self.device
-        B = ids.shape[0]
-        if self.graphs_enabled:
-            bucket = next((b for b in self._buckets if b >= B), None)
-            if bucket is not None:
-                try:
-                    return self._graph_decode(bucket, ids, slots, table, lengths, rows)
-                except Exception as e:  # capture failed (host sync in some op): run eagerly from now on
-                    self._disable_graphs(e)
-        return self._decode_forward(ids.to(dev), slots.to(dev), table.to(dev), lengths.to(dev), rows.to(dev))
+        meta, lengths, table = meta[:, :B].to(dev), lengths[:B].to(dev), table[:B].to(dev)
+        return self._decode_forward(meta[0], meta[1], table, lengths, meta[2])
 
     def _decode_forward(self, ids, slots, table, lengths, rows) -> torch.Tensor:
         """One token per row: ids/slots/lengths/rows [B], table [B, W]. Pure device work (graph-capturable)."""
@@ -947,23 +968,15 @@ class Engine:
         )
         return F.linear(h[:, 0], self.model.output_weight).float()
 
-    def _graph_decode(self, bucket, ids, slots, table, lengths, rows) -> torch.Tensor:
-        B, W = table.shape
+    def _graph_decode(self, bucket, meta, lengths, table, B: int) -> torch.Tensor:
         if bucket not in self._graphs:
             self._capture(bucket)
-        g, bufs, out = self._graphs[bucket]
-        b_ids, b_slots, b_table, b_len, b_rows = bufs
-        pool = self.pool
-        b_ids.fill_(0)
-        b_slots.fill_(pool.dummy_slot)
-        b_table.fill_(pool.dummy_page)
-        b_len.fill_(1)
-        b_rows.fill_(pool.dummy_page * pool.page_size)
-        b_ids[:B].copy_(ids, non_blocking=True)
-        b_slots[:B].copy_(slots, non_blocking=True)
-        b_table[:B, :W].copy_(table, non_blocking=True)
-        b_len[:B].copy_(lengths, non_blocking=True)
-        b_rows[:B].copy_(rows, non_blocking=True)
+        g, (b_meta, b_len, b_table), out = self._graphs[bucket]
+        # three copies, padding rows included; table columns past W keep earlier page ids (valid pool pages) and
+        # are never read: each row reads the pages of its own length only
+        b_meta.copy_(meta, non_blocking=True)
+        b_len.copy_(lengths, non_blocking=True)
+        b_table[:, : table.shape[1]].copy_(table, non_blocking=True)
         g.replay()
         return out[:B].clone()
 
@@ -990,13 +1003,14 @@ class Engine:
 
     def _capture(self, bucket: int) -> None:
         dev, pool = self.device, self.pool
-        bufs = (
-            torch.zeros(bucket, dtype=torch.long, device=dev),
-            torch.full((bucket,), pool.dummy_slot, dtype=torch.long, device=dev),
-            torch.full((bucket, self._max_pages_per_seq), pool.dummy_page, dtype=torch.int32, device=dev),
-            torch.ones(bucket, dtype=torch.int32, device=dev),
-            torch.full((bucket,), pool.dummy_page * pool.page_size, dtype=torch.long, device=dev),
-        )
+        meta = torch.tensor(
+            [[0] * bucket, [pool.dummy_slot] * bucket, [pool.dummy_page * pool.page_size] * bucket],
+            dtype=torch.long,
+            device=dev,
+        )  # token ids, slots, cache rows (scratch rows until a step fills them)
+        lengths = torch.ones(bucket, dtype=torch.int32, device=dev)
+        table = torch.full((bucket, self._max_pages_per_seq), pool.dummy_page, dtype=torch.int32, device=dev)
+        bufs = (meta[0], meta[1], table, lengths, meta[2])
         s = torch.cuda.Stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
@@ -1008,7 +1022,7 @@ class Engine:
         with torch.cuda.graph(g, pool=self._graph_pool, capture_error_mode="thread_local"):
             out = self._decode_forward(*bufs)
         self._graph_pool = g.pool()
-        self._graphs[bucket] = (g, bufs, out)
+        self._graphs[bucket] = (g, (meta, lengths, table), out)
 
     # ------------------------------------------------------------------------------------------------ stats
     def stats(self) -> dict:

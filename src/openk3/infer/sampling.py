@@ -20,6 +20,8 @@ __all__ = [
     "top_k_filter",
     "top_p_filter",
     "sample",
+    "sample_keys",
+    "gumbel_argmax",
     "find_stop",
     "stop_holdback",
 ]
@@ -136,6 +138,64 @@ def top_p_filter(logits: torch.Tensor, p: float | Sequence[float] | torch.Tensor
     return logits.masked_fill(drop, float("-inf"))
 
 
+# ---------------------------------------------------------------------------------- counter-based draws
+# A draw for (seed, counter) from a stateless hash instead of a torch.Generator: every row of a batch is sampled in
+# one pass (Gumbel-max: argmax of logits + Gumbel noise), and a request's token depends on its own seed and position
+# only, whatever else is in the batch. Noise of token i in a row with key k: a 32-bit integer hash (two
+# xor-shift-multiply rounds, _h32) of hash(i) xor k, turned into a 24-bit uniform u and -log(-log(u)) (a token more
+# than ~20 nats below the best one is never drawn: probability ratio < 2e-9).
+_M32 = 0xFFFFFFFF
+_HMUL = 0x45D9F3B
+
+
+def _h32(x: int) -> int:
+    x = (((x >> 16) ^ x) * _HMUL) & _M32
+    x = (((x >> 16) ^ x) * _HMUL) & _M32
+    return (x >> 16) ^ x
+
+
+def _h32_t(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_h32` on an int64 tensor of values in [0, 2**32) (products stay below 2**59: exact)."""
+    x = (((x >> 16) ^ x) * _HMUL) & _M32
+    x = (((x >> 16) ^ x) * _HMUL) & _M32
+    return (x >> 16) ^ x
+
+
+def sample_keys(seeds: Sequence[int], counters: Sequence[int]) -> list[int]:
+    """The 32-bit draw key of each (seed, counter) pair (seed: any integer, counter: the request's token position)."""
+    out = []
+    for s, c in zip(seeds, counters):
+        s = int(s) & ((1 << 64) - 1)
+        out.append(_h32(_h32(_h32((s >> 32) & _M32) ^ (s & _M32)) ^ (int(c) & _M32)))
+    return out
+
+
+_VOCAB_HASH: dict = {}
+
+
+def gumbel_argmax_reference(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """argmax over each row of ``logits + Gumbel(key, index)`` (fp32; first index on ties): a draw from
+    ``softmax(logits)`` per row. logits: [R, V] (-inf excluded); keys: [R] int64 from :func:`sample_keys`."""
+    V = logits.shape[-1]
+    hv = _VOCAB_HASH.get((V, logits.device))
+    if hv is None:  # the per-index half of the hash, once per vocabulary size and device
+        hv = _VOCAB_HASH[(V, logits.device)] = _h32_t(torch.arange(V, dtype=torch.long, device=logits.device))
+    h = _h32_t(hv[None, :] ^ keys.to(device=logits.device, dtype=torch.long)[:, None])
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    g = -torch.log(-torch.log(u))
+    return (logits.float() + g).argmax(-1)
+
+
+def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """:func:`gumbel_argmax_reference`, in one Triton kernel on CUDA (``openk3.infer.kernels``)."""
+    if logits.is_cuda:
+        from openk3.infer import kernels
+
+        if kernels.available()[0]:
+            return kernels.gumbel_argmax_triton(logits, keys)
+    return gumbel_argmax_reference(logits, keys)
+
+
 def sample(
     logits: torch.Tensor,
     *,
@@ -145,12 +205,16 @@ def sample(
     repetition_penalty: Sequence[float] | float = 1.0,
     seen: torch.Tensor | None = None,
     generators: Sequence[torch.Generator | None] | None = None,
+    keys: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Next token per row. logits: [B, V]; per-row settings (scalars broadcast); ``seen [B, V]`` marks tokens for the
-    repetition penalty; ``generators``: one per row (``None`` = torch's default generator). Returns ids [B] int64.
+    repetition penalty. Draws: with ``keys`` (one per row, :func:`sample_keys` of the request's seed and position),
+    one counter-based Gumbel-max pass for every sampled row (:func:`gumbel_argmax`; what the engine uses); else
+    ``generators``, one per row (``None`` = torch's default generator), one ``multinomial`` per seeded row.
+    Returns ids [B] int64.
 
-    Each sampled row draws from its own generator only, so a seeded request gets the same tokens whatever else is
-    in the batch."""
+    Either way a sampled row's token depends only on its own seed (and position), so a seeded request gets the
+    same tokens whatever else is in the batch."""
     B, V = logits.shape
     temps = (
         [float(temperature)] * B if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
@@ -177,11 +241,26 @@ def sample(
         xs = top_k_filter(xs, torch.tensor(k_rows, device=x.device))
     if any(p < 1.0 for p in p_rows):
         xs = top_p_filter(xs, p_rows)
-    probs = torch.softmax(xs, dim=-1)
     out = greedy_ids.clone()
-    for j, i in enumerate(sampled_rows):
-        g = generators[i] if generators is not None else None
-        out[i] = torch.multinomial(probs[j], 1, generator=g)[0]
+    if keys is not None:
+        if len(keys) != B:
+            raise ValueError(f"keys: expected one per row ({B}), got {len(keys)}")
+        kt = torch.tensor([keys[i] for i in sampled_rows], dtype=torch.long, device=x.device)
+        out[rows] = gumbel_argmax(xs, kt)
+        return out
+    probs = torch.softmax(xs, dim=-1)
+    gens = [generators[i] if generators is not None else None for i in sampled_rows]
+    # rows without their own generator: one draw for all of them from torch's default generator (a launch per row
+    # cost ~10-20 us each at large batches); seeded rows: one draw each from their own generator
+    free = [j for j, g in enumerate(gens) if g is None]
+    if free:
+        pick = probs if len(free) == len(gens) else probs[torch.tensor(free, device=x.device)]
+        drawn = torch.multinomial(pick, 1)[:, 0]
+        dest = rows if len(free) == len(gens) else rows[torch.tensor(free, device=x.device)]
+        out[dest] = drawn
+    for j, g in enumerate(gens):
+        if g is not None:
+            out[sampled_rows[j]] = torch.multinomial(probs[j], 1, generator=g)[0]
     return out
 
 
