@@ -8,7 +8,9 @@ from openk3.infer.sampling import (
     apply_repetition_penalty,
     apply_temperature,
     find_stop,
+    gumbel_argmax_reference,
     sample,
+    sample_keys,
     stop_holdback,
     top_k_filter,
     top_p_filter,
@@ -47,6 +49,62 @@ def test_sampling_follows_the_distribution():
     toks = sample(logits, temperature=1.0, generators=[g] * 4000)
     freq = torch.bincount(toks, minlength=4).float() / 4000
     assert (freq - probs).abs().max() < 0.03  # ~4 sigma for 4000 draws, fixed seed
+
+
+def test_keyed_sampling_is_reproducible_and_batch_independent():
+    """keys (the engine's draws): a row's token depends on its own (seed, position) only."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 100)
+    keys = sample_keys([7, 8, 9, 10], [3, 3, 3, 3])
+    a = sample(logits, temperature=1.0, keys=keys)
+    assert torch.equal(a, sample(logits, temperature=1.0, keys=keys))
+    alone = sample(logits[2:3], temperature=1.0, keys=sample_keys([9], [3]))
+    assert alone.item() == a[2].item()
+    # next to greedy rows and with other rows' settings changed: the same token
+    mixed = sample(logits, temperature=[0.0, 2.0, 1.0, 0.0], keys=keys)
+    assert mixed[2].item() == a[2].item() and mixed[0].item() == logits[0].argmax().item()
+    # other seeds and other positions draw other tokens (some of 20)
+    assert (
+        len(
+            {
+                tuple(sample(logits, temperature=1.0, keys=sample_keys([s] * 4, [3] * 4)).tolist())
+                for s in range(20)
+            }
+        )
+        > 1
+    )
+    assert (
+        len({sample(logits[:1], temperature=1.0, keys=sample_keys([7], [c])).item() for c in range(20)}) > 1
+    )
+    with pytest.raises(ValueError, match="keys"):
+        sample(logits, temperature=1.0, keys=keys[:3])
+
+
+def test_sample_keys_are_distinct():
+    keys = sample_keys([s for s in range(50) for _ in range(40)], [c for _ in range(50) for c in range(40)])
+    assert len(set(keys)) == len(keys) and all(0 <= k < 2**32 for k in keys)
+    big = sample_keys([2**62 + 1, -5, 2**40], [0, 0, 2**33])
+    assert len(set(big)) == 3
+
+
+def test_keyed_sampling_follows_the_distribution():
+    """One seed, 20000 positions: token frequencies match softmax(logits), also after top-k / top-p (and only
+    the kept tokens appear)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 20000
+    logits = probs.log()[None].expand(n, 4).contiguous()
+    keys = sample_keys([123] * n, list(range(n)))
+    toks = sample(logits, temperature=1.0, keys=keys)
+    freq = torch.bincount(toks, minlength=4).float() / n
+    assert (freq - probs).abs().max() < 0.015  # ~4 sigma for 20000 draws
+    kept = sample(logits, temperature=1.0, top_k=2, keys=keys)
+    assert set(kept.tolist()) == {0, 1}
+    f2 = torch.bincount(kept, minlength=2).float() / n
+    assert abs(f2[0] - 0.5 / 0.8) < 0.015
+    # the reference draw itself: -inf entries are never chosen
+    x = torch.randn(50, 30)
+    x[:, ::2] = float("-inf")
+    assert (gumbel_argmax_reference(x, torch.tensor(sample_keys(range(50), [0] * 50))) % 2 == 1).all()
 
 
 def test_temperature_scales_logits():

@@ -227,3 +227,22 @@ def test_grouped_moe_inference_layout(N):
         out = experts_grouped(x, idx, wts, w1, w2, w3, act="situ", beta1=4.0, beta2=25.0)
         ref = experts_reference(x, idx, wts, w1, w2, w3, act="situ", beta1=4.0, beta2=25.0)
     assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_seeded_sampling_on_cuda(graphs):
+    """Sampled decoding on CUDA (the one-kernel counter-based draw): a seeded request gets the same tokens alone and
+    next to other requests, in graph and eager mode; another seed gives other tokens."""
+    model = _model("small", torch.float32)
+    eng = Engine(
+        model, None, page_size=16, max_seqs=4, max_tokens=4096, use_cuda_graphs=graphs, prefix_cache=False
+    )
+    V = model.config.vocab_size
+    p = _prompts(11, [12], V)[0]
+    sp = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    (alone,) = eng.generate([p], sp)
+    others = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    mixed = eng.generate([_prompts(12, [7], V)[0], p, _prompts(13, [3], V)[0]], [others, sp, others])
+    assert alone.output_ids == mixed[1].output_ids
+    (other,) = eng.generate([p], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True))
+    assert other.output_ids != alone.output_ids
