@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -825,7 +826,9 @@ class Engine:
             top_p=[r.params.top_p for r in batch],
             repetition_penalty=[r.params.repetition_penalty for r in batch],
             seen=seen,
-            keys=sample_keys([r.seed or 0 for r in batch], [len(r.output_ids) for r in batch]),
+            keys=sample_keys([r.seed or 0 for r in batch], [len(r.output_ids) for r in batch])
+            if any(r.seed is not None for r in batch)
+            else None,
         ).tolist()
         for b, (r, t) in enumerate(zip(batch, toks)):
             if self.cfg.record_logits:
@@ -883,8 +886,9 @@ class Engine:
         )
         lengths = torch.tensor([p + 1 for p in pos] + [1] * pad, dtype=torch.int32)
         fill = [dummy] * W
-        table = torch.tensor(
-            [r.pages[:k] + fill[k:] for r, k in zip(batch, npg)] + [fill] * pad, dtype=torch.int32
+        # through numpy: ~3x faster than torch.tensor on nested lists (64 rows x 64 pages: 0.1 vs 0.3 ms)
+        table = torch.from_numpy(
+            np.array([r.pages[:k] + fill[k:] for r, k in zip(batch, npg)] + [fill] * pad, dtype=np.int32)
         )
         return meta, lengths, table, B
 
