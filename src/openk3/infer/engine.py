@@ -319,10 +319,7 @@ class Engine:
         for i, layer in enumerate(self.model.model.layers):
             mods = projections(layer)
             ws = [m.weight for m in mods]
-            if len(ws) < 2 or any(
-                type(w.data) is not torch.Tensor or w.dtype != ws[0].dtype or w.device != ws[0].device
-                for w in ws
-            ):
+            if len(ws) < 2 or not _stackable(ws):
                 continue
             buf = torch.cat([w.data for w in ws], 0)
             sizes = [w.shape[0] for w in ws]
@@ -340,10 +337,7 @@ class Engine:
             if len(mods) < 2 or any(m is None for m in mods):
                 continue
             ws = [m.weight for m in mods]
-            if any(
-                type(w.data) is not torch.Tensor or w.dtype != ws[0].dtype or w.device != ws[0].device
-                for w in ws
-            ):
+            if not _stackable(ws):
                 continue
             buf = torch.cat([w.data for w in ws], 1)
             for m, part in zip(mods, buf.split([w.shape[1] for w in ws], 1)):
@@ -1061,6 +1055,13 @@ class Engine:
                 }
             )
         return m
+
+
+def _stackable(ws: list[torch.Tensor]) -> bool:
+    """Whether weights can share one buffer: plain tensors (not sharded / subclassed) of one dtype and device."""
+    return all(
+        type(w.data) is torch.Tensor and w.dtype == ws[0].dtype and w.device == ws[0].device for w in ws
+    )
 
 
 def _import_fast_paths() -> None:
