@@ -437,6 +437,9 @@ def moe_section(sweep: bool):
         w1, w3 = w13[:, :I], w13[:, I:]
         w2 = torch.randn(held, W, I, device=DEV, dtype=bf) * I**-0.5
         for N in MOE_TOKENS:
+            if time.time() - T0 > BUDGET:
+                INFO["skipped"].append(f"moe {name} N={N}: time budget")
+                continue
             x = torch.randn(N, D, device=DEV, dtype=bf)
             kw = dict(top_k=K, activation="sigmoid", renormalize=True, scaling=2.5)
             with torch.no_grad():
@@ -479,6 +482,8 @@ def moe_section(sweep: bool):
             if sweep and N == 1 and name in ("medium", "48b"):
                 base = (moe_small.UP_TILE, moe_small.DOWN_TILE)
                 for up, down in MOE_TILE_SWEEP:
+                    if time.time() - T0 > BUDGET:
+                        break
                     moe_small.UP_TILE, moe_small.DOWN_TILE = up, down
                     try:
                         with torch.no_grad():

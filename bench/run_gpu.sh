@@ -5,12 +5,13 @@
 #
 #   OPENK3_AUTOTUNE_MAX=1 bash bench/run_gpu.sh OUT_DIR [steps]
 #
-# Time limits per step (seconds): T_TESTS=300 T_DECODE=150 T_E2E=300 T_TRAIN=400, about
+# Time limits per step (seconds): T_TESTS=300 T_DECODE=150 T_E2E=300 T_AB=300 T_TRAIN=400, about
 # 20 minutes in all; under a shorter per-command limit pass a subset of steps per call.
-# steps (comma separated, default all): tests, decode, e2e, train. Logs and JSON land in OUT_DIR:
+# steps (comma separated, default tests,decode,e2e,train; also ab: the medium decode A/B of the opt-in paths).
+# Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
-#   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile --moe-small 4: the few-token
-#   MoE path off and on),
+#   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
+#   bench_e2e_decode.py for medium with the few-token MoE path off/on x the decode fusions off/FFN/FFN+residual),
 #   bench.json + profile.txt
 #   (bench/run_all.py: ceilings, KDA, MLA, MoE, AttnRes, norms, medium training step).
 set -u
@@ -20,7 +21,7 @@ mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
-T_TESTS=${T_TESTS:-300} T_DECODE=${T_DECODE:-150} T_E2E=${T_E2E:-300} T_TRAIN=${T_TRAIN:-400}
+T_TESTS=${T_TESTS:-300} T_DECODE=${T_DECODE:-150} T_E2E=${T_E2E:-300} T_AB=${T_AB:-300} T_TRAIN=${T_TRAIN:-400}
 
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 
@@ -34,8 +35,12 @@ if has decode; then
     2>&1 | tail -60
 fi
 if has e2e; then
-  timeout "$T_E2E" python3 bench/bench_e2e_decode.py --profile --moe-small 4 --steps 12 \
+  timeout "$T_E2E" python3 bench/bench_e2e_decode.py --profile --steps 12 \
     --out "$OUT_DIR/e2e_decode.json" 2>&1 | grep -v "^\[.*{'preset" | tail -40
+fi
+if has ab; then
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium --batches 1,4,16,64 --steps 12 --moe-small 4 \
+    --compare-fusion --out "$OUT_DIR/e2e_ab.json" 2>&1 | grep -v "^\[.*{'preset" | tail -30
 fi
 if has train; then
   timeout "$T_TRAIN" python3 bench/run_all.py --out "$OUT_DIR" 2>&1 | tail -60
