@@ -513,7 +513,7 @@ if HAS_TRITON:
         key = tl.load(key_ptr + r).to(tl.uint32)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         besti = tl.full([BLOCK], 2147483647, tl.int32)
-        for t in range(NB):
+        for t in tl.range(NB, num_stages=3):  # the logits stream through shared memory, two blocks ahead
             i = t * BLOCK + tl.arange(0, BLOCK)
             m = i < V
             x = tl.load(x_ptr + r * s_x + i, mask=m, other=float("-inf")).to(tl.float32)
@@ -538,10 +538,12 @@ def gumbel_argmax_triton(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tens
     if R == 0:
         return out
     x = _row_major(logits)
-    BLOCK = min(1024, triton.next_power_of_2(V))
+    BLOCK = min(
+        2048, triton.next_power_of_2(V)
+    )  # one program per row: wide blocks keep enough bytes in flight
     _gumbel_argmax_kernel[(R,)](
         x, keys.to(device=x.device, dtype=torch.long).contiguous(), out, V, x.stride(0), BLOCK=BLOCK,
-        NB=triton.cdiv(V, BLOCK), num_warps=4,
+        NB=triton.cdiv(V, BLOCK), num_warps=8,
     )  # fmt: skip
     return out
 
