@@ -181,8 +181,10 @@ class SparseMoE(nn.Module):
         fn = experts_reference if be == "reference" else FAST_EXPERTS[be]
         small = FAST_SMALL.get(be)
         if small is not None and self.gate.n_group == 1 and small.enabled(xf):
-            g = self.gate
-            idx, w, scores = small.route_small(xf, g.weight, g.e_score_correction_bias, **g.options())
+            gate = self.gate
+            idx, w, scores = small.route_small(
+                xf, gate.weight, gate.e_score_correction_bias, **gate.options()
+            )
             fn = small.experts_small
         else:
             idx, w, scores = self.gate(xf)
@@ -208,6 +210,6 @@ class SparseMoE(nn.Module):
         parts = [u]
         if self.shared_experts is not None:
             se = self.shared_experts
-            g, up = (se.gate_proj(xf), se.up_proj(xf)) if pre is None else pre
-            parts.append(se.activation(g, up))
+            s_gate, s_up = (se.gate_proj(xf), se.up_proj(xf)) if pre is None else pre
+            parts.append(se.activation(s_gate, s_up))
         return parts
