@@ -85,7 +85,7 @@ class EngineConfig:
     fuse_projections: bool = True
     # decode step: each FFN's input projections (dense gate/up; MoE latent down projection and the shared experts'
     # gate/up, the router excluded) as one GEMM the same way. Off by default until measured on a GPU
-    # (bench/bench_e2e_decode.py --compare-ffn-fusion)
+    # (bench/bench_e2e_decode.py --compare-fusion)
     fuse_ffn_projections: bool = False
     # ... and, with the above, its output projections (latent up projection, shared experts' down projection) as one
     # GEMM over their inputs side by side. fuse_residual: the residual adds of the decode step folded into the last
