@@ -102,9 +102,7 @@ class DecoderLayer(nn.Module):
         :meth:`ffn_input_projections` for ``x`` (flattened to [B*T, out]) when computed elsewhere."""
         if self.is_moe:
             return self.block_sparse_moe(x, projections)
-        if projections is None:
-            return self.mlp(x)
-        return self.mlp.from_projections(*projections).view(x.shape)
+        return self.mlp(x, projections).view(x.shape)
 
     def ffn_input_projections(self) -> list[nn.Linear]:
         """The Linear layers that read the FFN input (the MoE router excluded)."""
@@ -120,10 +118,7 @@ class DecoderLayer(nn.Module):
         """The FFN up to its output projections: their inputs, flattened to [B*T, in]."""
         if self.is_moe:
             return self.block_sparse_moe.pre_output(x, projections)
-        mlp = self.mlp
-        xf = x.reshape(-1, x.shape[-1])
-        g, u = (mlp.gate_proj(xf), mlp.up_proj(xf)) if projections is None else projections
-        return [mlp.activation(g, u)]
+        return [self.mlp.pre_output(x.reshape(-1, x.shape[-1]), projections)]
 
     def site(self, which: str) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(site id, query [1, D], norm weight [D]) of this layer's pre-attention or pre-FFN AttnRes read."""

@@ -312,37 +312,24 @@ class Engine:
     @torch.no_grad()
     def _build_fused_projections(self, projections: Callable, out: dict) -> None:
         """Per layer, one buffer holding the weights of ``projections(layer)`` (Linear layers reading the same input)
-        side by side, recorded in ``out[i] = (buffer, sizes)``. The modules' weights are re-pointed to views of it
-        (same values, no second copy), so the model's own forward (prefill) and the fused decode GEMM read the same
-        memory. A layer with fewer than two such projections, or whose weights differ in dtype or device, or are not
-        plain tensors, is left unfused."""
+        side by side, recorded in ``out[i] = (buffer, sizes)`` (see :func:`_share_buffer`). A layer with fewer than
+        two such projections, or whose weights cannot share a buffer, is left unfused."""
         for i, layer in enumerate(self.model.model.layers):
             mods = projections(layer)
-            ws = [m.weight for m in mods]
-            if len(ws) < 2 or not _stackable(ws):
-                continue
-            buf = torch.cat([w.data for w in ws], 0)
-            sizes = [w.shape[0] for w in ws]
-            for m, part in zip(mods, buf.split(sizes, 0)):
-                m.weight.data = part
-            out[i] = (buf, sizes)
+            buf = _share_buffer(mods, 0)
+            if buf is not None:
+                out[i] = (buf, [m.weight.shape[0] for m in mods])
 
     @torch.no_grad()
     def _build_fused_outputs(self) -> None:
         """Per FFN whose output is a sum of two or more projections (latent MoE with shared experts: the latent up
         projection and the shared down projection), one ``[D, sum(in)]`` buffer with their weights side by side along
-        the input dimension; the modules' weights become column views of it (no second copy)."""
+        the input dimension (column views, :func:`_share_buffer`)."""
         for i, layer in enumerate(self.model.model.layers):
             mods = layer.ffn_output_projections()
-            if len(mods) < 2 or any(m is None for m in mods):
-                continue
-            ws = [m.weight for m in mods]
-            if not _stackable(ws):
-                continue
-            buf = torch.cat([w.data for w in ws], 1)
-            for m, part in zip(mods, buf.split([w.shape[1] for w in ws], 1)):
-                m.weight.data = part
-            self._fused_ffn_out[i] = buf
+            buf = None if None in mods else _share_buffer(mods, 1)
+            if buf is not None:
+                self._fused_ffn_out[i] = buf
 
     def _reserve_bytes(self) -> int:
         if self.device.type != "cuda":
@@ -903,10 +890,10 @@ class Engine:
         pool, lay = self.pool, self.pool.layout
         dc = lay.kv_lora_rank
 
-        def out_proj(linear, y, res):  # linear(y) [B, D] -> [B, 1, D], plus res [B, 1, D] when given
+        def out_proj(w, y, res):  # y @ w^T [B, D] -> [B, 1, D], plus res [B, 1, D] when given (one addmm)
             if res is None:
-                return linear(y)[:, None]
-            return torch.addmm(res[:, 0], y, linear.weight.t())[:, None]
+                return F.linear(y, w)[:, None]
+            return torch.addmm(res[:, 0], y, w.t())[:, None]
 
         def attn(i, layer, x, res=None):
             xx = x[:, 0]
@@ -924,7 +911,7 @@ class Engine:
                     ga = m.g_proj(xx) if m.full_rank_gate else m.g_a_proj(xx)
                 gate = ga if m.full_rank_gate else m.g_b_proj(ga)
                 o = self._kda_step(m, q, k, v, m.f_b_proj(fa), bl, gate, pool.conv[j], pool.state[j], slots)
-                return out_proj(m.o_proj, o, res)
+                return out_proj(m.o_proj.weight, o, res)
             H = m.num_heads
             if fused is not None:
                 qx = parts[0] if m.q_lora_rank is None else m.q_b_proj(m.q_a_layernorm(parts[0]))
@@ -943,23 +930,19 @@ class Engine:
             o = o.transpose(0, 1).to(xx.dtype).reshape(B, H * m.dv)
             if m.use_gate:
                 o = torch.sigmoid(parts[2] if fused is not None else m.g_proj(xx)) * o
-            return out_proj(m.o_proj, o, res)
+            return out_proj(m.o_proj.weight, o, res)
 
         def ffn(i, layer, x, res=None):
             fused = self._fused_ffn.get(i)
             proj = None if fused is None else list(F.linear(x[:, 0], fused[0]).split(fused[1], dim=-1))
             out = self._fused_ffn_out.get(i)
+            if out is not None:  # the output projections' inputs side by side: one GEMM
+                return out_proj(out, torch.cat(layer.ffn_pre_output(x, proj), dim=-1), res)
             mods = layer.ffn_output_projections()
-            if out is None and (res is None or len(mods) != 1 or mods[0] is None):
-                y = layer.ffn(x, proj)
-                return y if res is None else res + y
-            parts = layer.ffn_pre_output(x, proj)
-            if out is None:  # one output projection: fold the residual add into it
-                return out_proj(mods[0], parts[0], res)
-            cat = torch.cat(parts, dim=-1)  # the output projections' inputs side by side: one GEMM
-            return (
-                F.linear(cat, out)[:, None] if res is None else torch.addmm(res[:, 0], cat, out.t())[:, None]
-            )
+            if res is not None and len(mods) == 1 and mods[0] is not None:  # fold the residual add into it
+                return out_proj(mods[0].weight, layer.ffn_pre_output(x, proj)[0], res)
+            y = layer.ffn(x, proj)
+            return y if res is None else res + y
 
         h = self._walk(
             self.model.model.embed_tokens(ids)[:, None], attn, ffn, residual=self.cfg.fuse_residual
@@ -1057,11 +1040,20 @@ class Engine:
         return m
 
 
-def _stackable(ws: list[torch.Tensor]) -> bool:
-    """Whether weights can share one buffer: plain tensors (not sharded / subclassed) of one dtype and device."""
-    return all(
+def _share_buffer(mods: list, dim: int) -> torch.Tensor | None:
+    """Concatenate the weights of the Linear layers ``mods`` along ``dim`` (0: rows, 1: columns) into one buffer
+    and re-point each module's weight to its view of it (same values, no second copy), so the model's own forward
+    (prefill) and a fused decode GEMM read the same memory. None (nothing changed) for fewer than two layers or
+    weights that are not plain tensors (e.g. sharded) of one dtype and device."""
+    ws = [m.weight for m in mods]
+    if len(ws) < 2 or not all(
         type(w.data) is torch.Tensor and w.dtype == ws[0].dtype and w.device == ws[0].device for w in ws
-    )
+    ):
+        return None
+    buf = torch.cat([w.data for w in ws], dim)
+    for m, part in zip(mods, buf.split([w.shape[dim] for w in ws], dim)):
+        m.weight.data = part
+    return buf
 
 
 def _import_fast_paths() -> None:

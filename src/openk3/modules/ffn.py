@@ -24,20 +24,18 @@ class GLUMLP(nn.Module):
         self.act, self.beta1, self.beta2 = act, beta1, beta2
         self.backend: str | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.from_projections(self.gate_proj(x), self.up_proj(x))
+    def forward(self, x: torch.Tensor, projections: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """``down(act(gate x, up x))``. ``projections``: the gate and up projections of ``x`` computed elsewhere (e.g.
+        by one GEMM over their weights stored side by side, as the inference engine does)."""
+        return self.down_proj(self.pre_output(x, projections))
 
-    def from_projections(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """``down(act(gate, up))`` for gate / up projections computed elsewhere (e.g. by one GEMM over the gate and
-        up weights stored side by side, as the inference engine does)."""
-        return self.down_proj(self.activation(gate, up))
-
-    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """``act(gate, up)``: the input of ``down_proj``."""
+    def pre_output(self, x: torch.Tensor, projections: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """``act(gate x, up x)``, the input of ``down_proj`` (from ``projections`` = [gate x, up x] when given)."""
+        gate, up = (self.gate_proj(x), self.up_proj(x)) if projections is None else projections
         be = _backend.resolve("glu", gate.is_cuda, self.backend)
         fn = glu_act if be == "reference" else FAST_GLU.get(be, glu_act)
         return fn(gate, up, self.act, self.beta1, self.beta2)
 
     def input_projections(self) -> list[nn.Linear]:
-        """The Linear layers that read the FFN input, in :meth:`from_projections`' order."""
+        """The Linear layers that read the FFN input, in the order of ``projections``."""
         return [self.gate_proj, self.up_proj]

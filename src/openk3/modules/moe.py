@@ -209,7 +209,5 @@ class SparseMoE(nn.Module):
             u = self.routed_expert_norm(u)
         parts = [u]
         if self.shared_experts is not None:
-            se = self.shared_experts
-            s_gate, s_up = (se.gate_proj(xf), se.up_proj(xf)) if pre is None else pre
-            parts.append(se.activation(s_gate, s_up))
+            parts.append(self.shared_experts.pre_output(xf, pre))
         return parts
