@@ -22,6 +22,7 @@ __all__ = [
     "sample",
     "sample_keys",
     "gumbel_argmax",
+    "gumbel_scores",
     "find_stop",
     "stop_holdback",
 ]
@@ -148,14 +149,9 @@ _M32 = 0xFFFFFFFF
 _HMUL = 0x45D9F3B
 
 
-def _h32(x: int) -> int:
-    x = (((x >> 16) ^ x) * _HMUL) & _M32
-    x = (((x >> 16) ^ x) * _HMUL) & _M32
-    return (x >> 16) ^ x
-
-
-def _h32_t(x: torch.Tensor) -> torch.Tensor:
-    """:func:`_h32` on an int64 tensor of values in [0, 2**32) (products stay below 2**59: exact)."""
+def _h32(x):
+    """32-bit integer hash of a Python int or an int64 tensor of values in [0, 2**32) (products stay below 2**59:
+    exact in int64)."""
     x = (((x >> 16) ^ x) * _HMUL) & _M32
     x = (((x >> 16) ^ x) * _HMUL) & _M32
     return (x >> 16) ^ x
@@ -173,17 +169,21 @@ def sample_keys(seeds: Sequence[int], counters: Sequence[int]) -> list[int]:
 _VOCAB_HASH: dict = {}
 
 
-def gumbel_argmax_reference(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """argmax over each row of ``logits + Gumbel(key, index)`` (fp32; first index on ties): a draw from
-    ``softmax(logits)`` per row. logits: [R, V] (-inf excluded); keys: [R] int64 from :func:`sample_keys`."""
+def gumbel_scores(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``logits + Gumbel(key, index)`` in fp32 ([R, V]); keys: [R] int64 from :func:`sample_keys`."""
     V = logits.shape[-1]
     hv = _VOCAB_HASH.get((V, logits.device))
     if hv is None:  # the per-index half of the hash, once per vocabulary size and device
-        hv = _VOCAB_HASH[(V, logits.device)] = _h32_t(torch.arange(V, dtype=torch.long, device=logits.device))
-    h = _h32_t(hv[None, :] ^ keys.to(device=logits.device, dtype=torch.long)[:, None])
+        hv = _VOCAB_HASH[(V, logits.device)] = _h32(torch.arange(V, dtype=torch.long, device=logits.device))
+    h = _h32(hv[None, :] ^ keys.to(device=logits.device, dtype=torch.long)[:, None])
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
-    g = -torch.log(-torch.log(u))
-    return (logits.float() + g).argmax(-1)
+    return logits.float() - torch.log(-torch.log(u))
+
+
+def gumbel_argmax_reference(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """argmax over each row of :func:`gumbel_scores` (first index on ties): a draw from ``softmax(logits)`` per row.
+    logits: [R, V] (-inf excluded); keys: [R] int64 from :func:`sample_keys`."""
+    return gumbel_scores(logits, keys).argmax(-1)
 
 
 def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -254,10 +254,8 @@ def sample(
     # cost ~10-20 us each at large batches); seeded rows: one draw each from their own generator
     free = [j for j, g in enumerate(gens) if g is None]
     if free:
-        pick = probs if len(free) == len(gens) else probs[torch.tensor(free, device=x.device)]
-        drawn = torch.multinomial(pick, 1)[:, 0]
-        dest = rows if len(free) == len(gens) else rows[torch.tensor(free, device=x.device)]
-        out[dest] = drawn
+        sel = torch.tensor(free, device=x.device)
+        out[rows[sel]] = torch.multinomial(probs[sel], 1)[:, 0]
     for j, g in enumerate(gens):
         if g is not None:
             out[sampled_rows[j]] = torch.multinomial(probs[j], 1, generator=g)[0]
