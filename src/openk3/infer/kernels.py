@@ -197,6 +197,18 @@ if HAS_TRITON:
         return o, tl.sum(o * o)
 
     @triton.jit
+    def _kda_col_tile(
+        S, j, sp0, obase, v, q, k, decay, beta, qk, ck, cv, BV: tl.constexpr, dtype: tl.constexpr
+    ):
+        """Tile ``j`` (BV state columns, loaded into ``S``) of a head: updated state written back, the raw output
+        stored at ``obase`` (normalised afterwards); returns the tile's sum of squares of the output."""
+        cols = j * BV + cv
+        vsel = tl.where(ck[:, None] == cols[None, :], v[:, None], 0.0)
+        o, ssj = _kda_tile(S, sp0 + j * BV, vsel, q, k, decay, beta, qk, dtype, True)
+        tl.store(obase + cols, o.to(dtype))
+        return ssj
+
+    @triton.jit
     def _kda_decode_kernel(
         q_ptr, k_ptr, v_ptr, z_ptr, beta_ptr, gate_ptr, o_ptr,
         s_q, s_k, s_v, s_z, s_beta, s_gate, s_o,
@@ -248,19 +260,11 @@ if HAS_TRITON:
                 for j in tl.range(0, NT):
                     S = S_next
                     S_next = tl.load(sp0 + (j + 1) * BV, mask=j + 1 < NT, other=0.0)
-                    cols = j * BV + cv
-                    vsel = tl.where(ck[:, None] == cols[None, :], v[:, None], 0.0)
-                    o, ssj = _kda_tile(S, sp0 + j * BV, vsel, q, k, decay, beta, qk, dtype, True)
-                    ss += ssj
-                    tl.store(obase + cols, o.to(dtype))  # raw, normalised below
+                    ss += _kda_col_tile(S, j, sp0, obase, v, q, k, decay, beta, qk, ck, cv, BV, dtype)
             else:  # the tile loads go through shared memory, STAGES - 1 tiles ahead
                 for j in tl.range(0, NT, num_stages=STAGES):
                     S = tl.load(sp0 + j * BV)
-                    cols = j * BV + cv
-                    vsel = tl.where(ck[:, None] == cols[None, :], v[:, None], 0.0)
-                    o, ssj = _kda_tile(S, sp0 + j * BV, vsel, q, k, decay, beta, qk, dtype, True)
-                    ss += ssj
-                    tl.store(obase + cols, o.to(dtype))
+                    ss += _kda_col_tile(S, j, sp0, obase, v, q, k, decay, beta, qk, ck, cv, BV, dtype)
             r = 1.0 / tl.sqrt(ss / K + eps)
             tl.debug_barrier()  # the raw tiles were written by other threads of this program
             for j in tl.range(0, NT):
