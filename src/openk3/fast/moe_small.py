@@ -226,6 +226,11 @@ if HAS_TRITON:
         tl.store(y_ptr + p * W + oo, y.to(y_ptr.dtype.element_ty), mask=om)
 
 
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit stride along its last dimension (the kernels take the other strides as arguments)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _check_2d(name: str, t: torch.Tensor, cols: int | None = None) -> None:
     if t.dim() != 2 or (cols is not None and t.shape[1] != cols):
         raise ValueError(
@@ -255,8 +260,7 @@ def route_small(
         raise ValueError(f"correction bias: expected shape ({E},), got {tuple(bias.shape)}")
     N = x.shape[0]
     dev = x.device
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    x, weight = _row_major(x), _row_major(weight)
     logits = torch.empty(N, E, dtype=torch.float32, device=dev)
     # experts per program: enough programs to spread the weight read over the SMs
     be = 1
@@ -313,8 +317,7 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
     K = idx.shape[1]
     if N == 0:
         return x.new_zeros(x.shape)
-    w1, w2, w3 = (t if t.stride(-1) == 1 else t.contiguous() for t in (w1, w2, w3))
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x, w1, w2, w3 = (_row_major(t) for t in (x, w1, w2, w3))
     idx = idx.contiguous()
     dev = x.device
     a = torch.empty(N * K, I, dtype=x.dtype, device=dev)
