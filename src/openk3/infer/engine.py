@@ -845,6 +845,11 @@ class Engine:
             return None
         return next((b for b in self._buckets if b >= B), None)
 
+    def _scratch_row(self) -> tuple[int, int, int]:
+        """(token id, slot, cache row) of a padding row: the pool's scratch slot and the first row of its scratch
+        page, so that a padded row's step reads and writes nothing of a real sequence."""
+        return 0, self.pool.dummy_slot, self.pool.dummy_page * self.pool.page_size
+
     def _decode_inputs(self, batch: list[Request]):
         """Host tensors of one decode step, padded to its graph bucket with scratch rows (slot / page of the pool's
         scratch, length 1): ``meta`` [3, n] int64 (token ids, slots, cache rows of the new token), ``lengths`` [n]
@@ -857,11 +862,12 @@ class Engine:
         pos = [r.num_computed for r in batch]
         npg = [pool.pages_for(p + 1) for p in pos]
         W = max(npg)
+        s_id, s_slot, s_row = self._scratch_row()
         meta = torch.tensor(
             [
-                [r.all_ids[-1] for r in batch] + [0] * pad,
-                [r.slot for r in batch] + [pool.dummy_slot] * pad,
-                [r.pages[p // ps] * ps + p % ps for r, p in zip(batch, pos)] + [dummy * ps] * pad,
+                [r.all_ids[-1] for r in batch] + [s_id] * pad,
+                [r.slot for r in batch] + [s_slot] * pad,
+                [r.pages[p // ps] * ps + p % ps for r, p in zip(batch, pos)] + [s_row] * pad,
             ],
             dtype=torch.long,
         )
@@ -984,11 +990,8 @@ class Engine:
 
     def _capture(self, bucket: int) -> None:
         dev, pool = self.device, self.pool
-        meta = torch.tensor(
-            [[0] * bucket, [pool.dummy_slot] * bucket, [pool.dummy_page * pool.page_size] * bucket],
-            dtype=torch.long,
-            device=dev,
-        )  # token ids, slots, cache rows (scratch rows until a step fills them)
+        # token ids, slots, cache rows: scratch rows until a step fills them
+        meta = torch.tensor([[v] * bucket for v in self._scratch_row()], dtype=torch.long, device=dev)
         lengths = torch.ones(bucket, dtype=torch.int32, device=dev)
         table = torch.full((bucket, self._max_pages_per_seq), pool.dummy_page, dtype=torch.int32, device=dev)
         bufs = (meta[0], meta[1], table, lengths, meta[2])
