@@ -228,6 +228,8 @@ def kda_section(sweep: bool):
         slots = torch.randperm(S, device=DEV)[:B]
         shape = f"B={B} H={H} K=V={K}"
         # correctness once
+        # the timed calls update conv / state in place: the sweep's checks start again from these copies
+        conv0, state0 = conv.clone(), state.clone()
         c1, s1, c2, s2 = conv.clone(), state.clone(), conv.clone(), state.clone()
         o1 = kda_decode_triton(layer, q, k, v, z, beta, gate, c1, s1, slots)
         o2 = kda_decode_reference(layer, q, k, v, z, beta, gate, c2, s2, slots)
@@ -277,7 +279,7 @@ def kda_section(sweep: bool):
                 if time.time() - T0 > BUDGET:
                     break
                 try:
-                    c1, s1 = conv.clone(), state.clone()
+                    c1, s1 = conv0.clone(), state0.clone()
                     o1 = kda_decode_triton(
                         layer, q, k, v, z, beta, gate, c1, s1, slots, BV=bv, num_warps=nw, stages=st
                     )
@@ -291,7 +293,7 @@ def kda_section(sweep: bool):
                 except Exception as e:
                     INFO["errors"].append(f"kda config {(bv, nw, st)}: {type(e).__name__}: {e}")
                     print(f"  config {(bv, nw, st)} failed: {e}", flush=True)
-        q = k = v = z = gate = beta = conv = state = c2 = s2 = o2 = None
+        q = k = v = z = gate = beta = conv = state = conv0 = state0 = c2 = s2 = o2 = None
         empty_cache()
 
 

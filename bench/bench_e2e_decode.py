@@ -23,6 +23,7 @@ preset. Prints one table and writes JSON to ``--out`` (default ``$OUT/e2e_decode
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -191,7 +192,12 @@ def run_preset(
             traceback.print_exc()
             empty_cache()
     moe_small.SMALL_N = small_before
+    # the timing wrapper and the captured graphs form reference cycles through the engine: collect them, or each
+    # variant keeps the previous model's weights and cache pool alive (the next, larger preset runs out of memory)
+    del eng._decode_logits
+    inner = timed = None
     del eng, model
+    gc.collect()
     empty_cache()
 
 
