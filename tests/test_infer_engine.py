@@ -608,6 +608,25 @@ def test_cli_moe_small_tokens_is_checked(tmp_path):
     assert r.returncode != 0 and "OPENK3_MOE_SMALL_N must be a non-negative integer" in r.stderr
     r = run("--moe-small-tokens", "4", "--fuse-ffn-projections", "--fuse-residual")
     assert r.returncode == 0, r.stderr
+    r = run("--no-fuse-ffn-projections", env={"OPENK3_MOE_SMALL_N": ""})  # empty: the default count
+    assert r.returncode == 0, r.stderr
+
+
+def test_moe_small_env_default(monkeypatch):
+    """OPENK3_MOE_SMALL_N: unset or empty gives the default token count (16), 0 turns the path off, anything but
+    a non-negative integer is a ValueError naming the variable."""
+    from openk3.fast.moe_small import _env_tokens
+
+    for raw, want in ((None, 16), ("", 16), (" ", 16), ("0", 0), ("3", 3)):
+        if raw is None:
+            monkeypatch.delenv("OPENK3_X_TOKENS", raising=False)
+        else:
+            monkeypatch.setenv("OPENK3_X_TOKENS", raw)
+        assert _env_tokens("OPENK3_X_TOKENS", 16) == want, raw
+    for raw in ("-1", "four", "1.5"):
+        monkeypatch.setenv("OPENK3_X_TOKENS", raw)
+        with pytest.raises(ValueError, match="OPENK3_X_TOKENS must be a non-negative integer"):
+            _env_tokens("OPENK3_X_TOKENS", 16)
 
 
 def test_cli_backend_choice_is_checked(tmp_path):

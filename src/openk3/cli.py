@@ -154,7 +154,8 @@ def _decode_steps() -> dict:
         else:
             out["moe"] = {
                 "chosen": "few-token",
-                "why": f"router + experts in 5 Triton launches at <= {moe_small.SMALL_N} tokens (OPENK3_MOE_SMALL_N)",
+                "why": f"router + experts in 5 Triton launches at <= {moe_small.SMALL_N} tokens and <= "
+                f"{moe_small.PAIRS_PER_EXPERT} (token, slot) pairs per expert (OPENK3_MOE_SMALL_N)",
             }
     return out
 

@@ -92,6 +92,11 @@ SCRIPT = textwrap.dedent(
         moe_small.SMALL_N = 4
         assert moe_small.enabled(x) and not moe_small.enabled(torch.randn(5, 8))
         assert not moe_small.enabled(torch.randn(8)) and not moe_small.enabled(torch.randn(0, 8))
+        # the layer's routing: at most PAIRS_PER_EXPERT (token, slot) pairs per expert
+        p = moe_small.PAIRS_PER_EXPERT
+        assert moe_small.enabled(x, top_k=2, num_experts=-(-6 // p))  # 6 pairs, at most p per expert
+        assert not moe_small.enabled(x, top_k=2, num_experts=(6 - 1) // p)  # more than p per expert
+        assert moe_small.enabled(x, top_k=2)  # no layer given: tokens only
     with torch.inference_mode():
         assert moe_small.enabled(x)
     # gradients on: never (the weights may need gradients even when x does not)

@@ -16,8 +16,12 @@ gather, two grouped GEMMs over 16-row padded groups, the GLU and the combine). H
   dtype before the activation / the weighting, the mixture is accumulated in fp32.
 
 Each pair reads its expert's weights once, so tokens that share an expert read it twice: the path pays only for a
-few tokens. It is taken with gradients off for at most :data:`SMALL_N` tokens (``OPENK3_MOE_SMALL_N``; 0, the default,
-turns it off until it is measured against the permuted path on a GPU: ``bench/bench_e2e_decode.py --moe-small``).
+few tokens. It is taken with gradients off for at most :data:`SMALL_N` tokens (``OPENK3_MOE_SMALL_N``, default 16;
+0 turns it off) and at most :data:`PAIRS_PER_EXPERT` (token, slot) pairs per expert of the layer: past that the
+pairs read more expert weights than the permuted path, which reads each touched expert once. Both defaults come from
+an H200 (``bench/bench_decode.py --sections moe``, ``bench/bench_e2e_decode.py --moe-small``; bench/NOTES.md): the
+experts at 16 tokens run 4x faster than the permuted path at 2 pairs per expert (``medium``), 0.7x at 4 pairs per
+expert.
 """
 
 from __future__ import annotations
@@ -30,14 +34,19 @@ from openk3.fast._triton import HAS_TRITON, tanh_f32, tl, triton, triton_ok
 from openk3.fast.moe import combine2
 
 
-def _env_tokens(name: str) -> int:
-    raw = os.environ.get(name, "0").strip() or "0"
+def _env_tokens(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
     if not raw.isdigit():
         raise ValueError(f"{name} must be a non-negative integer (a token count; 0 = off), got {raw!r}")
     return int(raw)
 
 
-SMALL_N = _env_tokens("OPENK3_MOE_SMALL_N")
+SMALL_N = _env_tokens("OPENK3_MOE_SMALL_N", 16)
+PAIRS_PER_EXPERT = (
+    2  # the path is taken for N tokens of top-k routing only while N * k <= PAIRS_PER_EXPERT * experts
+)
 # tiles: (gate/up rows per program, input columns per step, pipeline stages), (down-projection rows per program,
 # columns per step, stages); stages >= 2 stream the weight tiles through shared memory (Triton's pipeliner), 1 loads
 # them straight into registers
@@ -46,11 +55,14 @@ DOWN_TILE = (32, 128, 3)
 ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few tokens, to fill the SMs)
 
 
-def enabled(x: torch.Tensor) -> bool:
+def enabled(x: torch.Tensor, top_k: int | None = None, num_experts: int | None = None) -> bool:
     """Whether the few-token path applies to activations ``x`` [N, D]: at most SMALL_N tokens, gradients off (the
     kernels have no backward; with gradients on, the router and expert weights may need them even when ``x`` does
-    not)."""
+    not) and, given the layer's ``top_k`` and ``num_experts``, at most PAIRS_PER_EXPERT (token, slot) pairs per
+    expert."""
     if SMALL_N <= 0 or x.dim() != 2 or not 0 < x.shape[0] <= SMALL_N:
+        return False
+    if top_k is not None and num_experts is not None and x.shape[0] * top_k > PAIRS_PER_EXPERT * num_experts:
         return False
     if torch.is_grad_enabled():
         return False

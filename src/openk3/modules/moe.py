@@ -180,7 +180,11 @@ class SparseMoE(nn.Module):
         be = _backend.resolve("moe", x.is_cuda, self.backend)
         fn = experts_reference if be == "reference" else FAST_EXPERTS[be]
         small = FAST_SMALL.get(be)
-        if small is not None and self.gate.n_group == 1 and small.enabled(xf):
+        if (
+            small is not None
+            and self.gate.n_group == 1
+            and small.enabled(xf, self.gate.top_k, self.gate.weight.shape[0])
+        ):
             gate = self.gate
             idx, w, scores = small.route_small(
                 xf, gate.weight, gate.e_score_correction_bias, **gate.options()
