@@ -87,9 +87,10 @@ def run_preset(
     graphs: bool,
     fuse: bool = True,
     moe_small_n: int | None = None,
-    fuse_ffn: bool = False,
-    fuse_res: bool = False,
+    fuse_ffn: bool | None = None,
+    fuse_res: bool | None = None,
 ) -> None:
+    """One engine per call; ``fuse_ffn`` / ``fuse_res`` / ``moe_small_n`` None: the engine's defaults."""
     from openk3.cost import predict_decode_time
     from openk3.fast import moe_small
     from openk3.infer.engine import Engine
@@ -101,7 +102,7 @@ def run_preset(
     label = (
         preset
         + ("" if fuse else " unfused-proj")
-        + (" fused-ffn" if fuse_ffn else "")
+        + ({None: "", True: " fused-ffn", False: " no-fused-ffn"}[fuse_ffn])
         + (" fused-residual" if fuse_res else "")
         + ("" if moe_small_n is None else f" moe-small<={moe_small_n}")
     )
@@ -128,8 +129,8 @@ def run_preset(
         use_cuda_graphs=graphs,
         cuda_graph_max_batch=bmax,
         fuse_projections=fuse,
-        fuse_ffn_projections=fuse_ffn,
-        fuse_residual=fuse_res,
+        **({} if fuse_ffn is None else {"fuse_ffn_projections": fuse_ffn}),
+        **({} if fuse_res is None else {"fuse_residual": fuse_res}),
     )
     print(f"[{preset}] engine: {eng.memory_report()}", flush=True)
     fwd_times: list[float] = []
@@ -289,9 +290,7 @@ def main():
         try:
             for fuse in (True, False) if args.compare_unfused else (True,):
                 variants = (
-                    ((False, False), (True, False), (True, True))
-                    if args.compare_fusion
-                    else ((False, False),)
+                    ((False, False), (True, False), (True, True)) if args.compare_fusion else ((None, None),)
                 )
                 for ffn, res in variants:
                     for small in (None,) if args.moe_small is None else (0, args.moe_small):
