@@ -18,8 +18,11 @@
   shapes: its router (two kernels) vs ``openk3.ops.moe.route``, its routed experts (three kernels) vs the permuted
   ``torch._grouped_mm`` path; bytes = router weight, resp. the distinct experts' weights the tokens route to.
 
-Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, median), random inputs, warm-up
-(compilation) outside the timed region. Roofline per row: floor = max(bytes / copy bandwidth, FLOPs / matmul rate);
+Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, median) of a CUDA-graph replay of
+the call, as the engine runs it: the Python launch path (tens of microseconds per call, more than a batch-1 kernel
+takes) stays outside the timed region; ``--eager-timing`` times the Python call instead, and a call whose capture
+fails is timed eagerly and listed in the JSON's ``eager_timed``. Random inputs, warm-up (compilation) outside the
+timed region. Roofline per row: floor = max(bytes / copy bandwidth, FLOPs / matmul rate);
 "roofline TB/s" = bytes / floor. Before timing, each shape is checked once against the reference (relative error
 in the JSON). Prints ONE table at the end and writes JSON to ``--out`` (default ``$OUT/decode.json`` or
 ``bench/out/decode.json``; a directory gets ``decode.json`` inside).
@@ -114,11 +117,37 @@ def empty_cache():
         torch.cuda.empty_cache()
 
 
+GRAPH_TIMING = True  # time a CUDA-graph replay of each call (--eager-timing: the Python call itself)
+
+
+def as_graph(fn):
+    """``fn`` captured once in a CUDA graph, returned as its replay (what the engine runs: no Python launch path in
+    the timed region); ``fn`` itself when graph timing is off or the capture fails (noted in INFO)."""
+    if not GRAPH_TIMING or DEV != "cuda":
+        return fn
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # compile / autotune outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g.replay
+    except Exception as e:  # e.g. a peer that synchronises with the host
+        torch.cuda.synchronize()
+        INFO.setdefault("eager_timed", []).append(
+            f"{getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}"[:300]
+        )
+        return fn
+
+
 def bench(fn) -> float:
-    """Median seconds."""
+    """Median seconds of one call (replayed from a CUDA graph, see ``as_graph``; L2 flushed before each call)."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    return triton.testing.do_bench(as_graph(fn), warmup=25, rep=100, return_mode="median") / 1e3
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -553,6 +582,11 @@ def main():
         "--budget-s", type=float, default=210.0, help="no new shape starts after this many seconds"
     )
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
+    ap.add_argument(
+        "--eager-timing",
+        action="store_true",
+        help="time the Python call instead of a CUDA-graph replay of it",
+    )
     ap.add_argument("--sections", default="kda,mla,moe")
     ap.add_argument(
         "--targets-only", action="store_true", help="MLA: only the target shapes (and their sweep)"
@@ -562,6 +596,8 @@ def main():
     )
     args = ap.parse_args()
     BUDGET = args.budget_s
+    global GRAPH_TIMING
+    GRAPH_TIMING = not args.eager_timing
     global TARGETS_ONLY
     TARGETS_ONLY = args.targets_only
     if args.mla_shapes:

@@ -7,7 +7,7 @@
 #
 # Time limits per step (seconds): T_TESTS=300 T_DECODE=150 T_E2E=300 T_AB=300 T_TRAIN=400, about
 # 20 minutes in all; under a shorter per-command limit pass a subset of steps per call.
-# steps (comma separated, default tests,decode,e2e,train; also ab: the medium decode A/B of the opt-in paths).
+# steps (comma separated, default tests,decode,e2e,train; also ab: the medium decode A/B of the few-token MoE path and the decode fusions).
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -39,7 +39,7 @@ if has e2e; then
     --out "$OUT_DIR/e2e_decode.json" 2>&1 | grep -v "^\[.*{'preset" | tail -40
 fi
 if has ab; then
-  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium --batches 1,4,16,64 --steps 12 --moe-small 4 \
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium --batches 1,4,16,64 --steps 12 --moe-small 16 \
     --compare-fusion --out "$OUT_DIR/e2e_ab.json" 2>&1 | grep -v "^\[.*{'preset" | tail -30
 fi
 if has train; then
