@@ -46,9 +46,8 @@ def register_all() -> None:
     _backend.register("mla", Backend("sdpa", mla.sdpa_available))
 
     FAST_EXPERTS["grouped_mm"] = moe.experts_grouped
-    FAST_SMALL["grouped_mm"] = (
-        moe_small  # few tokens without autograd (OPENK3_MOE_SMALL_N, default 16 tokens)
-    )
+    # few tokens without autograd (OPENK3_MOE_SMALL_N, default 16 tokens)
+    FAST_SMALL["grouped_mm"] = moe_small
     _backend.register("moe", Backend("grouped_mm", moe.available))
 
     FAST_READERS["triton"] = attnres.TritonAttnResReader

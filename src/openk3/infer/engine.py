@@ -1002,7 +1002,7 @@ class Engine:
                 self._decode_forward(*bufs)
         torch.cuda.current_stream(dev).wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls from other threads (the server creating generators) must not break the capture
+        # thread_local: CUDA calls from other threads (e.g. the server's request threads) must not break the capture
         with torch.cuda.graph(g, pool=self._graph_pool, capture_error_mode="thread_local"):
             out = self._decode_forward(*bufs)
         self._graph_pool = g.pool()

@@ -424,9 +424,8 @@ if HAS_TRITON:
         else:
             acc = tl.zeros([BLOCK_H, DC], tl.float32)
         bt = bt_ptr + b.to(tl.int64) * s_btb
-        kn = tl.zeros(
-            [BLOCK_N, DC], kv_dtype
-        )  # loop-carried rows: used only by the register form (PREFETCH 1)
+        # loop-carried rows: used only by the register form (PREFETCH 1)
+        kn = tl.zeros([BLOCK_N, DC], kv_dtype)
         kr = tl.zeros([BLOCK_N, DR], kv_dtype)
         pages = _mla_pages(bt, start, start, PAGE, BLOCK_N, MODE)
         if PREFETCH == 2:
@@ -542,9 +541,8 @@ def gumbel_argmax_triton(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tens
     if R == 0:
         return out
     x = _row_major(logits)
-    BLOCK = min(
-        2048, triton.next_power_of_2(V)
-    )  # one program per row: wide blocks keep enough bytes in flight
+    # one program per row: wide blocks keep enough bytes in flight
+    BLOCK = min(2048, triton.next_power_of_2(V))
     _gumbel_argmax_kernel[(R,)](
         x, keys.to(device=x.device, dtype=torch.long).contiguous(), out, V, x.stride(0), BLOCK=BLOCK,
         NB=triton.cdiv(V, BLOCK), num_warps=8,

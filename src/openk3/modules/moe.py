@@ -13,8 +13,9 @@ from openk3.ops.moe import experts_reference, route
 
 # Fast-path hook for the expert compute: name -> fn(x, idx, weights, w1, w2, w3, act=, beta1=, beta2=) -> y
 FAST_EXPERTS: dict[str, callable] = {}
-# Few-token (decode) variant of a backend: name -> object with ``enabled(x) -> bool``, ``route_small(x, weight, bias,
-# top_k=, activation=, renormalize=, scaling=)`` (``route`` for n_group == 1) and ``experts_small`` (as FAST_EXPERTS)
+# Few-token (decode) variant of a backend: name -> object with ``enabled(x, top_k, num_experts) -> bool``,
+# ``route_small(x, weight, bias, top_k=, activation=, renormalize=, scaling=)`` (``route`` for n_group == 1) and
+# ``experts_small`` (as FAST_EXPERTS)
 FAST_SMALL: dict[str, object] = {}
 
 
