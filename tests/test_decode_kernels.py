@@ -106,7 +106,9 @@ def make_kda_layer(H: int, K: int, W: int, gate_kind: str, gen: torch.Generator)
     )
 
 
-def run_kda_case(B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_warps=None, stages=None):
+def run_kda_case(
+    B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_warps=None, stages=None, **extra
+):
     gen = torch.Generator().manual_seed(seed)
     HK = H * K
     layer = make_kda_layer(H, K, W, gate_kind, gen)
@@ -131,12 +133,25 @@ def run_kda_case(B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_wa
     c2, s2 = conv_state.clone(), state.clone()
     with poisoned_empty():
         o1 = KN.kda_decode_triton(
-            layer, q, k, v, z, beta_logits, gate, c1, s1, slots, BV=bv, num_warps=num_warps, stages=stages
+            layer,
+            q,
+            k,
+            v,
+            z,
+            beta_logits,
+            gate,
+            c1,
+            s1,
+            slots,
+            BV=bv,
+            num_warps=num_warps,
+            stages=stages,
+            **extra,
         )
     assert torch.isfinite(o1).all(), "kda: output not fully written"
     o2 = kda_decode_reference(layer, q, k, v, z, beta_logits, gate, c2, s2, slots)
     assert o1.dtype == dtype and o1.shape == (B, HK)
-    tag = f"kda B={B} H={H} K={K} W={W} {dtype} {gate_kind} BV={bv} stages={stages}"
+    tag = f"kda B={B} H={H} K={K} W={W} {dtype} {gate_kind} BV={bv} stages={stages} {extra}"
     errs = {"o": check(f"{tag} o", o1[is_real], o2[is_real], tol_o)}
     rs = slots[is_real]
     errs["state"] = check(f"{tag} state", s1[rs], s2[rs], tol_s)
@@ -176,14 +191,35 @@ def test_kda_decode_few_rows_config(monkeypatch):
     monkeypatch.setitem(KN.KDA_CONFIG, "few", {"BV": 8, "stages": 2, "num_warps": 2})
     monkeypatch.setitem(KN.KDA_CONFIG, "few_max_batch", 4)
     run_kda_case(3, 2, 32, 4, 5, torch.float32, "lowerbound", None, 31, *KDA_TOL[torch.float32])
-    assert KN.KDA_LAST_LAUNCH == {"BV": 8, "num_warps": 2, "stages": 2}
+    flags = {
+        "l2_prefetch": KN.KDA_CONFIG["l2_prefetch"] and not KN.INTERPRET,
+        "heads_fast": KN.KDA_CONFIG["heads_fast"],
+    }
+    assert KN.KDA_LAST_LAUNCH == {"BV": 8, "num_warps": 2, "stages": 2, **flags}
     run_kda_case(6, 2, 32, 4, 9, torch.float32, "lowerbound", None, 32, *KDA_TOL[torch.float32])
     default = KN.KDA_CONFIG
     assert KN.KDA_LAST_LAUNCH == {
         "BV": min(default["BV"] or 32, 32),
         "num_warps": default["num_warps"],
         "stages": default["stages"],
+        **flags,
     }
+
+
+@here
+@pytest.mark.parametrize("l2_prefetch", [False, True], ids=["nopf", "pf"])
+@pytest.mark.parametrize("heads_fast", [False, True], ids=["rows", "heads"])
+def test_kda_decode_launch_flags(l2_prefetch, heads_fast):
+    """The grid order and the L2 prefetch of the state (a no-op under the interpreter, which has no inline
+    assembly: the launch record says so) leave the results exact."""
+    seed = seed_of("flags", l2_prefetch, heads_fast)
+    for bv in (0, 8):
+        run_kda_case(
+            5, 3, 32, 4, 7, torch.float32, "lowerbound", bv, seed + bv, *KDA_TOL[torch.float32],
+            l2_prefetch=l2_prefetch, heads_fast=heads_fast,
+        )  # fmt: skip
+        assert KN.KDA_LAST_LAUNCH["heads_fast"] is heads_fast
+        assert KN.KDA_LAST_LAUNCH["l2_prefetch"] is (l2_prefetch and not KN.INTERPRET)
 
 
 def test_kda_decode_bad_stages():
@@ -342,6 +378,33 @@ def test_kda_decode_gpu(dtype, gate_kind, bv, num_warps, stages):
     run_kda_case(
         37, 32, 128, 4, 48, dtype, gate_kind, bv, seed, *KDA_TOL[dtype], num_warps=num_warps, stages=stages
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "bv,num_warps,extra",
+    [
+        (32, 4, dict(l2_prefetch=True)),
+        (32, 4, dict(heads_fast=True)),
+        (32, 4, dict(l2_prefetch=True, heads_fast=True)),
+        (64, 4, dict(l2_prefetch=True)),
+        (16, 2, dict(l2_prefetch=True)),
+        (8, 1, dict(l2_prefetch=True)),
+        (0, 16, dict(l2_prefetch=True)),
+        (0, 8, dict(l2_prefetch=True, heads_fast=True)),
+    ],
+)
+def test_kda_decode_gpu_launch_flags(dtype, bv, num_warps, extra):
+    """The L2 prefetch of the state and the heads-fastest grid, compiled, at model shapes."""
+    seed = seed_of(str(dtype), "flags", bv, num_warps, sorted(extra))
+    for gate_kind in ("lowerbound", "softplus"):
+        run_kda_case(
+            37, 32, 128, 4, 48, dtype, gate_kind, bv, seed, *KDA_TOL[dtype], num_warps=num_warps, **extra
+        )
+        assert KN.KDA_LAST_LAUNCH["l2_prefetch"] is bool(
+            extra.get("l2_prefetch", KN.KDA_CONFIG["l2_prefetch"])
+        )
 
 
 @pytest.mark.gpu

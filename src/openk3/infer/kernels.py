@@ -83,7 +83,19 @@ __all__ = [
 # Triton's pipeliner streams through shared memory, stages - 1 tiles ahead (fewer registers per program).
 # "few": launch parameters for batches of at most "few_max_batch" rows (None: the same as above), where one program
 # per (row, head) leaves most SMs idle and the tile walk's latency, not bandwidth, sets the time.
-KDA_CONFIG = {"BV": 32, "num_warps": 4, "stages": 0, "few": None, "few_max_batch": 16}
+# l2_prefetch: each program first requests its head's whole state into L2 (prefetch.global.L2), so the tile walk is
+# not limited by the one tile per program that registers hold in flight; heads_fast: grid (H, B) instead of (B, H),
+# so the programs running together walk one contiguous stretch of state slots. Both on: B=256 H=32 K=128 0.384 ->
+# 0.349 ms on an H200 (3.08 TB/s of state traffic); at B <= 16 both cost 3-5 %, so the few-row regime leaves them off.
+KDA_CONFIG = {
+    "BV": 32,
+    "num_warps": 4,
+    "stages": 0,
+    "l2_prefetch": True,
+    "heads_fast": True,
+    "few": {"l2_prefetch": False, "heads_fast": False},
+    "few_max_batch": 16,
+}
 KDA_LAST_LAUNCH: dict = {}  # the launch parameters of the latest kda_decode_triton call
 MLA_CONFIG = {
     # launch parameters by regime (chosen by measurement on an H200, bench/NOTES.md). prefetch 2: the next block's
@@ -155,6 +167,19 @@ if HAS_TRITON:
         )
 
     @triton.jit
+    def _prefetch_l2(ptrs):
+        """Request the 128-byte lines holding ``ptrs`` into L2 (nothing waits for them and no registers hold them).
+        Compiled kernels only: the interpreter has no inline assembly (callers gate this on a constexpr)."""
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+            "=r,l",
+            [ptrs],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @triton.jit
     def _add2(a0, b0, a1, b1):
         return a0 + a1, b0 + b1
 
@@ -216,16 +241,25 @@ if HAS_TRITON:
         conv_ptr, state_ptr, slots_ptr, s_conv, s_state,
         lower_bound, eps, q_scale,
         H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
-        LB_GATE: tl.constexpr, STAGES: tl.constexpr,
+        LB_GATE: tl.constexpr, STAGES: tl.constexpr, PF_L2: tl.constexpr, HEADS_FAST: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+        if (
+            HEADS_FAST
+        ):  # grid (H, B): the programs of one row's heads run together (one contiguous state slot)
+            h = tl.program_id(0)
+            b = tl.program_id(1)
+        else:
+            b = tl.program_id(0)
+            h = tl.program_id(1)
         dtype = o_ptr.dtype.element_ty
         HK: tl.constexpr = H * K
         slot = tl.load(slots_ptr + b).to(tl.int64)
         ck = tl.arange(0, K)
         cv = tl.arange(0, BV)
-        sp0 = state_ptr + slot * s_state + h * (K * K) + ck[:, None] * K + cv[None, :]
+        head = state_ptr + slot * s_state + h * (K * K)
+        if PF_L2:  # the whole head's state requested into L2 at once, so the tile walk below reads it from L2
+            _prefetch_l2(head + tl.arange(0, K * K // 32) * 32)
+        sp0 = head + ck[:, None] * K + cv[None, :]
         if BV == K or STAGES == 0:
             S_next = tl.load(sp0)  # the first state tile is requested before anything else
         conv = conv_ptr + slot * s_conv
@@ -289,14 +323,11 @@ if HAS_TRITON:
         return pages
 
     @triton.jit
-    def _mla_rows(
-        kv_ptr, pages, n0, end, s_kvp, s_kvt,
-        DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-    ):  # fmt: skip
-        """The latent rows of tokens ``[n0, min(n0 + BLOCK_N, end))`` (zeros past ``end``), given the block's
-        :func:`_mla_pages`: (latent part ``[BLOCK_N, DC]``, rope part ``[BLOCK_N, DR]``)."""
+    def _mla_row_ptrs(
+        kv_ptr, pages, n0, s_kvp, s_kvt, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr
+    ):
+        """``[BLOCK_N]`` pointers to the latent rows of tokens ``[n0, n0 + BLOCK_N)``, given :func:`_mla_pages`."""
         tn = tl.arange(0, BLOCK_N)
-        tm = n0 + tn < end
         if MODE == 1:
             row = kv_ptr + pages.to(tl.int64) * s_kvp + ((n0 % PAGE) + tn).to(tl.int64) * s_kvt
         elif MODE == 2:
@@ -305,6 +336,17 @@ if HAS_TRITON:
             row = kv_ptr + page.to(tl.int64) * s_kvp + (tn % PAGE).to(tl.int64) * s_kvt
         else:
             row = kv_ptr + pages.to(tl.int64) * s_kvp + ((n0 + tn) % PAGE).to(tl.int64) * s_kvt
+        return row
+
+    @triton.jit
+    def _mla_rows(
+        kv_ptr, pages, n0, end, s_kvp, s_kvt,
+        DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    ):  # fmt: skip
+        """The latent rows of tokens ``[n0, min(n0 + BLOCK_N, end))`` (zeros past ``end``), given the block's
+        :func:`_mla_pages`: (latent part ``[BLOCK_N, DC]``, rope part ``[BLOCK_N, DR]``)."""
+        tm = n0 + tl.arange(0, BLOCK_N) < end
+        row = _mla_row_ptrs(kv_ptr, pages, n0, s_kvp, s_kvt, PAGE, BLOCK_N, MODE)
         kn = tl.load(row[:, None] + tl.arange(0, DC)[None, :], mask=tm[:, None], other=0.0)
         kr = tl.load(row[:, None] + DC + tl.arange(0, DR)[None, :], mask=tm[:, None], other=0.0)
         return kn, kr
@@ -569,10 +611,12 @@ def kda_decode_triton(
     BV: int | None = None,
     num_warps: int | None = None,
     stages: int | None = None,
+    l2_prefetch: bool | None = None,
+    heads_fast: bool | None = None,
 ) -> torch.Tensor:
     """Fused single-token KDA step (signature and layouts: :mod:`openk3.infer.decode`). ``BV`` (state columns per
-    tile, a power of two; 0: the whole head), ``num_warps`` and ``stages`` (0, or >= 2: the loop form, see
-    :data:`KDA_CONFIG`) override :data:`KDA_CONFIG`."""
+    tile, a power of two; 0: the whole head), ``num_warps``, ``stages`` (0, or >= 2: the loop form),
+    ``l2_prefetch`` and ``heads_fast`` (see :data:`KDA_CONFIG`) override :data:`KDA_CONFIG`."""
     B, HK = q.shape
     H, K = layer.num_heads, layer.head_dim
     wq, wk, wv = (c.weight.reshape(HK, -1) for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d))
@@ -608,15 +652,17 @@ def kda_decode_triton(
     st = cfg.get("stages", 0) if stages is None else stages
     if st == 1 or st < 0:
         raise ValueError(f"kda_decode_triton: stages must be 0 or >= 2, got {st}")
+    pf = bool(cfg.get("l2_prefetch", False) if l2_prefetch is None else l2_prefetch) and not INTERPRET
+    hf = bool(cfg.get("heads_fast", False) if heads_fast is None else heads_fast)
     KDA_LAST_LAUNCH.clear()
-    KDA_LAST_LAUNCH.update(BV=bv, num_warps=nw, stages=st)
-    _kda_decode_kernel[(B, H)](
+    KDA_LAST_LAUNCH.update(BV=bv, num_warps=nw, stages=st, l2_prefetch=pf, heads_fast=hf)
+    _kda_decode_kernel[(H, B) if hf else (B, H)](
         q, k, v, z, beta_logits, gate, o,
         q.stride(0), k.stride(0), v.stride(0), z.stride(0), beta_logits.stride(0), gate.stride(0), o.stride(0),
         wq, wk, wv, a_log, dt_bias, norm_w,
         conv_state, state, slots, conv_state.stride(0), state.stride(0),
         float(layer.lower_bound) if lb_gate else 0.0, float(layer.eps), K**-0.5,
-        H=H, K=K, W=W, WP=triton.next_power_of_2(W), BV=bv, LB_GATE=lb_gate, STAGES=st,
+        H=H, K=K, W=W, WP=triton.next_power_of_2(W), BV=bv, LB_GATE=lb_gate, STAGES=st, PF_L2=pf, HEADS_FAST=hf,
         num_warps=nw,
     )  # fmt: skip
     return o
