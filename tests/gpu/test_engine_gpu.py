@@ -187,6 +187,26 @@ def test_engine_unsupported_kernel_falls_back():
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_kda_launch_above_few_rows(graphs, monkeypatch):
+    """The KDA step's launch above the few-row regime (state requested into L2, heads-fastest grid) in the engine, at
+    every batch size here (few_max_batch 0): fp32 decode logits against a full forward of the same model, tightly."""
+    from openk3.infer import kernels as KN
+
+    monkeypatch.setitem(KN.KDA_CONFIG, "few_max_batch", 0)
+    model = _model("small", torch.float32)
+    eng = Engine(
+        model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, prefix_cache=False,
+        use_cuda_graphs=graphs,
+    )  # fmt: skip
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (20, 12, 16)]
+    reqs = eng.generate(_prompts(6, [9, 77, 150], model.config.vocab_size), params)
+    assert KN.KDA_LAST_LAUNCH["l2_prefetch"] == KN.KDA_CONFIG["l2_prefetch"]
+    assert KN.KDA_LAST_LAUNCH["heads_fast"] == KN.KDA_CONFIG["heads_fast"]
+    err = _full_forward_err(model, reqs)
+    assert err < 1e-3, err
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_engine_moe_small_decode(graphs, monkeypatch):
     """The few-token MoE path (OPENK3_MOE_SMALL_N) in the engine: fp32 decode logits against a full forward of the
     same model, tightly, with batches above and below the threshold (both paths run)."""
