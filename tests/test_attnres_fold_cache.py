@@ -66,3 +66,16 @@ def test_fold_not_cached_with_gradients():
     assert w.requires_grad
     w.sum().backward()
     assert torch.equal(q.grad.reshape(-1), nw.detach()) and torch.equal(nw.grad, q.detach().reshape(-1))
+
+
+def test_fold_of_inference_tensors_is_not_cached():
+    """Tensors made under inference_mode have no version counter, so an in-place update could not be seen: they are
+    folded afresh every time (and do not raise)."""
+    g = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        pairs = _pairs(2, 16, g)
+        a = attnres._fold_stack(pairs)
+        pairs[0][0].mul_(2)
+        b = attnres._fold_stack(pairs)
+    assert torch.equal(a, _fresh([(pairs[0][0] / 2, pairs[0][1]), pairs[1]]))
+    assert torch.equal(b, _fresh(pairs))

@@ -431,6 +431,8 @@ def _attnres_walk(cls, srcs, qs, nws, live, eps=1e-5):
         (torch.bfloat16, 5, 8, 2048, 257),
         (torch.bfloat16, 9, 24, 1000, 64),
         (torch.float32, 1, 3, 512, 33),
+        (torch.bfloat16, 4, 8, 2048, 1),  # decode steps: phase 1's few-token tile (2 and 16 tokens)
+        (torch.float32, 3, 8, 2048, 8),
     ],
 )
 def test_attnres_reader(dtype, S, Q, D, T, check):

@@ -60,17 +60,30 @@ SCRIPT = textwrap.dedent(
     # block's sites announced at its seal; every second site read, one read twice (second read: reference path),
     # one site not announced; backward through everything at once. Run with partials stored for every set
     # (DIRECT_MAX 0), with none stored (3), and mixed (2: the third set stores them).
+    # 37 tokens: the training tiles; 5 and 1 (a decode step): phase 1's few-token tile. With one token some
+    # gradients are sums of few, cancelling terms, where two fp32 evaluations differ by more than elsewhere, so the
+    # few-token cases are held against an fp64 evaluation of the same formula (both fp32 readers within 1e-4 of it;
+    # measured: up to 5e-5 for this reader, 1e-5 for the reference).
     from openk3.fast import attnres
-    D, N, Q = 200, 37, 5
-    blocks = [torch.randn(1, N, D) * (1 + i % 3) for i in range(3)]
-    lives = [torch.randn(1, N, D) * 2 for _ in range(3)]
-    qs = [torch.randn(1, D) * 0.2 for _ in range(3 * Q)]
-    nws = [1 + 0.1 * torch.randn(D) for _ in range(3 * Q)]
-    for direct_max in (0, 3, 2):
+
+    class Ref64(AttnResReader):
+        def read(self, site_id, query, norm_weight, r):
+            vals = torch.stack([t.double() for t in [*self.sealed, r]])
+            w = norm_weight.double() * query.double().reshape(-1)
+            inv = torch.rsqrt(vals.pow(2).mean(-1, keepdim=True) + self.eps)
+            p = torch.softmax(((vals * inv) * w).sum(-1), dim=0)
+            return (p.unsqueeze(-1) * vals).sum(0)
+
+    D, Q = 200, 5
+    for N, direct_max in [(37, 0), (37, 3), (37, 2), (5, 2), (1, 0), (1, 3)]:
+        blocks = [torch.randn(1, N, D) * (1 + i % 3) for i in range(3)]
+        lives = [torch.randn(1, N, D) * 2 for _ in range(3)]
+        qs = [torch.randn(1, D) * 0.2 for _ in range(3 * Q)]
+        nws = [1 + 0.1 * torch.randn(D) for _ in range(3 * Q)]
         attnres.DIRECT_MAX = direct_max
         res = []
-        for cls in (TritonAttnResReader, AttnResReader):
-            L = [t.clone().requires_grad_() for t in blocks + lives + qs + nws]
+        for cls in (TritonAttnResReader, AttnResReader, Ref64):
+            L = [(t.double() if cls is Ref64 else t.clone()).requires_grad_() for t in blocks + lives + qs + nws]
             src, lv, qq, nw = L[:3], L[3:6], L[6 : 6 + 3 * Q], L[6 + 3 * Q :]
             rd = cls(1e-5, max_sources=2)
             outs = []
@@ -85,9 +98,15 @@ SCRIPT = textwrap.dedent(
             gen = torch.Generator().manual_seed(1)
             sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs).backward()
             res.append(outs + [t.grad if t.grad is not None else torch.zeros_like(t) for t in L])
-        assert len(res[0]) == len(res[1])
-        worst = max([worst] + [rel(a, b) for a, b in zip(res[0], res[1]) if b.abs().sum() > 0])
+        assert len(res[0]) == len(res[1]) == len(res[2])
         assert all(bool((a == 0).all()) for a, b in zip(res[0], res[1]) if b.abs().sum() == 0)
+        for a, b, c in zip(*res):
+            if b.abs().sum() == 0:
+                continue
+            if N >= 32:
+                worst = max(worst, rel(a, b))
+            else:
+                assert rel(a, c) <= 1e-4 and rel(b, c) <= 1e-4, (N, direct_max, rel(a, c), rel(b, c))
     print("WORST", worst)
     """
 )
