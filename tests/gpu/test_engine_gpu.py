@@ -186,6 +186,19 @@ def test_engine_unsupported_kernel_falls_back():
         Engine(model, None, max_tokens=2048, decode_backend="triton")
 
 
+def _greedy_fp32_decode_err(graphs: bool, seed: int, max_tokens) -> float:
+    """Greedy decode of three ragged prompts by the engine on the fp32 ``small`` model: the worst relative error of
+    its decode logits against a full forward of the same model."""
+    model = _model("small", torch.float32)
+    eng = Engine(
+        model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, prefix_cache=False,
+        use_cuda_graphs=graphs,
+    )  # fmt: skip
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    reqs = eng.generate(_prompts(seed, [9, 77, 150], model.config.vocab_size), params)
+    return _full_forward_err(model, reqs)
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_engine_kda_launch_above_few_rows(graphs, monkeypatch):
     """The KDA step's launch above the few-row regime (state requested into L2, heads-fastest grid) in the engine, at
@@ -193,16 +206,9 @@ def test_engine_kda_launch_above_few_rows(graphs, monkeypatch):
     from openk3.infer import kernels as KN
 
     monkeypatch.setitem(KN.KDA_CONFIG, "few_max_batch", 0)
-    model = _model("small", torch.float32)
-    eng = Engine(
-        model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, prefix_cache=False,
-        use_cuda_graphs=graphs,
-    )  # fmt: skip
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (20, 12, 16)]
-    reqs = eng.generate(_prompts(6, [9, 77, 150], model.config.vocab_size), params)
+    err = _greedy_fp32_decode_err(graphs, seed=6, max_tokens=(20, 12, 16))
     assert KN.KDA_LAST_LAUNCH["l2_prefetch"] == KN.KDA_CONFIG["l2_prefetch"]
     assert KN.KDA_LAST_LAUNCH["heads_fast"] == KN.KDA_CONFIG["heads_fast"]
-    err = _full_forward_err(model, reqs)
     assert err < 1e-3, err
 
 
@@ -216,15 +222,8 @@ def test_engine_moe_small_decode(graphs, monkeypatch):
     calls = []
     experts = moe_small.experts_small
     monkeypatch.setattr(moe_small, "experts_small", lambda *a, **k: calls.append(1) or experts(*a, **k))
-    model = _model("small", torch.float32)
-    eng = Engine(
-        model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, prefix_cache=False,
-        use_cuda_graphs=graphs,
-    )  # fmt: skip
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (24, 6, 12)]
-    reqs = eng.generate(_prompts(5, [9, 77, 150], model.config.vocab_size), params)
+    err = _greedy_fp32_decode_err(graphs, seed=5, max_tokens=(24, 6, 12))
     assert calls, "the few-token path did not run"
-    err = _full_forward_err(model, reqs)
     assert err < 1e-3, err
 
 
