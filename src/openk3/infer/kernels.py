@@ -6,8 +6,9 @@ They also run under ``TRITON_INTERPRET=1`` on CPU tensors (the tests call :func:
 :func:`mla_decode_triton` directly). No host synchronisation; the grid depends only on tensor shapes, so both can be
 captured in a CUDA graph.
 
-KDA (SPEC.md §1.5), one launch ``[B, H]``: a program owns one (row, head). It first requests the first state tile,
-then runs the short conv of q, k and v over the history in ``conv_state`` plus the raw projections (fp32, SiLU,
+KDA (SPEC.md §1.5), one launch ``[B, H]`` (``[H, B]`` with ``heads_fast``): a program owns one (row, head). Above
+the few-row regime it first asks for its head's whole state in L2 (``prefetch.global.L2``; compiled kernels only).
+It requests the first state tile, then runs the short conv of q, k and v over the history in ``conv_state`` plus the raw projections (fp32, SiLU,
 rounded to the model dtype like the reference), shifts the history in place, computes the gate (``lowerbound``:
 ``lb * sigmoid(exp(A) (z + dt_bias))``, ``softplus``: ``-exp(A) softplus(z + dt_bias)``), ``beta =
 sigmoid(beta_logits)``, L2-normalises q and k (eps 1e-6) and scales q by ``K^-0.5``; then streams the fp32 state
