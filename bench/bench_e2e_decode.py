@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -89,8 +90,10 @@ def run_preset(
     moe_small_n: int | None = None,
     fuse_ffn: bool | None = None,
     fuse_res: bool | None = None,
+    read_norm: bool | None = None,
 ) -> None:
-    """One engine per call; ``fuse_ffn`` / ``fuse_res`` / ``moe_small_n`` None: the engine's defaults."""
+    """One engine per call; ``fuse_ffn`` / ``fuse_res`` / ``read_norm`` / ``moe_small_n`` None: the engine's
+    defaults."""
     from openk3.cost import predict_decode_time
     from openk3.fast import moe_small
     from openk3.infer.engine import Engine
@@ -104,6 +107,7 @@ def run_preset(
         + ("" if fuse else " unfused-proj")
         + ({None: "", True: " fused-ffn", False: " no-fused-ffn"}[fuse_ffn])
         + (" fused-residual" if fuse_res else "")
+        + ({None: "", True: " read+norm", False: " no-read+norm"}[read_norm])
         + ("" if moe_small_n is None else f" moe-small<={moe_small_n}")
     )
     t0 = time.time()
@@ -131,6 +135,7 @@ def run_preset(
         fuse_projections=fuse,
         **({} if fuse_ffn is None else {"fuse_ffn_projections": fuse_ffn}),
         **({} if fuse_res is None else {"fuse_residual": fuse_res}),
+        **({} if read_norm is None else {"fuse_read_norm": read_norm}),
     )
     print(f"[{preset}] engine: {eng.memory_report()}", flush=True)
     fwd_times: list[float] = []
@@ -261,6 +266,11 @@ def main():
         "EngineConfig.fuse_ffn_projections, and with fuse_ffn_projections + fuse_residual",
     )
     ap.add_argument(
+        "--compare-read-norm",
+        action="store_true",
+        help="A/B: time each preset with EngineConfig.fuse_read_norm off and on (AttnRes read + RMSNorm fused)",
+    )
+    ap.add_argument(
         "--moe-small",
         type=int,
         default=None,
@@ -292,19 +302,22 @@ def main():
                 variants = (
                     ((False, False), (True, False), (True, True)) if args.compare_fusion else ((None, None),)
                 )
-                for ffn, res in variants:
-                    for small in (None,) if args.moe_small is None else (0, args.moe_small):
-                        run_preset(
-                            preset,
-                            batches,
-                            args.context,
-                            args.steps,
-                            not args.no_graphs,
-                            fuse,
-                            small,
-                            ffn,
-                            res,
-                        )
+                read_norms = (False, True) if args.compare_read_norm else (None,)
+                for (ffn, res), small, rn in itertools.product(
+                    variants, (None,) if args.moe_small is None else (0, args.moe_small), read_norms
+                ):
+                    run_preset(
+                        preset,
+                        batches,
+                        args.context,
+                        args.steps,
+                        not args.no_graphs,
+                        fuse,
+                        small,
+                        ffn,
+                        res,
+                        rn,
+                    )
         except Exception as e:
             ERRORS.append(f"{preset}: {e!r}")
             traceback.print_exc()

@@ -517,6 +517,23 @@ def test_fused_projections_match(tiny, variant):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_fuse_read_norm_matches(tiny):
+    """EngineConfig.fuse_read_norm: each AttnRes read and the RMSNorm after it through the reader's read_normed
+    (here the reference reader, which applies the norm to its read) give the unfused engine's decode logits and
+    those of a full re-forward."""
+    prompts = _prompts(23, [5, 29, 12], tiny.config.vocab_size)
+    runs = []
+    for fuse in (False, True):
+        eng = Engine(tiny, None, max_seqs=4, max_tokens=512, record_logits=True, fuse_read_norm=fuse)
+        assert eng.cfg.fuse_read_norm is fuse
+        reqs = eng.generate(prompts, GREEDY)
+        _check_against_full_forward(tiny, reqs)
+        runs.append(reqs)
+    for a, b in zip(*runs):
+        assert a.output_ids == b.output_ids
+        assert torch.equal(torch.stack(a.logits_log), torch.stack(b.logits_log))
+
+
 @pytest.mark.parametrize("variant", ["tiny", "plain MoE", "latent MoE without shared experts"])
 def test_fused_ffn_and_residual_match(tiny, variant):
     """fuse_ffn_projections (one GEMM per FFN over the projections that read its input: dense gate/up, MoE latent

@@ -186,17 +186,36 @@ def test_engine_unsupported_kernel_falls_back():
         Engine(model, None, max_tokens=2048, decode_backend="triton")
 
 
-def _greedy_fp32_decode_err(graphs: bool, seed: int, max_tokens) -> float:
+def _greedy_fp32_decode_err(graphs: bool, seed: int, max_tokens, **engine_kw) -> float:
     """Greedy decode of three ragged prompts by the engine on the fp32 ``small`` model: the worst relative error of
     its decode logits against a full forward of the same model."""
     model = _model("small", torch.float32)
     eng = Engine(
         model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, prefix_cache=False,
-        use_cuda_graphs=graphs,
+        use_cuda_graphs=graphs, **engine_kw,
     )  # fmt: skip
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
     reqs = eng.generate(_prompts(seed, [9, 77, 150], model.config.vocab_size), params)
     return _full_forward_err(model, reqs)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_fuse_read_norm(graphs, monkeypatch):
+    """EngineConfig.fuse_read_norm on CUDA: every AttnRes read after the first sealed set goes through the Triton
+    reader's fused read + RMSNorm launch; fp32 decode logits against a full forward of the same model, tightly."""
+    from openk3.fast import attnres
+
+    normed = []
+    p2 = attnres._p2_fwd
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **k: normed.append(k["NORM"]) or p2[grid](*a, **k)
+
+    monkeypatch.setattr(attnres, "_p2_fwd", Spy())
+    err = _greedy_fp32_decode_err(graphs, seed=7, max_tokens=(18, 9, 14), fuse_read_norm=True)
+    assert any(normed), "the fused read + norm launch did not run"
+    assert err < 1e-3, err
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])

@@ -467,6 +467,33 @@ def test_attnres_reader(dtype, S, Q, D, T, check):
         check(f"{tag}.d{n}", a, b, 3 * tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("T", [1, 8, 300])
+def test_attnres_read_normed(dtype, T, check):
+    """The fused read + RMSNorm (decode, gradients off) against the RMSNorm of the reference read."""
+    from openk3.fast.attnres import TritonAttnResReader
+    from openk3.modules.norm import RMSNorm
+    from openk3.ops.attnres import AttnResReader
+    from openk3.ops.norm import rms_norm
+
+    g = _fresh()
+    D = 2048
+    norm = RMSNorm(D, eps=1e-6).to(DEV, dtype)
+    srcs = [_rand(2, T, D, dtype=dtype, scale=1 + i, g=g) for i in range(3)]
+    live = _rand(2, T, D, dtype=dtype, scale=2, g=g)
+    sites = [(j, _rand(1, D, scale=0.05, g=g), 1 + 0.1 * _rand(D, g=g)) for j in range(4)]
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * _rand(D, g=g))
+        fast, ref = TritonAttnResReader(1e-5), AttnResReader(1e-5)
+        for rd in (fast, ref):
+            for t in srcs:
+                rd.seal(t, sites)
+        for j, q, nw in sites:
+            want = rms_norm(ref.read(j, q, nw, live), norm.weight, norm.eps)
+            check(f"attnres_read_normed.{str(dtype)[6:]}.T{T}.site{j}", fast.read_normed(j, q, nw, live, norm), want,
+                  AR_TOL[dtype])  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "dtype,blocks,Q,D,T,cap,direct_max",
     [

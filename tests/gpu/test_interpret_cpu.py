@@ -107,6 +107,43 @@ SCRIPT = textwrap.dedent(
                 worst = max(worst, rel(a, b))
             else:
                 assert rel(a, c) <= 1e-4 and rel(b, c) <= 1e-4, (N, direct_max, rel(a, c), rel(b, c))
+
+    # read_normed (decode, gradients off): the read and the RMSNorm after it in one launch, against the RMSNorm of
+    # the reference read; a second read of the same site takes the reference path
+    from openk3.modules.norm import RMSNorm
+    from openk3.ops.norm import rms_norm
+
+    norm = RMSNorm(D, eps=1e-6)
+    launches = []
+    p2 = attnres._p2_fwd
+
+    class Spy:  # records whether each phase-2 launch normed its output
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append(k["NORM"]) or p2[grid](*a, **k)
+
+    attnres._p2_fwd = Spy()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(D))
+        for N, direct_max in [(1, 3), (7, 0), (40, 2)]:
+            attnres.DIRECT_MAX = direct_max
+            srcs = [torch.randn(1, N, D) * (1 + i) for i in range(3)]
+            live = torch.randn(1, N, D) * 2
+            sites = [(j, torch.randn(1, D) * 0.2, 1 + 0.1 * torch.randn(D)) for j in range(3)]
+            fast, ref = TritonAttnResReader(1e-5, max_sources=2), AttnResReader(1e-5)
+            for rd in (fast, ref):
+                for t in srcs:
+                    rd.seal(t, sites)
+            for j, q, nw in sites:
+                want = rms_norm(ref.read(j, q, nw, live), norm.weight, norm.eps)
+                got = fast.read_normed(j, q, nw, live, norm)
+                worst = max(worst, rel(got, want))
+                assert got.shape == live.shape and got.dtype == live.dtype
+            assert launches == [True] * len(sites), launches
+            launches.clear()
+            again = fast.read_normed(0, sites[0][1], sites[0][2], live, norm)  # second read: reference path
+            worst = max(worst, rel(again, rms_norm(ref.read(0, sites[0][1], sites[0][2], live), norm.weight, 1e-6)))
+            assert launches == [], launches
+    attnres._p2_fwd = p2
     print("WORST", worst)
     """
 )

@@ -140,9 +140,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _p2_fwd(
-        r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, lse_ptr, out_ptr, s_ptr, inv_ptr, N, eps,
+        r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, lse_ptr, out_ptr, s_ptr, inv_ptr, N, eps, g_ptr, x_ptr, neps,
         D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, S: tl.constexpr, DIRECT: tl.constexpr,
+        NORM: tl.constexpr,
     ):  # fmt: skip
+        """Phase 2 of one read for BN tokens. ``NORM``: also the RMSNorm of the output (gain ``g``, eps ``neps``) into
+        ``x``, as ``openk3.ops.norm.rms_norm`` computes it from the stored output (fp32 mean of squares, the
+        normalised value rounded to the output dtype before the gain, the product rounded again)."""
         n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
         nm = n < N
         dot = tl.zeros([BN], dtype=tl.float32)
@@ -168,6 +172,24 @@ if HAS_TRITON:
             pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
             o = lam[:, None] * pn + (1.0 - lam[:, None]) * r
             tl.store(out_ptr + n[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=m2)
+        if NORM:  # the rows just stored (other threads of this program wrote part of them): norm them
+            tl.debug_barrier()
+            hs = tl.zeros([BN], dtype=tl.float32)
+            for d0 in tl.range(0, D, BD):
+                d = d0 + tl.arange(0, BD)
+                m2 = nm[:, None] & (d < D)[None, :]
+                h = tl.load(out_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+                hs += tl.sum(h * h, axis=1)
+            hinv = tl.rsqrt(hs / D + neps)
+            dt = x_ptr.dtype.element_ty
+            for d0 in tl.range(0, D, BD):
+                d = d0 + tl.arange(0, BD)
+                dm = d < D
+                m2 = nm[:, None] & dm[None, :]
+                h = tl.load(out_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+                y = (h * hinv[:, None]).to(dt).to(tl.float32)
+                g = tl.load(g_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+                tl.store(x_ptr + n[:, None] * D + d[None, :], (g[None, :] * y).to(dt), mask=m2)
 
     @triton.jit
     def _p2_bwd(
@@ -562,8 +584,8 @@ class _Phase2(torch.autograd.Function):
         bd = min(bd, _pow2(D, 16))
         pn, V, pp = _p2_operands(block, qi)
         _p2_fwd[(triton.cdiv(N, bn),)](
-            rf, w, pn, V, pp, lse_all[qi], out, s, inv, N, block.eps,
-            D=D, BN=bn, BD=bd, S=V.shape[0], DIRECT=block.direct, num_warps=nw,
+            rf, w, pn, V, pp, lse_all[qi], out, s, inv, N, block.eps, w, out, 0.0,
+            D=D, BN=bn, BD=bd, S=V.shape[0], DIRECT=block.direct, NORM=False, num_warps=nw,
         )  # fmt: skip
         ctx.block, ctx.qi = block, qi
         ctx.save_for_backward(r, w, lse_all, s, inv)
@@ -713,6 +735,42 @@ class TritonAttnResReader:
         qi = block.index[site_id]
         block.read.add(qi)
         return _Phase2.apply(block, qi, r.contiguous(), _fold(query, norm_weight), self._lse)
+
+    def read_normed(
+        self, site_id: int, query: torch.Tensor, norm_weight: torch.Tensor, r: torch.Tensor, norm
+    ) -> torch.Tensor:
+        """``norm(read(...))`` for an RMSNorm module ``norm`` (``weight``, ``eps``). With gradients off and the read
+        on the fast path (see :meth:`read`), one phase-2 launch writes the normed rows directly (the read's own
+        output stays in a scratch buffer); otherwise the read, then ``norm``."""
+        block = self._block
+        qi = None if block is None else block.index.get(site_id)
+        if (
+            torch.is_grad_enabled()
+            or qi is None
+            or qi in block.read
+            or not self._fast(r)
+            or r.dtype != self.sealed[0].dtype
+            or r.shape != self.sealed[0].shape
+            or norm.weight.shape != r.shape[-1:]
+        ):
+            return norm(self.read(site_id, query, norm_weight, r))
+        block.read.add(qi)
+        D = r.shape[-1]
+        rf = r.contiguous().view(-1, D)
+        N = rf.shape[0]
+        out = torch.empty_like(rf)
+        x = torch.empty_like(rf)
+        sc = torch.empty(
+            2, N, dtype=torch.float32, device=r.device
+        )  # scores, inverse rms (kept only for backward)
+        bn, bd, nw = TILES["p2_fwd_direct" if block.direct else "p2_fwd"]
+        bd = min(bd, _pow2(D, 16))
+        pn, V, pp = _p2_operands(block, qi)
+        _p2_fwd[(triton.cdiv(N, bn),)](
+            rf, _fold(query, norm_weight), pn, V, pp, self._lse[qi], out, sc[0], sc[1], N, block.eps, norm.weight, x,
+            float(norm.eps), D=D, BN=bn, BD=bd, S=V.shape[0], DIRECT=block.direct, NORM=True, num_warps=nw,
+        )  # fmt: skip
+        return x.view_as(r)
 
 
 def attnres_read_fast(sources, query, norm_weight, eps):

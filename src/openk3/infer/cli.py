@@ -88,6 +88,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "measured on an H200)",
     )
     g.add_argument(
+        "--fuse-read-norm",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode: each AttnRes read and the RMSNorm after it in one launch (Triton reader); default off (not "
+        "yet measured on a GPU)",
+    )
+    g.add_argument(
         "--backend",
         action="append",
         default=[],
@@ -154,6 +161,7 @@ def _load(args):
         fuse_projections=args.fuse_projections,
         fuse_ffn_projections=args.fuse_ffn_projections,
         fuse_residual=args.fuse_residual,
+        fuse_read_norm=args.fuse_read_norm,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     if args.moe_small_tokens is not None:

@@ -91,6 +91,9 @@ class EngineConfig:
     # the residual adds of the decode step folded into the last GEMM of the attention and FFN outputs (addmm: one
     # rounding instead of two). Off: within 1-2 % either way on an H200
     fuse_residual: bool = False
+    # decode step: each AttnRes read followed by its layer's RMSNorm as one launch (the fast reader writes the normed
+    # rows; `TritonAttnResReader.read_normed`), one norm kernel less per read. Off until measured on a GPU
+    fuse_read_norm: bool = False
 
 
 @dataclass
@@ -727,11 +730,18 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ layer walk
     def _walk(
-        self, r: torch.Tensor, attn: Callable, ffn: Callable | None = None, residual: bool = False
+        self,
+        r: torch.Tensor,
+        attn: Callable,
+        ffn: Callable | None = None,
+        residual: bool = False,
+        read_norm: bool = False,
     ) -> torch.Tensor:
         """``K3Model.forward`` with the attention call (and optionally the FFN call, ``ffn(i, layer, x_normed)``)
         replaced: r [B, T, D] embeddings -> final-normed hidden. ``residual``: ``attn`` and ``ffn`` take ``res=``
-        and return ``res`` plus their output (so that they can fold the add into a GEMM)."""
+        and return ``res`` plus their output (so that they can fold the add into a GEMM). ``read_norm``: each
+        AttnRes read and the RMSNorm after it through the reader's ``read_normed`` (one launch on the fast
+        path)."""
         cfg, inner = self.mcfg, self.model.model
         reader = (
             make_reader(
@@ -740,34 +750,40 @@ class Engine:
             if cfg.use_attn_res
             else None
         )
+
+        def read(site, r, norm):  # norm(AttnRes read at site)
+            if read_norm:
+                return reader.read_normed(*site, r, norm)
+            return norm(reader.read(*site, r))
+
         for i, layer in enumerate(inner.layers):
 
-            def a(h, res=None, i=i, layer=layer):  # res + attention(h), or attention(h) alone
-                x = layer.input_layernorm(h)
+            def a(x, res=None, i=i, layer=layer):  # res + attention(x), or attention(x) alone; x normed
                 if res is None:
                     return attn(i, layer, x)
                 return attn(i, layer, x, res=res) if residual else res + attn(i, layer, x)
 
-            def f(h, res, i=i, layer=layer):  # res + ffn(h)
-                x = layer.post_attention_layernorm(h)
+            def f(x, res, i=i, layer=layer):  # res + ffn(x); x normed
                 if ffn is None:
                     return res + layer.ffn(x)
                 return ffn(i, layer, x, res=res) if residual else res + ffn(i, layer, x)
 
             if not layer.use_attn_res:
-                r = a(r, r)
-                r = f(r, r)
+                r = a(layer.input_layernorm(r), r)
+                r = f(layer.post_attention_layernorm(r), r)
                 continue
-            h = reader.read(*layer.site("self_attention"), r) if reader.num_sealed else r
+            if reader.num_sealed:
+                x = read(layer.site("self_attention"), r, layer.input_layernorm)
+            else:
+                x = layer.input_layernorm(r)
             if layer.seal:
                 reader.seal(r, self._seal_sites[i])
-                r = a(h)
+                r = a(x)
             else:
-                r = a(h, r)
-            m = reader.read(*layer.site("mlp"), r)
-            r = f(m, r)
+                r = a(x, r)
+            r = f(read(layer.site("mlp"), r, layer.post_attention_layernorm), r)
         if cfg.use_attn_res:
-            r = reader.read(*inner.output_site(), r)
+            return read(inner.output_site(), r, inner.norm)
         return inner.norm(r)
 
     # ------------------------------------------------------------------------------------------------ decode
@@ -951,7 +967,11 @@ class Engine:
             return y if res is None else res + y
 
         h = self._walk(
-            self.model.model.embed_tokens(ids)[:, None], attn, ffn, residual=self.cfg.fuse_residual
+            self.model.model.embed_tokens(ids)[:, None],
+            attn,
+            ffn,
+            residual=self.cfg.fuse_residual,
+            read_norm=self.cfg.fuse_read_norm,
         )
         return F.linear(h[:, 0], self.model.output_weight).float()
 

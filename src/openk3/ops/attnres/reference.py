@@ -44,3 +44,9 @@ class AttnResReader:
         self, site_id: int, query: torch.Tensor, norm_weight: torch.Tensor, r: torch.Tensor
     ) -> torch.Tensor:
         return attnres_read([*self.sealed, r], query, norm_weight, self.eps)
+
+    def read_normed(
+        self, site_id: int, query: torch.Tensor, norm_weight: torch.Tensor, r: torch.Tensor, norm
+    ) -> torch.Tensor:
+        """``norm(read(...))`` (fast readers fuse the two)."""
+        return norm(self.read(site_id, query, norm_weight, r))
