@@ -312,8 +312,11 @@ def test_stop_token_and_limits(tiny):
     assert s.finish_reason == "stop" and s.output_ids == r.output_ids[: first + 1]
     with pytest.raises(ValueError, match="context length"):
         eng.submit(list(range(5, 5 + eng.max_model_len)), GREEDY)
-    with pytest.raises(ValueError, match="maximum context length"):
+    with pytest.raises(ValueError, match="maximum context length.*the cache pool holds 256 tokens"):
         eng.submit([5, 6], SamplingParams(max_tokens=eng.max_model_len))
+    capped = Engine(tiny, None, max_seqs=2, max_tokens=256, max_model_len=64)
+    with pytest.raises(ValueError, match="limit comes from max_model_len"):
+        capped.submit([5, 6], SamplingParams(max_tokens=63))
     with pytest.raises(ValueError, match="max_tokens"):
         eng.submit([5, 6], SamplingParams(max_tokens=-1))
     with pytest.raises(ValueError, match="token ids"):

@@ -228,6 +228,12 @@ class Engine:
         )
         cap = plan.num_pages * plan.page_size if self.pool.layout.mla_layers else 1 << 62
         mml = min(self.mcfg.max_position_embeddings, cap)
+        # what sets the context length, for the errors of requests that exceed it
+        self._ctx_source = (
+            f"the cache pool holds {cap} tokens (EngineConfig.max_tokens, --max-tokens)"
+            if cap < self.mcfg.max_position_embeddings
+            else "the model's max_position_embeddings"
+        )
         if cfg.max_model_len is not None:
             if cfg.max_model_len > mml:
                 raise ValueError(
@@ -235,6 +241,7 @@ class Engine:
                     "raise --max-tokens or lower --max-model-len"
                 )
             mml = cfg.max_model_len
+            self._ctx_source = "max_model_len (--max-model-len)"
         self.max_model_len = mml
         snap_bytes = cfg.prefix_cache_bytes
         if snap_bytes is None:
@@ -401,7 +408,8 @@ class Engine:
             if n + max_new > ctx:
                 raise ValueError(
                     f"this model's maximum context length is {ctx} tokens; you requested {n + max_new} tokens "
-                    f"({n} in the prompt, {max_new} for the completion); lower max_tokens or shorten the prompt"
+                    f"({n} in the prompt, {max_new} for the completion); lower max_tokens or shorten the prompt "
+                    f"(the limit comes from {self._ctx_source})"
                 )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
