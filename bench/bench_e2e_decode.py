@@ -90,10 +90,10 @@ def run_preset(
     moe_small_n: int | None = None,
     fuse_ffn: bool | None = None,
     fuse_res: bool | None = None,
-    read_norm: bool | None = None,
+    flags: dict | None = None,
 ) -> None:
-    """One engine per call; ``fuse_ffn`` / ``fuse_res`` / ``read_norm`` / ``moe_small_n`` None: the engine's
-    defaults."""
+    """One engine per call; ``fuse_ffn`` / ``fuse_res`` / ``moe_small_n`` None: the engine's defaults; ``flags``:
+    further EngineConfig booleans (e.g. ``fuse_read_norm``)."""
     from openk3.cost import predict_decode_time
     from openk3.fast import moe_small
     from openk3.infer.engine import Engine
@@ -107,7 +107,7 @@ def run_preset(
         + ("" if fuse else " unfused-proj")
         + ({None: "", True: " fused-ffn", False: " no-fused-ffn"}[fuse_ffn])
         + (" fused-residual" if fuse_res else "")
-        + ({None: "", True: " read+norm", False: " no-read+norm"}[read_norm])
+        + "".join(f" {k.removeprefix('fuse_')}={'on' if v else 'off'}" for k, v in (flags or {}).items())
         + ("" if moe_small_n is None else f" moe-small<={moe_small_n}")
     )
     t0 = time.time()
@@ -135,7 +135,7 @@ def run_preset(
         fuse_projections=fuse,
         **({} if fuse_ffn is None else {"fuse_ffn_projections": fuse_ffn}),
         **({} if fuse_res is None else {"fuse_residual": fuse_res}),
-        **({} if read_norm is None else {"fuse_read_norm": read_norm}),
+        **(flags or {}),
     )
     print(f"[{preset}] engine: {eng.memory_report()}", flush=True)
     fwd_times: list[float] = []
@@ -266,9 +266,11 @@ def main():
         "EngineConfig.fuse_ffn_projections, and with fuse_ffn_projections + fuse_residual",
     )
     ap.add_argument(
-        "--compare-read-norm",
-        action="store_true",
-        help="A/B: time each preset with EngineConfig.fuse_read_norm off and on (AttnRes read + RMSNorm fused)",
+        "--compare-flags",
+        default="",
+        metavar="NAMES",
+        help="A/B: time each preset with these EngineConfig booleans all off, each one on alone, and all on, e.g. "
+        "fuse_read_norm,fuse_kda_lowrank",
     )
     ap.add_argument(
         "--moe-small",
@@ -302,9 +304,15 @@ def main():
                 variants = (
                     ((False, False), (True, False), (True, True)) if args.compare_fusion else ((None, None),)
                 )
-                read_norms = (False, True) if args.compare_read_norm else (None,)
-                for (ffn, res), small, rn in itertools.product(
-                    variants, (None,) if args.moe_small is None else (0, args.moe_small), read_norms
+                names = [n for n in args.compare_flags.split(",") if n]
+                flag_sets = [None]
+                if names:
+                    off = dict.fromkeys(names, False)
+                    flag_sets = [off] + [{**off, n: True} for n in names]
+                    if len(names) > 1:
+                        flag_sets.append(dict.fromkeys(names, True))
+                for (ffn, res), small, fl in itertools.product(
+                    variants, (None,) if args.moe_small is None else (0, args.moe_small), flag_sets
                 ):
                     run_preset(
                         preset,
@@ -316,7 +324,7 @@ def main():
                         small,
                         ffn,
                         res,
-                        rn,
+                        fl,
                     )
         except Exception as e:
             ERRORS.append(f"{preset}: {e!r}")

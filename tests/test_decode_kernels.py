@@ -107,8 +107,10 @@ def make_kda_layer(H: int, K: int, W: int, gate_kind: str, gen: torch.Generator)
 
 
 def run_kda_case(
-    B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_warps=None, stages=None, **extra
+    B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_warps=None, stages=None, lowrank=0, **extra
 ):
+    """``lowrank`` R > 0: the decay projection is given to the kernel as its low-rank activation [B, R] (the kernel
+    applies ``f_b_proj``); the reference gets ``z = f_b_proj(activation)`` in the model dtype."""
     gen = torch.Generator().manual_seed(seed)
     HK = H * K
     layer = make_kda_layer(H, K, W, gate_kind, gen)
@@ -118,6 +120,12 @@ def run_kda_case(
 
     q, k, v, z, gate = (rnd(B, HK).to(dtype) for _ in range(5))
     z = (z.float() * 2).to(dtype)  # exercise both tails of the gates
+    lr = {}
+    if lowrank:
+        layer.f_b_proj = types.SimpleNamespace(weight=rnd(HK, lowrank, s=2 * lowrank**-0.5).to(dtype))
+        fa = rnd(B, lowrank).to(dtype)
+        z = torch.nn.functional.linear(fa, layer.f_b_proj.weight)
+        lr = {"z_lowrank": fa}
     beta_logits = rnd(B, H, s=2.0).to(dtype)
     conv_state = rnd(S + 1, 3, HK, W - 1)
     state = rnd(S + 1, H, K, K, s=0.3)
@@ -133,25 +141,13 @@ def run_kda_case(
     c2, s2 = conv_state.clone(), state.clone()
     with poisoned_empty():
         o1 = KN.kda_decode_triton(
-            layer,
-            q,
-            k,
-            v,
-            z,
-            beta_logits,
-            gate,
-            c1,
-            s1,
-            slots,
-            BV=bv,
-            num_warps=num_warps,
-            stages=stages,
-            **extra,
-        )
+            layer, q, k, v, None if lowrank else z, beta_logits, gate, c1, s1, slots, BV=bv, num_warps=num_warps,
+            stages=stages, **extra, **lr,
+        )  # fmt: skip
     assert torch.isfinite(o1).all(), "kda: output not fully written"
     o2 = kda_decode_reference(layer, q, k, v, z, beta_logits, gate, c2, s2, slots)
     assert o1.dtype == dtype and o1.shape == (B, HK)
-    tag = f"kda B={B} H={H} K={K} W={W} {dtype} {gate_kind} BV={bv} stages={stages} {extra}"
+    tag = f"kda B={B} H={H} K={K} W={W} {dtype} {gate_kind} BV={bv} stages={stages} {extra} lowrank={lowrank}"
     errs = {"o": check(f"{tag} o", o1[is_real], o2[is_real], tol_o)}
     rs = slots[is_real]
     errs["state"] = check(f"{tag} state", s1[rs], s2[rs], tol_s)
@@ -194,6 +190,7 @@ def test_kda_decode_few_rows_config(monkeypatch):
     flags = {
         "l2_prefetch": KN.KDA_CONFIG["l2_prefetch"] and not KN.INTERPRET,
         "heads_fast": KN.KDA_CONFIG["heads_fast"],
+        "lowrank": 0,
     }
     assert KN.KDA_LAST_LAUNCH == {"BV": 8, "num_warps": 2, "stages": 2, **flags}
     run_kda_case(6, 2, 32, 4, 9, torch.float32, "lowerbound", None, 32, *KDA_TOL[torch.float32])
@@ -220,6 +217,38 @@ def test_kda_decode_launch_flags(l2_prefetch, heads_fast):
         )  # fmt: skip
         assert KN.KDA_LAST_LAUNCH["heads_fast"] is heads_fast
         assert KN.KDA_LAST_LAUNCH["l2_prefetch"] is (l2_prefetch and not KN.INTERPRET)
+
+
+@here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rank", [16, 64])
+def test_kda_decode_lowrank_decay(dtype, rank):
+    """z_lowrank: the kernel forms the decay projection f_b_proj(activation) itself (whole-head and tiled walks,
+    both gates)."""
+    for bv, gate_kind in ((0, "lowerbound"), (8, "softplus")):
+        seed = seed_of(str(dtype), "lowrank", rank, bv)
+        run_kda_case(5, 2, 32, 4, 7, dtype, gate_kind, bv, seed, *KDA_TOL[dtype], lowrank=rank)
+        assert KN.KDA_LAST_LAUNCH["lowrank"] == rank
+
+
+def test_kda_decode_lowrank_refusals():
+    gen = torch.Generator().manual_seed(3)
+    layer = make_kda_layer(2, 16, 4, "lowerbound", gen)
+    z = torch.zeros(1, 32, device=DEV)
+    args = (z, z, z)
+    tail = (torch.zeros(1, 2, device=DEV), z, torch.zeros(2, 3, 32, 3, device=DEV),
+            torch.zeros(2, 2, 16, 16, device=DEV), torch.zeros(1, dtype=torch.long, device=DEV))  # fmt: skip
+    with pytest.raises(ValueError, match="no 2-D f_b_proj"):
+        KN.kda_decode_triton(layer, *args, None, *tail, z_lowrank=torch.zeros(1, 16, device=DEV))
+    layer.f_b_proj = types.SimpleNamespace(weight=torch.zeros(32, 24, device=DEV))
+    with pytest.raises(ValueError, match="power of two"):
+        KN.kda_decode_triton(layer, *args, None, *tail, z_lowrank=torch.zeros(1, 24, device=DEV))
+    with pytest.raises(ValueError, match="does not match"):
+        KN.kda_decode_triton(layer, *args, None, *tail, z_lowrank=torch.zeros(1, 16, device=DEV))
+    with pytest.raises(ValueError, match="exactly one"):
+        KN.kda_decode_triton(layer, *args, z, *tail, z_lowrank=torch.zeros(1, 24, device=DEV))
+    with pytest.raises(ValueError, match="exactly one"):
+        KN.kda_decode_triton(layer, *args, None, *tail)
 
 
 def test_kda_decode_bad_stages():

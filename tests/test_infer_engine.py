@@ -520,15 +520,18 @@ def test_fused_projections_match(tiny, variant):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_fuse_read_norm_matches(tiny):
-    """EngineConfig.fuse_read_norm: each AttnRes read and the RMSNorm after it through the reader's read_normed
-    (here the reference reader, which applies the norm to its read) give the unfused engine's decode logits and
-    those of a full re-forward."""
+@pytest.mark.parametrize("flag", ["fuse_read_norm", "fuse_kda_lowrank"])
+def test_decode_fusion_flags_match(tiny, flag):
+    """EngineConfig.fuse_read_norm (each AttnRes read and the RMSNorm after it through the reader's read_normed;
+    here the reference reader, which norms its read) and fuse_kda_lowrank (a no-op without the Triton KDA step)
+    give the unfused engine's decode logits and those of a full re-forward."""
     prompts = _prompts(23, [5, 29, 12], tiny.config.vocab_size)
     runs = []
     for fuse in (False, True):
-        eng = Engine(tiny, None, max_seqs=4, max_tokens=512, record_logits=True, fuse_read_norm=fuse)
-        assert eng.cfg.fuse_read_norm is fuse
+        eng = Engine(tiny, None, max_seqs=4, max_tokens=512, record_logits=True, **{flag: fuse})
+        assert getattr(eng.cfg, flag) is fuse
+        if flag == "fuse_kda_lowrank":
+            assert eng._kda_lowrank_ok is None  # CPU: the reference step keeps its GEMV
         reqs = eng.generate(prompts, GREEDY)
         _check_against_full_forward(tiny, reqs)
         runs.append(reqs)

@@ -219,6 +219,17 @@ def test_engine_fuse_read_norm(graphs, monkeypatch):
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_fuse_kda_lowrank(graphs):
+    """EngineConfig.fuse_kda_lowrank on CUDA: the KDA step kernel applies f_b_proj itself (at most 16 rows); fp32
+    decode logits against a full forward of the same model, tightly."""
+    from openk3.infer import kernels as KN
+
+    err = _greedy_fp32_decode_err(graphs, seed=8, max_tokens=(18, 9, 14), fuse_kda_lowrank=True)
+    assert KN.KDA_LAST_LAUNCH["lowrank"] > 0, "the low-rank decay was not formed in the kernel"
+    assert err < 1e-3, err
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_engine_kda_launch_above_few_rows(graphs, monkeypatch):
     """The KDA step's launch above the few-row regime (state requested into L2, heads-fastest grid) in the engine, at
     every batch size here (few_max_batch 0): fp32 decode logits against a full forward of the same model, tightly."""

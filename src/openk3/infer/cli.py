@@ -95,6 +95,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "yet measured on a GPU)",
     )
     g.add_argument(
+        "--fuse-kda-lowrank",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode, up to 16 rows: the KDA step kernel applies the low-rank decay up projection itself (one GEMV "
+        "fewer per KDA layer); default off (not yet measured on a GPU)",
+    )
+    g.add_argument(
         "--backend",
         action="append",
         default=[],
@@ -162,6 +169,7 @@ def _load(args):
         fuse_ffn_projections=args.fuse_ffn_projections,
         fuse_residual=args.fuse_residual,
         fuse_read_norm=args.fuse_read_norm,
+        fuse_kda_lowrank=args.fuse_kda_lowrank,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     if args.moe_small_tokens is not None:

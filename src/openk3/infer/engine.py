@@ -94,6 +94,13 @@ class EngineConfig:
     # decode step: each AttnRes read followed by its layer's RMSNorm as one launch (the fast reader writes the normed
     # rows; `TritonAttnResReader.read_normed`), one norm kernel less per read. Off until measured on a GPU
     fuse_read_norm: bool = False
+    # decode step, at most KDA_LOWRANK_MAX_ROWS rows: the KDA step kernel forms the decay projection f_b_proj(f_a)
+    # itself (`kda_decode_triton(z_lowrank=)`), one GEMV launch fewer per KDA layer. Off until measured on a GPU
+    fuse_kda_lowrank: bool = False
+
+
+# above this many rows every KDA program would re-read its head's f_b_proj rows (from L2): the GEMV is kept
+KDA_LOWRANK_MAX_ROWS = 16
 
 
 @dataclass
@@ -293,6 +300,14 @@ class Engine:
             self._build_fused_projections(lambda layer: layer.ffn_input_projections(), self._fused_ffn)
             self._build_fused_outputs()
         self._kda_step = resolve_kda_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
+        self._kda_lowrank_ok: Callable | None = None  # kernels.kda_lowrank_ok when fuse_kda_lowrank applies
+        if cfg.fuse_kda_lowrank:
+            from openk3.infer import kernels as _kernels
+
+            if self._kda_step is getattr(_kernels, "kda_decode_triton", None):
+                self._kda_lowrank_ok = _kernels.kda_lowrank_ok
+            else:
+                log.info("fuse_kda_lowrank: the decode step is not the Triton kernel here; the GEMV is kept")
         self._mla_step = resolve_mla_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
@@ -940,6 +955,12 @@ class Engine:
                     q, k, v, fa, bl = m.q_proj(xx), m.k_proj(xx), m.v_proj(xx), m.f_a_proj(xx), m.b_proj(xx)
                     ga = m.g_proj(xx) if m.full_rank_gate else m.g_a_proj(xx)
                 gate = ga if m.full_rank_gate else m.g_b_proj(ga)
+                lowrank = self._kda_lowrank_ok
+                if lowrank is not None and B <= KDA_LOWRANK_MAX_ROWS and lowrank(m, fa)[0]:
+                    o = self._kda_step(
+                        m, q, k, v, None, bl, gate, pool.conv[j], pool.state[j], slots, z_lowrank=fa
+                    )
+                    return out_proj(m.o_proj.weight, o, res)
                 o = self._kda_step(m, q, k, v, m.f_b_proj(fa), bl, gate, pool.conv[j], pool.state[j], slots)
                 return out_proj(m.o_proj.weight, o, res)
             H = m.num_heads

@@ -189,13 +189,26 @@ if HAS_TRITON:
         return a0 + a1, b0 + b1, c0 + c1
 
     @triton.jit
+    def _lowrank_row(a_row, w_ptr, rows, R: tl.constexpr, RC: tl.constexpr, dtype: tl.constexpr):
+        """``(w[rows, :] @ a)`` rounded to ``dtype`` (as fp32): a low-rank up projection of one activation row
+        ``a [R]`` for the output channels ``rows``, fp32 products and sums, ``RC`` columns of ``w [*, R]`` at a
+        time."""
+        acc = tl.zeros(rows.shape, dtype=tl.float32)
+        for c0 in tl.static_range(0, R, RC):
+            cc = c0 + tl.arange(0, RC)
+            a = tl.load(a_row + cc).to(tl.float32)
+            w = tl.load(w_ptr + rows[:, None] * R + cc[None, :]).to(tl.float32)
+            acc += tl.sum(w * a[None, :], axis=1)
+        return _round(acc, dtype)
+
+    @triton.jit
     def _kda_prep(
-        q, k, z_row, dt_bias_ptr, a_log_ptr, beta_row, ch, h, lower_bound, q_scale, LB_GATE: tl.constexpr
+        q, k, z, dt_bias_ptr, a_log_ptr, beta_row, ch, h, lower_bound, q_scale, LB_GATE: tl.constexpr
     ):
         """Per-head scalars of one step (fp32): L2-normalised q (times ``q_scale``) and k, the per-channel decay
-        ``exp(g)`` (``lowerbound``: ``lb * sigmoid(exp(A) (z + dt_bias))``, else ``-exp(A) softplus(z + dt_bias)``),
-        ``beta = sigmoid(beta_logit)`` and ``q . k``."""
-        zz = tl.load(z_row + ch).to(tl.float32) + tl.load(dt_bias_ptr + ch).to(tl.float32)
+        ``exp(g)`` (``lowerbound``: ``lb * sigmoid(exp(A) (z + dt_bias))``, else ``-exp(A) softplus(z + dt_bias)``,
+        ``z`` the head's decay projection as fp32), ``beta = sigmoid(beta_logit)`` and ``q . k``."""
+        zz = z + tl.load(dt_bias_ptr + ch).to(tl.float32)
         a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
         if LB_GATE:
             g = lower_bound * tl.sigmoid(a * zz)
@@ -243,6 +256,7 @@ if HAS_TRITON:
         lower_bound, eps, q_scale,
         H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
         LB_GATE: tl.constexpr, STAGES: tl.constexpr, PF_L2: tl.constexpr, HEADS_FAST: tl.constexpr,
+        fa_ptr, fb_ptr, s_fa, ZR: tl.constexpr, ZRC: tl.constexpr,
     ):  # fmt: skip
         if (
             HEADS_FAST
@@ -270,10 +284,14 @@ if HAS_TRITON:
         q, win_q = _conv_silu(q_ptr + b * s_q, wq_ptr, conv, ch, cw, W, dtype)
         k, win_k = _conv_silu(k_ptr + b * s_k, wk_ptr, conv + HK * (W - 1), ch, cw, W, dtype)
         v, win_v = _conv_silu(v_ptr + b * s_v, wv_ptr, conv + 2 * HK * (W - 1), ch, cw, W, dtype)
-        # 2. gate, beta, L2 norms, query scale (fp32)
+        # 2. gate, beta, L2 norms, query scale (fp32). ZR > 0: the decay projection z = f_b(f_a) of this head is
+        # formed here from the low-rank activation fa [ZR] and f_b's rows (one GEMV launch fewer per layer)
+        if ZR > 0:
+            z = _lowrank_row(fa_ptr + b * s_fa, fb_ptr, ch, ZR, ZRC, dtype)
+        else:
+            z = tl.load(z_ptr + b * s_z + ch).to(tl.float32)
         q, k, decay, beta, qk = _kda_prep(
-            q, k, z_ptr + b * s_z, dt_bias_ptr, a_log_ptr, beta_ptr + b * s_beta, ch, h, lower_bound, q_scale,
-            LB_GATE,
+            q, k, z, dt_bias_ptr, a_log_ptr, beta_ptr + b * s_beta, ch, h, lower_bound, q_scale, LB_GATE,
         )  # fmt: skip
         # every thread has consumed the history it loaded: shift it
         tl.debug_barrier()
@@ -614,10 +632,14 @@ def kda_decode_triton(
     stages: int | None = None,
     l2_prefetch: bool | None = None,
     heads_fast: bool | None = None,
+    z_lowrank: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused single-token KDA step (signature and layouts: :mod:`openk3.infer.decode`). ``BV`` (state columns per
     tile, a power of two; 0: the whole head), ``num_warps``, ``stages`` (0, or >= 2: the loop form),
-    ``l2_prefetch`` and ``heads_fast`` (see :data:`KDA_CONFIG`) override :data:`KDA_CONFIG`."""
+    ``l2_prefetch`` and ``heads_fast`` (see :data:`KDA_CONFIG`) override :data:`KDA_CONFIG`. ``z_lowrank``: the
+    low-rank decay activation ``f_a_proj(x)`` ``[B, R]``; the kernel then forms ``z = f_b_proj(z_lowrank)`` itself
+    (products and sums in fp32, rounded to the model dtype like the GEMM output) and ``z`` must be None (see
+    :func:`kda_lowrank_ok`)."""
     B, HK = q.shape
     H, K = layer.num_heads, layer.head_dim
     wq, wk, wv = (c.weight.reshape(HK, -1) for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d))
@@ -640,6 +662,17 @@ def kda_decode_triton(
     bv = K if not bv else min(bv, K)
     if bv & (bv - 1):
         raise ValueError(f"kda_decode_triton: BV must be a power of two, got {bv}")
+    if (z is None) == (z_lowrank is None):
+        raise ValueError("kda_decode_triton: give exactly one of z and z_lowrank")
+    if z_lowrank is not None:
+        ok, why = kda_lowrank_ok(layer, z_lowrank)
+        if not ok:
+            raise ValueError(f"kda_decode_triton: z_lowrank: {why}")
+        fa, fb = _row_major(z_lowrank), _row_major(layer.f_b_proj.weight)
+        zr = fa.shape[1]
+        z = fa  # stand-in, not read
+    else:
+        fa, fb, zr = q, q, 0  # stand-ins, not read
     q, k, v, z, beta_logits, gate = (_row_major(t) for t in (q, k, v, z, beta_logits, gate))
     wq, wk, wv = (_row_major(w) for w in (wq, wk, wv))
     a_log = layer.A_log.reshape(-1)
@@ -656,7 +689,7 @@ def kda_decode_triton(
     pf = bool(cfg.get("l2_prefetch", False) if l2_prefetch is None else l2_prefetch) and not INTERPRET
     hf = bool(cfg.get("heads_fast", False) if heads_fast is None else heads_fast)
     KDA_LAST_LAUNCH.clear()
-    KDA_LAST_LAUNCH.update(BV=bv, num_warps=nw, stages=st, l2_prefetch=pf, heads_fast=hf)
+    KDA_LAST_LAUNCH.update(BV=bv, num_warps=nw, stages=st, l2_prefetch=pf, heads_fast=hf, lowrank=zr)
     _kda_decode_kernel[(H, B) if hf else (B, H)](
         q, k, v, z, beta_logits, gate, o,
         q.stride(0), k.stride(0), v.stride(0), z.stride(0), beta_logits.stride(0), gate.stride(0), o.stride(0),
@@ -664,9 +697,29 @@ def kda_decode_triton(
         conv_state, state, slots, conv_state.stride(0), state.stride(0),
         float(layer.lower_bound) if lb_gate else 0.0, float(layer.eps), K**-0.5,
         H=H, K=K, W=W, WP=triton.next_power_of_2(W), BV=bv, LB_GATE=lb_gate, STAGES=st, PF_L2=pf, HEADS_FAST=hf,
+        fa_ptr=fa, fb_ptr=fb, s_fa=fa.stride(0), ZR=zr, ZRC=min(32, zr) if zr else 1,
         num_warps=nw,
     )  # fmt: skip
     return o
+
+
+def kda_lowrank_ok(layer, z_lowrank: torch.Tensor) -> tuple[bool, str]:
+    """Whether :func:`kda_decode_triton` can form the decay projection from ``z_lowrank`` itself: a 2-D
+    activation ``[B, R]`` of the model dtype, R a power of two >= 16 matching ``f_b_proj`` (``[H * K, R]``)."""
+    w = getattr(getattr(layer, "f_b_proj", None), "weight", None)
+    if w is None or w.dim() != 2:
+        return False, "the layer has no 2-D f_b_proj weight"
+    R = w.shape[1]
+    if z_lowrank.dim() != 2 or z_lowrank.shape[1] != R:
+        return False, f"activation {tuple(z_lowrank.shape)} does not match f_b_proj {tuple(w.shape)}"
+    if R < 16 or R & (R - 1):
+        return False, f"low-rank width {R} is not a power of two >= 16"
+    if w.shape[0] != layer.num_heads * layer.head_dim:
+        return (
+            False,
+            f"f_b_proj {tuple(w.shape)} does not produce {layer.num_heads} x {layer.head_dim} channels",
+        )
+    return True, ""
 
 
 _SM_COUNT: dict[int, int] = {}
