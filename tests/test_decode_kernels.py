@@ -107,10 +107,12 @@ def make_kda_layer(H: int, K: int, W: int, gate_kind: str, gen: torch.Generator)
 
 
 def run_kda_case(
-    B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_warps=None, stages=None, lowrank=0, **extra
-):
+    B, H, K, W, S, dtype, gate_kind, bv, seed, tol_o, tol_s, num_warps=None, stages=None, lowrank=0, gate_rank=0,
+    **extra,
+):  # fmt: skip
     """``lowrank`` R > 0: the decay projection is given to the kernel as its low-rank activation [B, R] (the kernel
-    applies ``f_b_proj``); the reference gets ``z = f_b_proj(activation)`` in the model dtype."""
+    applies ``f_b_proj``); the reference gets ``z = f_b_proj(activation)`` in the model dtype. ``gate_rank``: the
+    same for the output gate (``g_b_proj``)."""
     gen = torch.Generator().manual_seed(seed)
     HK = H * K
     layer = make_kda_layer(H, K, W, gate_kind, gen)
@@ -126,6 +128,11 @@ def run_kda_case(
         fa = rnd(B, lowrank).to(dtype)
         z = torch.nn.functional.linear(fa, layer.f_b_proj.weight)
         lr = {"z_lowrank": fa}
+    if gate_rank:
+        layer.g_b_proj = types.SimpleNamespace(weight=rnd(HK, gate_rank, s=2 * gate_rank**-0.5).to(dtype))
+        ga = rnd(B, gate_rank).to(dtype)
+        gate = torch.nn.functional.linear(ga, layer.g_b_proj.weight)
+        lr = {**lr, "gate_lowrank": ga}
     beta_logits = rnd(B, H, s=2.0).to(dtype)
     conv_state = rnd(S + 1, 3, HK, W - 1)
     state = rnd(S + 1, H, K, K, s=0.3)
@@ -141,13 +148,16 @@ def run_kda_case(
     c2, s2 = conv_state.clone(), state.clone()
     with poisoned_empty():
         o1 = KN.kda_decode_triton(
-            layer, q, k, v, None if lowrank else z, beta_logits, gate, c1, s1, slots, BV=bv, num_warps=num_warps,
-            stages=stages, **extra, **lr,
+            layer, q, k, v, None if lowrank else z, beta_logits, None if gate_rank else gate, c1, s1, slots, BV=bv,
+            num_warps=num_warps, stages=stages, **extra, **lr,
         )  # fmt: skip
     assert torch.isfinite(o1).all(), "kda: output not fully written"
     o2 = kda_decode_reference(layer, q, k, v, z, beta_logits, gate, c2, s2, slots)
     assert o1.dtype == dtype and o1.shape == (B, HK)
-    tag = f"kda B={B} H={H} K={K} W={W} {dtype} {gate_kind} BV={bv} stages={stages} {extra} lowrank={lowrank}"
+    tag = (
+        f"kda B={B} H={H} K={K} W={W} {dtype} {gate_kind} BV={bv} stages={stages} {extra} lowrank={lowrank}/"
+        f"{gate_rank}"
+    )
     errs = {"o": check(f"{tag} o", o1[is_real], o2[is_real], tol_o)}
     rs = slots[is_real]
     errs["state"] = check(f"{tag} state", s1[rs], s2[rs], tol_s)
@@ -191,6 +201,7 @@ def test_kda_decode_few_rows_config(monkeypatch):
         "l2_prefetch": KN.KDA_CONFIG["l2_prefetch"] and not KN.INTERPRET,
         "heads_fast": KN.KDA_CONFIG["heads_fast"],
         "lowrank": 0,
+        "gate_lowrank": 0,
     }
     assert KN.KDA_LAST_LAUNCH == {"BV": 8, "num_warps": 2, "stages": 2, **flags}
     run_kda_case(6, 2, 32, 4, 9, torch.float32, "lowerbound", None, 32, *KDA_TOL[torch.float32])
@@ -221,14 +232,16 @@ def test_kda_decode_launch_flags(l2_prefetch, heads_fast):
 
 @here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rank", [16, 64])
-def test_kda_decode_lowrank_decay(dtype, rank):
-    """z_lowrank: the kernel forms the decay projection f_b_proj(activation) itself (whole-head and tiled walks,
-    both gates)."""
+@pytest.mark.parametrize("rank,gate_rank", [(16, 0), (64, 0), (0, 32), (32, 16)])
+def test_kda_decode_lowrank(dtype, rank, gate_rank):
+    """z_lowrank / gate_lowrank: the kernel forms the decay projection f_b_proj(activation) and / or the output
+    gate g_b_proj(activation) itself (whole-head and tiled walks, both decay gates)."""
     for bv, gate_kind in ((0, "lowerbound"), (8, "softplus")):
-        seed = seed_of(str(dtype), "lowrank", rank, bv)
-        run_kda_case(5, 2, 32, 4, 7, dtype, gate_kind, bv, seed, *KDA_TOL[dtype], lowrank=rank)
-        assert KN.KDA_LAST_LAUNCH["lowrank"] == rank
+        seed = seed_of(str(dtype), "lowrank", rank, gate_rank, bv)
+        run_kda_case(
+            5, 2, 32, 4, 7, dtype, gate_kind, bv, seed, *KDA_TOL[dtype], lowrank=rank, gate_rank=gate_rank
+        )
+        assert (KN.KDA_LAST_LAUNCH["lowrank"], KN.KDA_LAST_LAUNCH["gate_lowrank"]) == (rank, gate_rank)
 
 
 def test_kda_decode_lowrank_refusals():
@@ -249,6 +262,11 @@ def test_kda_decode_lowrank_refusals():
         KN.kda_decode_triton(layer, *args, z, *tail, z_lowrank=torch.zeros(1, 24, device=DEV))
     with pytest.raises(ValueError, match="exactly one"):
         KN.kda_decode_triton(layer, *args, None, *tail)
+    bl, gate, *rest = tail
+    with pytest.raises(ValueError, match="exactly one of gate and gate_lowrank"):
+        KN.kda_decode_triton(layer, *args, z, bl, None, *rest)
+    with pytest.raises(ValueError, match="no 2-D g_b_proj"):
+        KN.kda_decode_triton(layer, *args, z, bl, None, *rest, gate_lowrank=torch.zeros(1, 16, device=DEV))
 
 
 def test_kda_decode_bad_stages():

@@ -98,8 +98,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--fuse-kda-lowrank",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="decode, up to 16 rows: the KDA step kernel applies the low-rank decay up projection itself (one GEMV "
-        "fewer per KDA layer); default off (not yet measured on a GPU)",
+        help="decode, up to 16 rows: the KDA step kernel applies the low-rank up projections of the decay and of a "
+        "low-rank gate itself (one GEMV fewer each per KDA layer); default off (not yet measured on a GPU)",
     )
     g.add_argument(
         "--backend",

@@ -94,8 +94,9 @@ class EngineConfig:
     # decode step: each AttnRes read followed by its layer's RMSNorm as one launch (the fast reader writes the normed
     # rows; `TritonAttnResReader.read_normed`), one norm kernel less per read. Off until measured on a GPU
     fuse_read_norm: bool = False
-    # decode step, at most KDA_LOWRANK_MAX_ROWS rows: the KDA step kernel forms the decay projection f_b_proj(f_a)
-    # itself (`kda_decode_triton(z_lowrank=)`), one GEMV launch fewer per KDA layer. Off until measured on a GPU
+    # decode step, at most KDA_LOWRANK_MAX_ROWS rows: the KDA step kernel applies the low-rank up projections itself,
+    # the decay's f_b_proj and (low-rank gates) g_b_proj (`kda_decode_triton(z_lowrank=, gate_lowrank=)`), one GEMV
+    # launch fewer per projection and KDA layer. Off until measured on a GPU
     fuse_kda_lowrank: bool = False
 
 
@@ -954,13 +955,18 @@ class Engine:
                 else:
                     q, k, v, fa, bl = m.q_proj(xx), m.k_proj(xx), m.v_proj(xx), m.f_a_proj(xx), m.b_proj(xx)
                     ga = m.g_proj(xx) if m.full_rank_gate else m.g_a_proj(xx)
-                gate = ga if m.full_rank_gate else m.g_b_proj(ga)
-                lowrank = self._kda_lowrank_ok
-                if lowrank is not None and B <= KDA_LOWRANK_MAX_ROWS and lowrank(m, fa)[0]:
-                    o = self._kda_step(
-                        m, q, k, v, None, bl, gate, pool.conv[j], pool.state[j], slots, z_lowrank=fa
-                    )
+                ok = self._kda_lowrank_ok
+                if ok is not None and B <= KDA_LOWRANK_MAX_ROWS:  # the kernel applies f_b / g_b itself
+                    kw = {}
+                    z = None if ok(m, fa)[0] else m.f_b_proj(fa)
+                    if z is None:
+                        kw["z_lowrank"] = fa
+                    gate = ga if m.full_rank_gate else None if ok(m, ga, "g_b_proj")[0] else m.g_b_proj(ga)
+                    if gate is None:
+                        kw["gate_lowrank"] = ga
+                    o = self._kda_step(m, q, k, v, z, bl, gate, pool.conv[j], pool.state[j], slots, **kw)
                     return out_proj(m.o_proj.weight, o, res)
+                gate = ga if m.full_rank_gate else m.g_b_proj(ga)
                 o = self._kda_step(m, q, k, v, m.f_b_proj(fa), bl, gate, pool.conv[j], pool.state[j], slots)
                 return out_proj(m.o_proj.weight, o, res)
             H = m.num_heads

@@ -202,6 +202,16 @@ if HAS_TRITON:
         return _round(acc, dtype)
 
     @triton.jit
+    def _kda_gate(gate_row, ga_row, gb_ptr, chans, GR: tl.constexpr, GRC: tl.constexpr, dtype: tl.constexpr):
+        """The output gate's pre-activation at channels ``chans`` (fp32): read from the gate row, or (``GR`` > 0)
+        formed from the low-rank gate activation ``ga [GR]`` and ``g_b_proj``'s rows."""
+        if GR > 0:
+            g = _lowrank_row(ga_row, gb_ptr, chans, GR, GRC, dtype)
+        else:
+            g = tl.load(gate_row + chans).to(tl.float32)
+        return g
+
+    @triton.jit
     def _kda_prep(
         q, k, z, dt_bias_ptr, a_log_ptr, beta_row, ch, h, lower_bound, q_scale, LB_GATE: tl.constexpr
     ):
@@ -257,6 +267,7 @@ if HAS_TRITON:
         H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
         LB_GATE: tl.constexpr, STAGES: tl.constexpr, PF_L2: tl.constexpr, HEADS_FAST: tl.constexpr,
         fa_ptr, fb_ptr, s_fa, ZR: tl.constexpr, ZRC: tl.constexpr,
+        ga_ptr, gb_ptr, s_ga, GR: tl.constexpr, GRC: tl.constexpr,
     ):  # fmt: skip
         if (
             HEADS_FAST
@@ -304,7 +315,9 @@ if HAS_TRITON:
         if BV == K:
             o, ss = _kda_tile(S_next, sp0, v, q, k, decay, beta, qk, dtype, False)
             y = o * (1.0 / tl.sqrt(ss / K + eps)) * tl.load(norm_w_ptr + cv).to(tl.float32)
-            y = y * tl.sigmoid(tl.load(gate_ptr + b * s_gate + h * K + cv).to(tl.float32))
+            y = y * tl.sigmoid(
+                _kda_gate(gate_ptr + b * s_gate, ga_ptr + b * s_ga, gb_ptr, h * K + cv, GR, GRC, dtype)
+            )
             tl.store(obase + cv, _round(y, dtype).to(dtype))
         else:
             NT: tl.constexpr = K // BV
@@ -323,7 +336,9 @@ if HAS_TRITON:
             for j in tl.range(0, NT):
                 cols = j * BV + cv
                 y = tl.load(obase + cols).to(tl.float32) * r * tl.load(norm_w_ptr + cols).to(tl.float32)
-                y = y * tl.sigmoid(tl.load(gate_ptr + b * s_gate + h * K + cols).to(tl.float32))
+                y = y * tl.sigmoid(
+                    _kda_gate(gate_ptr + b * s_gate, ga_ptr + b * s_ga, gb_ptr, h * K + cols, GR, GRC, dtype)
+                )
                 tl.store(obase + cols, _round(y, dtype).to(dtype))
 
     @triton.jit
@@ -633,13 +648,15 @@ def kda_decode_triton(
     l2_prefetch: bool | None = None,
     heads_fast: bool | None = None,
     z_lowrank: torch.Tensor | None = None,
+    gate_lowrank: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused single-token KDA step (signature and layouts: :mod:`openk3.infer.decode`). ``BV`` (state columns per
     tile, a power of two; 0: the whole head), ``num_warps``, ``stages`` (0, or >= 2: the loop form),
     ``l2_prefetch`` and ``heads_fast`` (see :data:`KDA_CONFIG`) override :data:`KDA_CONFIG`. ``z_lowrank``: the
     low-rank decay activation ``f_a_proj(x)`` ``[B, R]``; the kernel then forms ``z = f_b_proj(z_lowrank)`` itself
     (products and sums in fp32, rounded to the model dtype like the GEMM output) and ``z`` must be None (see
-    :func:`kda_lowrank_ok`)."""
+    :func:`kda_lowrank_ok`); ``gate_lowrank``: the same for the output gate, ``g_b_proj(gate_lowrank)`` with
+    ``gate`` None."""
     B, HK = q.shape
     H, K = layer.num_heads, layer.head_dim
     wq, wk, wv = (c.weight.reshape(HK, -1) for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d))
@@ -673,6 +690,17 @@ def kda_decode_triton(
         z = fa  # stand-in, not read
     else:
         fa, fb, zr = q, q, 0  # stand-ins, not read
+    if (gate is None) == (gate_lowrank is None):
+        raise ValueError("kda_decode_triton: give exactly one of gate and gate_lowrank")
+    if gate_lowrank is not None:
+        ok, why = kda_lowrank_ok(layer, gate_lowrank, "g_b_proj")
+        if not ok:
+            raise ValueError(f"kda_decode_triton: gate_lowrank: {why}")
+        ga, gb = _row_major(gate_lowrank), _row_major(layer.g_b_proj.weight)
+        gr = ga.shape[1]
+        gate = ga  # stand-in, not read
+    else:
+        ga, gb, gr = q, q, 0  # stand-ins, not read
     q, k, v, z, beta_logits, gate = (_row_major(t) for t in (q, k, v, z, beta_logits, gate))
     wq, wk, wv = (_row_major(w) for w in (wq, wk, wv))
     a_log = layer.A_log.reshape(-1)
@@ -689,7 +717,9 @@ def kda_decode_triton(
     pf = bool(cfg.get("l2_prefetch", False) if l2_prefetch is None else l2_prefetch) and not INTERPRET
     hf = bool(cfg.get("heads_fast", False) if heads_fast is None else heads_fast)
     KDA_LAST_LAUNCH.clear()
-    KDA_LAST_LAUNCH.update(BV=bv, num_warps=nw, stages=st, l2_prefetch=pf, heads_fast=hf, lowrank=zr)
+    KDA_LAST_LAUNCH.update(
+        BV=bv, num_warps=nw, stages=st, l2_prefetch=pf, heads_fast=hf, lowrank=zr, gate_lowrank=gr
+    )
     _kda_decode_kernel[(H, B) if hf else (B, H)](
         q, k, v, z, beta_logits, gate, o,
         q.stride(0), k.stride(0), v.stride(0), z.stride(0), beta_logits.stride(0), gate.stride(0), o.stride(0),
@@ -698,26 +728,28 @@ def kda_decode_triton(
         float(layer.lower_bound) if lb_gate else 0.0, float(layer.eps), K**-0.5,
         H=H, K=K, W=W, WP=triton.next_power_of_2(W), BV=bv, LB_GATE=lb_gate, STAGES=st, PF_L2=pf, HEADS_FAST=hf,
         fa_ptr=fa, fb_ptr=fb, s_fa=fa.stride(0), ZR=zr, ZRC=min(32, zr) if zr else 1,
+        ga_ptr=ga, gb_ptr=gb, s_ga=ga.stride(0), GR=gr, GRC=min(32, gr) if gr else 1,
         num_warps=nw,
     )  # fmt: skip
     return o
 
 
-def kda_lowrank_ok(layer, z_lowrank: torch.Tensor) -> tuple[bool, str]:
-    """Whether :func:`kda_decode_triton` can form the decay projection from ``z_lowrank`` itself: a 2-D
-    activation ``[B, R]`` of the model dtype, R a power of two >= 16 matching ``f_b_proj`` (``[H * K, R]``)."""
-    w = getattr(getattr(layer, "f_b_proj", None), "weight", None)
+def kda_lowrank_ok(layer, act: torch.Tensor, proj: str = "f_b_proj") -> tuple[bool, str]:
+    """Whether :func:`kda_decode_triton` can apply the low-rank up projection ``proj`` (``f_b_proj``: the decay,
+    ``g_b_proj``: the output gate) to ``act`` itself: a 2-D activation ``[B, R]``, R a power of two >= 16 matching
+    the projection's ``[H * K, R]`` weight."""
+    w = getattr(getattr(layer, proj, None), "weight", None)
     if w is None or w.dim() != 2:
-        return False, "the layer has no 2-D f_b_proj weight"
+        return False, f"the layer has no 2-D {proj} weight"
     R = w.shape[1]
-    if z_lowrank.dim() != 2 or z_lowrank.shape[1] != R:
-        return False, f"activation {tuple(z_lowrank.shape)} does not match f_b_proj {tuple(w.shape)}"
+    if act.dim() != 2 or act.shape[1] != R:
+        return False, f"activation {tuple(act.shape)} does not match {proj} {tuple(w.shape)}"
     if R < 16 or R & (R - 1):
         return False, f"low-rank width {R} is not a power of two >= 16"
     if w.shape[0] != layer.num_heads * layer.head_dim:
         return (
             False,
-            f"f_b_proj {tuple(w.shape)} does not produce {layer.num_heads} x {layer.head_dim} channels",
+            f"{proj} {tuple(w.shape)} does not produce {layer.num_heads} x {layer.head_dim} channels",
         )
     return True, ""
 
