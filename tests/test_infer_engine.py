@@ -540,6 +540,37 @@ def test_decode_fusion_flags_match(tiny, flag):
         assert torch.equal(torch.stack(a.logits_log), torch.stack(b.logits_log))
 
 
+def test_kda_lowrank_call_path(tiny):
+    """The engine's fuse_kda_lowrank branch (normally taken with the Triton step on CUDA), driven on CPU by a step
+    that applies the low-rank projections it is handed the way the kernel does: the calls carry the activations
+    instead of the projections, and the decode logits equal the engine's without the branch."""
+    from openk3.infer.kernels import kda_lowrank_ok
+
+    calls = []
+
+    def step(m, q, k, v, z, bl, gate, conv, state, slots, z_lowrank=None, gate_lowrank=None):
+        calls.append((z is None, gate is None))
+        z = m.f_b_proj(z_lowrank) if z is None else z
+        gate = m.g_b_proj(gate_lowrank) if gate is None else gate
+        return kda_decode_reference(m, q, k, v, z, bl, gate, conv, state, slots)
+
+    prompts = _prompts(24, [5, 19], tiny.config.vocab_size)
+    runs = []
+    for fuse in (False, True):
+        eng = Engine(tiny, None, max_seqs=4, max_tokens=512, record_logits=True)
+        if fuse:
+            eng._kda_step, eng._kda_lowrank_ok = step, kda_lowrank_ok
+        runs.append(eng.generate(prompts, GREEDY))
+    assert calls and all(zl for zl, _ in calls)  # the decay projection was always left to the step
+    low_rank_gate = any(
+        not layer.self_attn.full_rank_gate for layer in tiny.model.layers if layer.attn_type == "kda"
+    )
+    assert all(gl == low_rank_gate for _, gl in calls)
+    for a, b in zip(*runs):
+        assert a.output_ids == b.output_ids
+        assert torch.equal(torch.stack(a.logits_log), torch.stack(b.logits_log))
+
+
 @pytest.mark.parametrize("variant", ["tiny", "plain MoE", "latent MoE without shared experts"])
 def test_fused_ffn_and_residual_match(tiny, variant):
     """fuse_ffn_projections (one GEMM per FFN over the projections that read its input: dense gate/up, MoE latent
