@@ -679,28 +679,9 @@ def kda_decode_triton(
     bv = K if not bv else min(bv, K)
     if bv & (bv - 1):
         raise ValueError(f"kda_decode_triton: BV must be a power of two, got {bv}")
-    if (z is None) == (z_lowrank is None):
-        raise ValueError("kda_decode_triton: give exactly one of z and z_lowrank")
-    if z_lowrank is not None:
-        ok, why = kda_lowrank_ok(layer, z_lowrank)
-        if not ok:
-            raise ValueError(f"kda_decode_triton: z_lowrank: {why}")
-        fa, fb = _row_major(z_lowrank), _row_major(layer.f_b_proj.weight)
-        zr = fa.shape[1]
-        z = fa  # stand-in, not read
-    else:
-        fa, fb, zr = q, q, 0  # stand-ins, not read
-    if (gate is None) == (gate_lowrank is None):
-        raise ValueError("kda_decode_triton: give exactly one of gate and gate_lowrank")
-    if gate_lowrank is not None:
-        ok, why = kda_lowrank_ok(layer, gate_lowrank, "g_b_proj")
-        if not ok:
-            raise ValueError(f"kda_decode_triton: gate_lowrank: {why}")
-        ga, gb = _row_major(gate_lowrank), _row_major(layer.g_b_proj.weight)
-        gr = ga.shape[1]
-        gate = ga  # stand-in, not read
-    else:
-        ga, gb, gr = q, q, 0  # stand-ins, not read
+    # (the stand-ins fill pointer arguments the compiled variant does not read)
+    z, fa, fb, zr = _lowrank_args(layer, z, z_lowrank, ("z", "z_lowrank"), "f_b_proj", q)
+    gate, ga, gb, gr = _lowrank_args(layer, gate, gate_lowrank, ("gate", "gate_lowrank"), "g_b_proj", q)
     q, k, v, z, beta_logits, gate = (_row_major(t) for t in (q, k, v, z, beta_logits, gate))
     wq, wk, wv = (_row_major(w) for w in (wq, wk, wv))
     a_log = layer.A_log.reshape(-1)
@@ -732,6 +713,20 @@ def kda_decode_triton(
         num_warps=nw,
     )  # fmt: skip
     return o
+
+
+def _lowrank_args(layer, full, act, names: tuple[str, str], proj: str, stand_in: torch.Tensor):
+    """(tensor for the full input, activation, weight, rank) for one low-rank projection of the KDA step: the full
+    input with stand-ins and rank 0, or the activation (also in the full input's place) with ``proj``'s weight."""
+    if (full is None) == (act is None):
+        raise ValueError(f"kda_decode_triton: give exactly one of {names[0]} and {names[1]}")
+    if act is None:
+        return full, stand_in, stand_in, 0
+    ok, why = kda_lowrank_ok(layer, act, proj)
+    if not ok:
+        raise ValueError(f"kda_decode_triton: {names[1]}: {why}")
+    act = _row_major(act)
+    return act, act, _row_major(getattr(layer, proj).weight), act.shape[1]
 
 
 def kda_lowrank_ok(layer, act: torch.Tensor, proj: str = "f_b_proj") -> tuple[bool, str]:
