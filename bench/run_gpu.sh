@@ -7,7 +7,9 @@
 #
 # Time limits per step (seconds): T_TESTS=300 T_DECODE=150 T_E2E=300 T_AB=300 T_TRAIN=400, about
 # 20 minutes in all; under a shorter per-command limit pass a subset of steps per call.
-# steps (comma separated, default tests,decode,e2e,train; also ab: the medium decode A/B of the few-token MoE path and the decode fusions).
+# steps (comma separated, default tests,decode,e2e,train; also ab: the medium decode A/B of the few-token MoE path and the decode fusions;
+# flags: the GPU tests of the decode options that are off by default, then their A/B, bench_e2e_decode.py
+# --compare-flags fuse_read_norm,fuse_kda_lowrank, for medium and the 48B shape at batch 1, 4, 16 -> e2e_flags.json).
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -41,6 +43,14 @@ fi
 if has ab; then
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium --batches 1,4,16,64 --steps 12 --moe-small 16 \
     --compare-fusion --out "$OUT_DIR/e2e_ab.json" 2>&1 | grep -v "^\[.*{'preset" | tail -30
+fi
+if has flags; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_fast_ops.py tests/gpu/test_engine_gpu.py \
+    tests/test_decode_kernels.py -k "read_normed or fuse_read_norm or lowrank" >"$OUT_DIR/tests_flags.log" 2>&1
+  echo "flag tests: exit $? ($(tail -1 "$OUT_DIR/tests_flags.log"))"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1,4,16 --steps 12 \
+    --compare-flags fuse_read_norm,fuse_kda_lowrank --out "$OUT_DIR/e2e_flags.json" 2>&1 \
+    | grep -v "^\[.*{'preset" | tail -30
 fi
 if has train; then
   timeout "$T_TRAIN" python3 bench/run_all.py --out "$OUT_DIR" 2>&1 | tail -60
