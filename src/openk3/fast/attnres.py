@@ -488,9 +488,8 @@ class _Phase1(torch.autograd.Function):
         direct = S <= DIRECT_MAX
         sc = torch.empty_like(p) if direct else p  # raw scores, kept for the backward in direct mode
         bn, bd, nw = TILES["p1_scores"]
-        if (
-            N <= FEW_TOKENS
-        ):  # decode: all tokens in one tile, the row in as few column steps as the tile allows
+        # decode: all tokens in one tile, the row in as few column steps as the tile allows
+        if N <= FEW_TOKENS:
             bn = _pow2(N, 1)
             bd = min(_pow2(D, 16), FEW_TILE_VALUES // bn)
         _p1_scores[(Q, triton.cdiv(N, bn))](
@@ -571,22 +570,29 @@ def _p2_operands(block: _Block, qi: int):
     return pn, pn, pn
 
 
+def _p2_forward(block: _Block, qi: int, rf: torch.Tensor, w: torch.Tensor, lse: torch.Tensor, norm=None):
+    """Phase 2 of site ``qi`` for the rows ``rf [N, D]``: (output, scores, inverse rms); with an RMSNorm module
+    ``norm``, also the normed output (else None), written by the same launch."""
+    N, D = rf.shape
+    out = torch.empty_like(rf)
+    x = torch.empty_like(rf) if norm is not None else out
+    s = torch.empty(N, dtype=torch.float32, device=rf.device)
+    inv = torch.empty_like(s)
+    bn, bd, nw = TILES["p2_fwd_direct" if block.direct else "p2_fwd"]
+    bd = min(bd, _pow2(D, 16))
+    pn, V, pp = _p2_operands(block, qi)
+    g, neps = (norm.weight, float(norm.eps)) if norm is not None else (w, 0.0)
+    _p2_fwd[(triton.cdiv(N, bn),)](
+        rf, w, pn, V, pp, lse, out, s, inv, N, block.eps, g, x, neps,
+        D=D, BN=bn, BD=bd, S=V.shape[0], DIRECT=block.direct, NORM=norm is not None, num_warps=nw,
+    )  # fmt: skip
+    return out, s, inv, (x if norm is not None else None)
+
+
 class _Phase2(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block, qi, r, w, lse_all):
-        D = r.shape[-1]
-        rf = r.reshape(-1, D)
-        N = rf.shape[0]
-        out = torch.empty_like(rf)
-        s = torch.empty(N, dtype=torch.float32, device=r.device)
-        inv = torch.empty_like(s)
-        bn, bd, nw = TILES["p2_fwd_direct" if block.direct else "p2_fwd"]
-        bd = min(bd, _pow2(D, 16))
-        pn, V, pp = _p2_operands(block, qi)
-        _p2_fwd[(triton.cdiv(N, bn),)](
-            rf, w, pn, V, pp, lse_all[qi], out, s, inv, N, block.eps, w, out, 0.0,
-            D=D, BN=bn, BD=bd, S=V.shape[0], DIRECT=block.direct, NORM=False, num_warps=nw,
-        )  # fmt: skip
+        out, s, inv, _ = _p2_forward(block, qi, r.reshape(-1, r.shape[-1]), w, lse_all[qi])
         ctx.block, ctx.qi = block, qi
         ctx.save_for_backward(r, w, lse_all, s, inv)
         return out.view_as(r)
@@ -719,22 +725,29 @@ class TritonAttnResReader:
         self._lse = _Phase1.apply(block, W, self._stage(), *self.sealed)
         self._block = block
 
-    def read(
-        self, site_id: int, query: torch.Tensor, norm_weight: torch.Tensor, r: torch.Tensor
-    ) -> torch.Tensor:
+    def _site(self, site_id: int, r: torch.Tensor) -> int | None:
+        """The phase-1 index of ``site_id`` when its read of ``r`` takes the two-phase kernels (announced at the
+        latest seal, not read yet, ``r`` like the sealed sources), marked as read; None for the reference path."""
         block = self._block
+        qi = None if block is None else block.index.get(site_id)
         if (
-            block is None
-            or site_id not in block.index
-            or block.index[site_id] in block.read
+            qi is None
+            or qi in block.read
             or not self._fast(r)
             or r.dtype != self.sealed[0].dtype
             or r.shape != self.sealed[0].shape
         ):
-            return attnres_read([*self.sealed, r], query, norm_weight, self.eps)
-        qi = block.index[site_id]
+            return None
         block.read.add(qi)
-        return _Phase2.apply(block, qi, r.contiguous(), _fold(query, norm_weight), self._lse)
+        return qi
+
+    def read(
+        self, site_id: int, query: torch.Tensor, norm_weight: torch.Tensor, r: torch.Tensor
+    ) -> torch.Tensor:
+        qi = self._site(site_id, r)
+        if qi is None:
+            return attnres_read([*self.sealed, r], query, norm_weight, self.eps)
+        return _Phase2.apply(self._block, qi, r.contiguous(), _fold(query, norm_weight), self._lse)
 
     def read_normed(
         self, site_id: int, query: torch.Tensor, norm_weight: torch.Tensor, r: torch.Tensor, norm
@@ -742,34 +755,13 @@ class TritonAttnResReader:
         """``norm(read(...))`` for an RMSNorm module ``norm`` (``weight``, ``eps``). With gradients off and the read
         on the fast path (see :meth:`read`), one phase-2 launch writes the normed rows directly (the read's own
         output stays in a scratch buffer); otherwise the read, then ``norm``."""
-        block = self._block
-        qi = None if block is None else block.index.get(site_id)
-        if (
-            torch.is_grad_enabled()
-            or qi is None
-            or qi in block.read
-            or not self._fast(r)
-            or r.dtype != self.sealed[0].dtype
-            or r.shape != self.sealed[0].shape
-            or norm.weight.shape != r.shape[-1:]
-        ):
+        if torch.is_grad_enabled() or norm.weight.shape != r.shape[-1:]:
             return norm(self.read(site_id, query, norm_weight, r))
-        block.read.add(qi)
-        D = r.shape[-1]
-        rf = r.contiguous().view(-1, D)
-        N = rf.shape[0]
-        out = torch.empty_like(rf)
-        x = torch.empty_like(rf)
-        sc = torch.empty(
-            2, N, dtype=torch.float32, device=r.device
-        )  # scores, inverse rms (kept only for backward)
-        bn, bd, nw = TILES["p2_fwd_direct" if block.direct else "p2_fwd"]
-        bd = min(bd, _pow2(D, 16))
-        pn, V, pp = _p2_operands(block, qi)
-        _p2_fwd[(triton.cdiv(N, bn),)](
-            rf, _fold(query, norm_weight), pn, V, pp, self._lse[qi], out, sc[0], sc[1], N, block.eps, norm.weight, x,
-            float(norm.eps), D=D, BN=bn, BD=bd, S=V.shape[0], DIRECT=block.direct, NORM=True, num_warps=nw,
-        )  # fmt: skip
+        qi = self._site(site_id, r)
+        if qi is None:
+            return norm(attnres_read([*self.sealed, r], query, norm_weight, self.eps))
+        rf = r.contiguous().view(-1, r.shape[-1])
+        x = _p2_forward(self._block, qi, rf, _fold(query, norm_weight), self._lse[qi], norm)[3]
         return x.view_as(r)
 
 
