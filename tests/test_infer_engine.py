@@ -531,7 +531,7 @@ def test_decode_fusion_flags_match(tiny, flag):
         eng = Engine(tiny, None, max_seqs=4, max_tokens=512, record_logits=True, **{flag: fuse})
         assert getattr(eng.cfg, flag) is fuse
         if flag == "fuse_kda_lowrank":
-            assert eng._kda_lowrank_ok is None  # CPU: the reference step keeps its GEMV
+            assert eng._kda_lowrank == {}  # CPU: the reference step keeps its GEMV
         reqs = eng.generate(prompts, GREEDY)
         _check_against_full_forward(tiny, reqs)
         runs.append(reqs)
@@ -559,7 +559,7 @@ def test_kda_lowrank_call_path(tiny):
     for fuse in (False, True):
         eng = Engine(tiny, None, max_seqs=4, max_tokens=512, record_logits=True)
         if fuse:
-            eng._kda_step, eng._kda_lowrank_ok = step, kda_lowrank_ok
+            eng._kda_step, eng._kda_lowrank = step, eng._plan_kda_lowrank(kda_lowrank_ok)
         runs.append(eng.generate(prompts, GREEDY))
     assert calls and all(zl for zl, _ in calls)  # the decay projection was always left to the step
     low_rank_gate = any(

@@ -301,12 +301,13 @@ class Engine:
             self._build_fused_projections(lambda layer: layer.ffn_input_projections(), self._fused_ffn)
             self._build_fused_outputs()
         self._kda_step = resolve_kda_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
-        self._kda_lowrank_ok: Callable | None = None  # kernels.kda_lowrank_ok when fuse_kda_lowrank applies
+        # KDA layer -> (decay, gate) projections its decode step applies itself (fuse_kda_lowrank; empty: none)
+        self._kda_lowrank: dict[int, tuple[bool, bool]] = {}
         if cfg.fuse_kda_lowrank:
             from openk3.infer import kernels as _kernels
 
             if self._kda_step is getattr(_kernels, "kda_decode_triton", None):
-                self._kda_lowrank_ok = _kernels.kda_lowrank_ok
+                self._kda_lowrank = self._plan_kda_lowrank(_kernels.kda_lowrank_ok)
             else:
                 log.info("fuse_kda_lowrank: the decode step is not the Triton kernel here; the GEMV is kept")
         self._mla_step = resolve_mla_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
@@ -334,6 +335,16 @@ class Engine:
             return [m.q_proj, m.k_proj, m.v_proj, m.f_a_proj, m.b_proj, g]
         q = m.q_proj if m.q_lora_rank is None else m.q_a_proj
         return [q, m.kv_a_proj_with_mqa] + ([m.g_proj] if m.use_gate else [])
+
+    def _plan_kda_lowrank(self, ok: Callable) -> dict[int, tuple[bool, bool]]:
+        """Per KDA layer, whether the decode step can apply ``f_b_proj`` and a low-rank gate's ``g_b_proj`` itself
+        (``ok``: :func:`openk3.infer.kernels.kda_lowrank_ok`), decided once from the weights."""
+        plan = {}
+        for i, layer in enumerate(self.model.model.layers):
+            if layer.attn_type == "kda":
+                m = layer.self_attn
+                plan[i] = (ok(m, None)[0], not m.full_rank_gate and ok(m, None, "g_b_proj")[0])
+        return plan
 
     @torch.no_grad()
     def _build_fused_projections(self, projections: Callable, out: dict) -> None:
@@ -955,19 +966,18 @@ class Engine:
                 else:
                     q, k, v, fa, bl = m.q_proj(xx), m.k_proj(xx), m.v_proj(xx), m.f_a_proj(xx), m.b_proj(xx)
                     ga = m.g_proj(xx) if m.full_rank_gate else m.g_a_proj(xx)
-                ok = self._kda_lowrank_ok
-                if ok is not None and B <= KDA_LOWRANK_MAX_ROWS:  # the kernel applies f_b / g_b itself
-                    kw = {}
-                    z = None if ok(m, fa)[0] else m.f_b_proj(fa)
-                    if z is None:
-                        kw["z_lowrank"] = fa
-                    gate = ga if m.full_rank_gate else None if ok(m, ga, "g_b_proj")[0] else m.g_b_proj(ga)
-                    if gate is None:
-                        kw["gate_lowrank"] = ga
-                    o = self._kda_step(m, q, k, v, z, bl, gate, pool.conv[j], pool.state[j], slots, **kw)
-                    return out_proj(m.o_proj.weight, o, res)
-                gate = ga if m.full_rank_gate else m.g_b_proj(ga)
-                o = self._kda_step(m, q, k, v, m.f_b_proj(fa), bl, gate, pool.conv[j], pool.state[j], slots)
+                # the projections the kernel applies itself (fuse_kda_lowrank) get their activations instead
+                own_z, own_g = self._kda_lowrank.get(i, (False, False))
+                if B > KDA_LOWRANK_MAX_ROWS:
+                    own_z = own_g = False
+                kw = {}
+                z = None if own_z else m.f_b_proj(fa)
+                if own_z:
+                    kw["z_lowrank"] = fa
+                gate = ga if m.full_rank_gate else None if own_g else m.g_b_proj(ga)
+                if own_g:
+                    kw["gate_lowrank"] = ga
+                o = self._kda_step(m, q, k, v, z, bl, gate, pool.conv[j], pool.state[j], slots, **kw)
                 return out_proj(m.o_proj.weight, o, res)
             H = m.num_heads
             if fused is not None:

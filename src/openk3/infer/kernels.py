@@ -8,8 +8,8 @@ captured in a CUDA graph.
 
 KDA (SPEC.md §1.5), one launch ``[B, H]`` (``[H, B]`` with ``heads_fast``): a program owns one (row, head). Above
 the few-row regime it first asks for its head's whole state in L2 (``prefetch.global.L2``; compiled kernels only).
-It requests the first state tile, then runs the short conv of q, k and v over the history in ``conv_state`` plus the raw projections (fp32, SiLU,
-rounded to the model dtype like the reference), shifts the history in place, computes the gate (``lowerbound``:
+It requests the first state tile, then runs the short conv of q, k and v over the history in ``conv_state`` plus
+the raw projections (fp32, SiLU, rounded to the model dtype like the reference), shifts the history in place, computes the gate (``lowerbound``:
 ``lb * sigmoid(exp(A) (z + dt_bias))``, ``softplus``: ``-exp(A) softplus(z + dt_bias)``), ``beta =
 sigmoid(beta_logits)``, L2-normalises q and k (eps 1e-6) and scales q by ``K^-0.5``; then streams the fp32 state
 ``[K, V]`` through registers in ``BV``-column tiles, each read once and written once, the next tile in flight while
@@ -86,8 +86,8 @@ __all__ = [
 # per (row, head) leaves most SMs idle and the tile walk's latency, not bandwidth, sets the time.
 # l2_prefetch: each program first requests its head's whole state into L2 (prefetch.global.L2), so the tile walk is
 # not limited by the one tile per program that registers hold in flight; heads_fast: grid (H, B) instead of (B, H),
-# so the programs running together walk one contiguous stretch of state slots. Both on: B=256 H=32 K=128 0.384 ->
-# 0.349 ms on an H200 (3.08 TB/s of state traffic); at B <= 16 both cost 3-5 %, so the few-row regime leaves them off.
+# so the programs running together walk one contiguous stretch of state slots. Both on: B=256 H=32 K=128 0.381 ->
+# 0.350 ms on an H200 (3.07 TB/s of state traffic); at B <= 16 both cost 1-6 %, so the few-row regime leaves them off.
 KDA_CONFIG = {
     "BV": 32,
     "num_warps": 4,
@@ -269,9 +269,8 @@ if HAS_TRITON:
         fa_ptr, fb_ptr, s_fa, ZR: tl.constexpr, ZRC: tl.constexpr,
         ga_ptr, gb_ptr, s_ga, GR: tl.constexpr, GRC: tl.constexpr,
     ):  # fmt: skip
-        if (
-            HEADS_FAST
-        ):  # grid (H, B): the programs of one row's heads run together (one contiguous state slot)
+        # HEADS_FAST: grid (H, B), the programs of one row's heads run together (one contiguous state slot)
+        if HEADS_FAST:
             h = tl.program_id(0)
             b = tl.program_id(1)
         else:
@@ -357,11 +356,14 @@ if HAS_TRITON:
         return pages
 
     @triton.jit
-    def _mla_row_ptrs(
-        kv_ptr, pages, n0, s_kvp, s_kvt, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr
-    ):
-        """``[BLOCK_N]`` pointers to the latent rows of tokens ``[n0, n0 + BLOCK_N)``, given :func:`_mla_pages`."""
+    def _mla_rows(
+        kv_ptr, pages, n0, end, s_kvp, s_kvt,
+        DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    ):  # fmt: skip
+        """The latent rows of tokens ``[n0, min(n0 + BLOCK_N, end))`` (zeros past ``end``), given the block's
+        :func:`_mla_pages`: (latent part ``[BLOCK_N, DC]``, rope part ``[BLOCK_N, DR]``)."""
         tn = tl.arange(0, BLOCK_N)
+        tm = n0 + tn < end
         if MODE == 1:
             row = kv_ptr + pages.to(tl.int64) * s_kvp + ((n0 % PAGE) + tn).to(tl.int64) * s_kvt
         elif MODE == 2:
@@ -370,17 +372,6 @@ if HAS_TRITON:
             row = kv_ptr + page.to(tl.int64) * s_kvp + (tn % PAGE).to(tl.int64) * s_kvt
         else:
             row = kv_ptr + pages.to(tl.int64) * s_kvp + ((n0 + tn) % PAGE).to(tl.int64) * s_kvt
-        return row
-
-    @triton.jit
-    def _mla_rows(
-        kv_ptr, pages, n0, end, s_kvp, s_kvt,
-        DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-    ):  # fmt: skip
-        """The latent rows of tokens ``[n0, min(n0 + BLOCK_N, end))`` (zeros past ``end``), given the block's
-        :func:`_mla_pages`: (latent part ``[BLOCK_N, DC]``, rope part ``[BLOCK_N, DR]``)."""
-        tm = n0 + tl.arange(0, BLOCK_N) < end
-        row = _mla_row_ptrs(kv_ptr, pages, n0, s_kvp, s_kvt, PAGE, BLOCK_N, MODE)
         kn = tl.load(row[:, None] + tl.arange(0, DC)[None, :], mask=tm[:, None], other=0.0)
         kr = tl.load(row[:, None] + DC + tl.arange(0, DR)[None, :], mask=tm[:, None], other=0.0)
         return kn, kr
@@ -729,15 +720,15 @@ def _lowrank_args(layer, full, act, names: tuple[str, str], proj: str, stand_in:
     return act, act, _row_major(getattr(layer, proj).weight), act.shape[1]
 
 
-def kda_lowrank_ok(layer, act: torch.Tensor, proj: str = "f_b_proj") -> tuple[bool, str]:
+def kda_lowrank_ok(layer, act: torch.Tensor | None, proj: str = "f_b_proj") -> tuple[bool, str]:
     """Whether :func:`kda_decode_triton` can apply the low-rank up projection ``proj`` (``f_b_proj``: the decay,
     ``g_b_proj``: the output gate) to ``act`` itself: a 2-D activation ``[B, R]``, R a power of two >= 16 matching
-    the projection's ``[H * K, R]`` weight."""
+    the projection's ``[H * K, R]`` weight (``act`` None: the weight alone, for an activation of width R)."""
     w = getattr(getattr(layer, proj, None), "weight", None)
     if w is None or w.dim() != 2:
         return False, f"the layer has no 2-D {proj} weight"
     R = w.shape[1]
-    if act.dim() != 2 or act.shape[1] != R:
+    if act is not None and (act.dim() != 2 or act.shape[1] != R):
         return False, f"activation {tuple(act.shape)} does not match {proj} {tuple(w.shape)}"
     if R < 16 or R & (R - 1):
         return False, f"low-rank width {R} is not a power of two >= 16"
