@@ -199,10 +199,12 @@ def _greedy_fp32_decode_err(graphs: bool, seed: int, max_tokens, **engine_kw) ->
     return _full_forward_err(model, reqs)
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_engine_fuse_read_norm(graphs, monkeypatch):
-    """EngineConfig.fuse_read_norm on CUDA: every AttnRes read after the first sealed set goes through the Triton
-    reader's fused read + RMSNorm launch; fp32 decode logits against a full forward of the same model, tightly."""
+def test_engine_fuse_read_norm(graphs, fuse, monkeypatch):
+    """EngineConfig.fuse_read_norm on CUDA (on by default): every AttnRes read after the first sealed set goes
+    through the Triton reader's fused read + RMSNorm launch, and with it off none does; fp32 decode logits against a
+    full forward of the same model, tightly."""
     from openk3.fast import attnres
 
     normed = []
@@ -213,19 +215,20 @@ def test_engine_fuse_read_norm(graphs, monkeypatch):
             return lambda *a, **k: normed.append(k["NORM"]) or p2[grid](*a, **k)
 
     monkeypatch.setattr(attnres, "_p2_fwd", Spy())
-    err = _greedy_fp32_decode_err(graphs, seed=7, max_tokens=(18, 9, 14), fuse_read_norm=True)
-    assert any(normed), "the fused read + norm launch did not run"
+    err = _greedy_fp32_decode_err(graphs, seed=7, max_tokens=(18, 9, 14), fuse_read_norm=fuse)
+    assert any(normed) == fuse, f"fused read + norm launches: {sum(normed)} with fuse_read_norm={fuse}"
     assert err < 1e-3, err
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_engine_fuse_kda_lowrank(graphs):
-    """EngineConfig.fuse_kda_lowrank on CUDA: the KDA step kernel applies f_b_proj itself (at most 16 rows); fp32
-    decode logits against a full forward of the same model, tightly."""
+def test_engine_fuse_kda_lowrank(graphs, fuse):
+    """EngineConfig.fuse_kda_lowrank on CUDA (on by default): the KDA step kernel applies f_b_proj itself (at most
+    16 rows), and with it off the GEMV does; fp32 decode logits against a full forward of the same model, tightly."""
     from openk3.infer import kernels as KN
 
-    err = _greedy_fp32_decode_err(graphs, seed=8, max_tokens=(18, 9, 14), fuse_kda_lowrank=True)
-    assert KN.KDA_LAST_LAUNCH["lowrank"] > 0, "the low-rank decay was not formed in the kernel"
+    err = _greedy_fp32_decode_err(graphs, seed=8, max_tokens=(18, 9, 14), fuse_kda_lowrank=fuse)
+    assert (KN.KDA_LAST_LAUNCH["lowrank"] > 0) == fuse, f"{KN.KDA_LAST_LAUNCH} with fuse_kda_lowrank={fuse}"
     assert err < 1e-3, err
 
 

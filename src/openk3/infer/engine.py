@@ -92,12 +92,14 @@ class EngineConfig:
     # rounding instead of two). Off: within 1-2 % either way on an H200
     fuse_residual: bool = False
     # decode step: each AttnRes read followed by its layer's RMSNorm as one launch (the fast reader writes the normed
-    # rows; `TritonAttnResReader.read_normed`), one norm kernel less per read. Off until measured on a GPU
-    fuse_read_norm: bool = False
+    # rows; `TritonAttnResReader.read_normed`), one norm kernel less per read. H200, batch 1: medium forward
+    # 1.66 -> 1.61 ms, 48B shape within noise (bench/NOTES.md v9)
+    fuse_read_norm: bool = True
     # decode step, at most KDA_LOWRANK_MAX_ROWS rows: the KDA step kernel applies the low-rank up projections itself,
     # the decay's f_b_proj and (low-rank gates) g_b_proj (`kda_decode_triton(z_lowrank=, gate_lowrank=)`), one GEMV
-    # launch fewer per projection and KDA layer. Off until measured on a GPU
-    fuse_kda_lowrank: bool = False
+    # launch fewer per projection and KDA layer. H200, batch 1: medium forward 1.66 -> 1.64 ms (both flags: 1.60),
+    # 48B shape 3.36 -> 3.34 ms (bench/NOTES.md v9)
+    fuse_kda_lowrank: bool = True
 
 
 # above this many rows every KDA program would re-read its head's f_b_proj rows (from L2): the GEMV is kept
