@@ -9,7 +9,9 @@
 # 20 minutes in all; under a shorter per-command limit pass a subset of steps per call.
 # steps (comma separated, default tests,decode,e2e,train; also ab: the medium decode A/B of the few-token MoE path and the decode fusions;
 # flags: the GPU tests of the decode options that are off by default, then their A/B, bench_e2e_decode.py
-# --compare-flags fuse_read_norm,fuse_kda_lowrank, for medium and the 48B shape at batch 1, 4, 16 -> e2e_flags.json).
+# --compare-flags fuse_read_norm,fuse_kda_lowrank, for medium and the 48B shape at batch 1, 4, 16 -> e2e_flags.json;
+# pdl: the engine GPU tests of programmatic dependent launch, the kernel tests with OPENK3_PDL=1, bench/diag_pdl.py
+# -> diag_pdl.json, and the engine A/B --compare-flags pdl -> e2e_pdl.json).
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -51,6 +53,17 @@ if has flags; then
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1,4,16 --steps 12 \
     --compare-flags fuse_read_norm,fuse_kda_lowrank --out "$OUT_DIR/e2e_flags.json" 2>&1 \
     | grep -v "^\[.*{'preset" | tail -30
+fi
+if has pdl; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_engine_gpu.py -k pdl \
+    >"$OUT_DIR/tests_pdl.log" 2>&1
+  echo "engine pdl tests: exit $? ($(tail -1 "$OUT_DIR/tests_pdl.log"))"
+  OPENK3_PDL=1 timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/test_decode_kernels.py \
+    tests/gpu/test_fast_ops.py -k "kda or mla or moe_small or attnres_reader or gumbel" >"$OUT_DIR/tests_pdl_kernels.log" 2>&1
+  echo "kernel tests with OPENK3_PDL=1: exit $? ($(tail -1 "$OUT_DIR/tests_pdl_kernels.log"))"
+  timeout "$T_DECODE" python3 bench/diag_pdl.py --out "$OUT_DIR/diag_pdl.json" 2>&1 | tail -30
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1,16,64 --steps 12 \
+    --compare-flags pdl --out "$OUT_DIR/e2e_pdl.json" 2>&1 | grep -v "^\[.*{'preset" | tail -30
 fi
 if has train; then
   timeout "$T_TRAIN" python3 bench/run_all.py --out "$OUT_DIR" 2>&1 | tail -60

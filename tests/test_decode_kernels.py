@@ -202,6 +202,7 @@ def test_kda_decode_few_rows_config(monkeypatch):
         "heads_fast": KN.KDA_CONFIG["heads_fast"],
         "lowrank": 0,
         "gate_lowrank": 0,
+        "pdl": KN.pdl_on(torch.empty(0, device=DEV)),
     }
     assert KN.KDA_LAST_LAUNCH == {"BV": 8, "num_warps": 2, "stages": 2, **flags}
     run_kda_case(6, 2, 32, 4, 9, torch.float32, "lowerbound", None, 32, *KDA_TOL[torch.float32])

@@ -298,3 +298,19 @@ def test_engine_seeded_sampling_on_cuda(graphs):
     assert alone.output_ids == mixed[1].output_ids
     (other,) = eng.generate([p], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True))
     assert other.output_ids != alone.output_ids
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_pdl(graphs):
+    """EngineConfig.pdl (our decode kernels with programmatic dependent launch, in CUDA graphs and eagerly): fp32
+    decode logits against a full forward of the same model, tightly; the launches say so, and the process default
+    is back in place after the engine's steps."""
+    from openk3.fast import _triton as TR
+    from openk3.infer import kernels as KN
+
+    before = TR.PDL["on"]
+    for pdl in (True, False):
+        err = _greedy_fp32_decode_err(graphs, seed=9, max_tokens=(18, 9, 14), pdl=pdl)
+        assert err < 1e-3, (pdl, err)
+        assert KN.KDA_LAST_LAUNCH["pdl"] == pdl
+        assert TR.PDL["on"] == before

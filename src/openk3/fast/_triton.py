@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 try:
@@ -15,6 +16,42 @@ except Exception:  # pragma: no cover - triton missing
     tanh_f32 = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Programmatic dependent launch (sm_90+) for the decode-step kernels: a kernel launched with it may start while the
+# kernel before it in the stream is still running; it requests only constant data (weights) before ``pdl_wait``
+# and touches nothing else until then, and every such kernel signals early (``pdl_trigger``) that the next one may
+# launch. "on" is the process default (OPENK3_PDL=1); EngineConfig.pdl sets it for an engine's kernels.
+PDL = {"on": os.environ.get("OPENK3_PDL", "0") == "1"}
+_PDL_DEVICES: dict = {}
+
+
+def pdl_on(t) -> bool:
+    """Whether kernels on ``t``'s device launch with programmatic dependent launch now (PDL["on"], compiled
+    kernels, a CUDA device of compute capability 9.0 or newer)."""
+    if not (PDL["on"] and HAS_TRITON) or INTERPRET or not t.is_cuda:
+        return False
+    idx = t.device.index
+    if idx not in _PDL_DEVICES:
+        import torch
+
+        _PDL_DEVICES[idx] = torch.cuda.get_device_capability(t.device)[0] >= 9
+    return _PDL_DEVICES[idx]
+
+
+@contextlib.contextmanager
+def pdl_scope(on: bool):
+    """PDL["on"] set to ``on`` inside the block (an engine's decode step: eager, or while a CUDA graph is captured)."""
+    old = PDL["on"]
+    PDL["on"] = bool(on)
+    try:
+        yield
+    finally:
+        PDL["on"] = old
+
+
+def pdl_launch(on: bool) -> dict:
+    """The launch keyword for a kernel compiled with ``PDL=on``."""
+    return {"launch_pdl": True} if on else {}
 
 
 def triton_ok(t=None) -> tuple[bool, str]:
@@ -43,3 +80,18 @@ if HAS_TRITON:
         x2 = x * x
         small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
         return tl.where(ax < 0.0625, small, tl.where(x < 0, -big, big))
+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """With ``PDL``: block until the kernel before this one has finished and its writes are visible. Call it
+        before the first load of anything but constant data and before the first store."""
+        if PDL:
+            gdc_wait()
+
+    @triton.jit
+    def pdl_trigger(PDL: tl.constexpr):
+        """With ``PDL``: let the next kernel in the stream launch now (it waits for this one in its pdl_wait)."""
+        if PDL:
+            gdc_launch_dependents()

@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from openk3.fast._triton import HAS_TRITON, INTERPRET, tl, triton, triton_ok
+from openk3.fast._triton import HAS_TRITON, INTERPRET, pdl_launch, pdl_on, tl, triton, triton_ok
 from openk3.ops.attnres.reference import attnres_read
 
 PARTIAL_DTYPE = torch.float32
@@ -54,13 +54,16 @@ def available() -> tuple[bool, str]:
 
 
 if HAS_TRITON:
+    from openk3.fast._triton import pdl_trigger, pdl_wait
 
     @triton.jit
     def _p1_scores(
         v_ptr, w_ptr, p_ptr, lse_ptr, inv_ptr, s_ptr, N, eps,
         S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-        STORE_S: tl.constexpr,
+        STORE_S: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         q = tl.program_id(0)  # sites vary fastest: the Q programs of one token tile share its sources in L2
         pid_n = tl.program_id(1)
         n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -115,7 +118,10 @@ if HAS_TRITON:
     def _p1_mix(
         v_ptr, p_ptr, o_ptr, N,
         S: tl.constexpr, SP: tl.constexpr, Q: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
         d = tl.program_id(1) * BD + tl.arange(0, BD)
         nm = n < N
@@ -142,11 +148,13 @@ if HAS_TRITON:
     def _p2_fwd(
         r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, lse_ptr, out_ptr, s_ptr, inv_ptr, N, eps, g_ptr, x_ptr, neps,
         D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, S: tl.constexpr, DIRECT: tl.constexpr,
-        NORM: tl.constexpr,
+        NORM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Phase 2 of one read for BN tokens. ``NORM``: also the RMSNorm of the output (gain ``g``, eps ``neps``) into
         ``x``, as ``openk3.ops.norm.rms_norm`` computes it from the stored output (fp32 mean of squares, the
         normalised value rounded to the output dtype before the gain, the product rounded again)."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
         nm = n < N
         dot = tl.zeros([BN], dtype=tl.float32)
@@ -492,9 +500,11 @@ class _Phase1(torch.autograd.Function):
         if N <= FEW_TOKENS:
             bn = _pow2(N, 1)
             bd = min(_pow2(D, 16), FEW_TILE_VALUES // bn)
+        pdl = pdl_on(V) and not torch.is_grad_enabled()
         _p1_scores[(Q, triton.cdiv(N, bn))](
-            V, W, p, lse, inv, sc, N, block.eps, S=S, SP=SP, D=D, BN=bn, BD=bd, STORE_S=direct, num_warps=nw
-        )
+            V, W, p, lse, inv, sc, N, block.eps, S=S, SP=SP, D=D, BN=bn, BD=bd, STORE_S=direct, PDL=pdl,
+            num_warps=nw, **pdl_launch(pdl),
+        )  # fmt: skip
         ctx.block, ctx.direct = block, direct
         block.direct = direct
         if direct:
@@ -504,7 +514,7 @@ class _Phase1(torch.autograd.Function):
         BN, BD = _tiles(SP)
         block.pn = torch.empty(Q, N, D, dtype=PARTIAL_DTYPE, device=V.device)
         _p1_mix[(triton.cdiv(N, BN), triton.cdiv(D, BD))](
-            V, p, block.pn, N, S=S, SP=SP, Q=Q, D=D, BN=BN, BD=BD
+            V, p, block.pn, N, S=S, SP=SP, Q=Q, D=D, BN=BN, BD=BD, PDL=pdl, **pdl_launch(pdl)
         )
         ctx.save_for_backward(W, lse, *sealed)
         return lse
@@ -582,9 +592,11 @@ def _p2_forward(block: _Block, qi: int, rf: torch.Tensor, w: torch.Tensor, lse: 
     bd = min(bd, _pow2(D, 16))
     pn, V, pp = _p2_operands(block, qi)
     g, neps = (norm.weight, float(norm.eps)) if norm is not None else (w, 0.0)
+    pdl = pdl_on(rf) and not torch.is_grad_enabled()
     _p2_fwd[(triton.cdiv(N, bn),)](
         rf, w, pn, V, pp, lse, out, s, inv, N, block.eps, g, x, neps,
-        D=D, BN=bn, BD=bd, S=V.shape[0], DIRECT=block.direct, NORM=norm is not None, num_warps=nw,
+        D=D, BN=bn, BD=bd, S=V.shape[0], DIRECT=block.direct, NORM=norm is not None, PDL=pdl, num_warps=nw,
+        **pdl_launch(pdl),
     )  # fmt: skip
     return out, s, inv, (x if norm is not None else None)
 

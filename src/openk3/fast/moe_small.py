@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from openk3.fast._triton import HAS_TRITON, tanh_f32, tl, triton, triton_ok
+from openk3.fast._triton import HAS_TRITON, pdl_launch, pdl_on, tanh_f32, tl, triton, triton_ok
 from openk3.fast.moe import combine2
 
 
@@ -70,12 +70,25 @@ def enabled(x: torch.Tensor, top_k: int | None = None, num_experts: int | None =
 
 
 if HAS_TRITON:
+    from openk3.fast._triton import pdl_trigger, pdl_wait
 
     @triton.jit
     def _router_logits_kernel(
-        x_ptr, w_ptr, out_ptr, D, E, s_x, s_w, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, ND: tl.constexpr
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        D,
+        E,
+        s_x,
+        s_w,
+        BLOCK_E: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        ND: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """out[n, e] = sum_d x[n, d] * w[e, d] in fp32 (inputs read in their own dtype)."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         n = tl.program_id(0).to(tl.int64)
         es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
         em = es < E
@@ -107,9 +120,12 @@ if HAS_TRITON:
         SOFTMAX: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         RENORM: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Scores, top-k of scores + bias (NaN counts as the largest, as in torch.topk; ties: lowest index), mixture
         weights from the unbiased scores, renormalised (+1e-20) and scaled."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         n = tl.program_id(0).to(tl.int64)
         es = tl.arange(0, EP)
         em = es < E
@@ -168,9 +184,12 @@ if HAS_TRITON:
         BLOCK_W: tl.constexpr,
         NW: tl.constexpr,
         STAGES: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """a[p, i] = act(round(x[p // K] . w1[e_p, i]), round(x[p // K] . w3[e_p, i])) for pair p, expert e_p (NaN
         for an expert id outside [0, E): no out-of-bounds read, and the bad id shows in the output)."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         p = tl.program_id(0).to(tl.int64)
         n = p // K
         e = tl.load(idx_ptr + p).to(tl.int64)
@@ -215,8 +234,11 @@ if HAS_TRITON:
         BLOCK_I: tl.constexpr,
         NI: tl.constexpr,
         STAGES: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """y[p, o] = round(a[p] . w2[e_p, o]) for pair p (NaN for an expert id outside [0, E))."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         p = tl.program_id(0).to(tl.int64)
         e = tl.load(idx_ptr + p).to(tl.int64)
         ok = (e >= 0) & (e < E)
@@ -279,6 +301,7 @@ def route_small(
     while be * 2 <= min(ROUTER_ROWS_MAX, N * E // 128):
         be *= 2
     bd = min(1024, triton.next_power_of_2(D))
+    pdl = pdl_on(x)
     _router_logits_kernel[(N, triton.cdiv(E, be))](
         x,
         weight,
@@ -290,6 +313,8 @@ def route_small(
         BLOCK_E=be,
         BLOCK_D=bd,
         ND=triton.cdiv(D, bd),
+        PDL=pdl,
+        **pdl_launch(pdl),
     )
     idx = torch.empty(N, top_k, dtype=torch.long, device=dev)
     w = torch.empty(N, top_k, dtype=torch.float32, device=dev)
@@ -308,6 +333,8 @@ def route_small(
         SOFTMAX=activation == "softmax",
         HAS_BIAS=bias is not None,
         RENORM=bool(renormalize),
+        PDL=pdl,
+        **pdl_launch(pdl),
     )
     return idx, w, scores
 
@@ -335,6 +362,7 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
     a = torch.empty(N * K, I, dtype=x.dtype, device=dev)
     bi, bw, ups = UP_TILE
     bw = min(bw, triton.next_power_of_2(W))
+    pdl = pdl_on(x)
     _experts_up_kernel[(N * K, triton.cdiv(I, bi))](
         x,
         idx,
@@ -359,6 +387,8 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
         BLOCK_W=bw,
         NW=triton.cdiv(W, bw),
         STAGES=ups,
+        PDL=pdl,
+        **pdl_launch(pdl),
     )
     y = torch.empty(N * K, W, dtype=x.dtype, device=dev)
     bo, bk, dns = DOWN_TILE
@@ -377,5 +407,7 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
         BLOCK_I=bk,
         NI=triton.cdiv(I, bk),
         STAGES=dns,
+        PDL=pdl,
+        **pdl_launch(pdl),
     )
     return combine2(y, None, weights.float().contiguous(), x.dtype, shape=(N, K))

@@ -101,6 +101,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "low-rank gate itself (one GEMV fewer each per KDA layer); default on",
     )
     g.add_argument(
+        "--pdl",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode: launch openk3's Triton kernels with programmatic dependent launch (sm_90+: each starts while "
+        "the one before drains); default off (not yet measured on a GPU)",
+    )
+    g.add_argument(
         "--backend",
         action="append",
         default=[],
@@ -169,6 +176,7 @@ def _load(args):
         fuse_residual=args.fuse_residual,
         fuse_read_norm=args.fuse_read_norm,
         fuse_kda_lowrank=args.fuse_kda_lowrank,
+        pdl=args.pdl,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     if args.moe_small_tokens is not None:

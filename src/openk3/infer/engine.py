@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from openk3.fast._triton import pdl_scope
 from openk3.infer.cache import PagedHybridCache, PrefixCache, plan_pool
 from openk3.infer.decode import resolve_kda_decode, resolve_mla_decode
 from openk3.infer.sampling import SamplingParams, find_stop, sample, sample_keys, stop_holdback
@@ -100,6 +101,9 @@ class EngineConfig:
     # launch fewer per projection and KDA layer. H200, batch 1: medium forward 1.66 -> 1.64 ms (both flags: 1.60),
     # 48B shape 3.36 -> 3.34 ms (bench/NOTES.md v9)
     fuse_kda_lowrank: bool = True
+    # decode step: our Triton kernels (KDA / MLA steps, AttnRes reads, few-token MoE, GEMVs, sampling) launched with
+    # programmatic dependent launch (sm_90+), each starting while the kernel before it drains. Off until measured
+    pdl: bool = False
 
 
 # above this many rows every KDA program would re-read its head's f_b_proj rows (from L2): the GEMV is kept
@@ -946,6 +950,10 @@ class Engine:
 
     def _decode_forward(self, ids, slots, table, lengths, rows) -> torch.Tensor:
         """One token per row: ids/slots/lengths/rows [B], table [B, W]. Pure device work (graph-capturable)."""
+        with pdl_scope(self.cfg.pdl):
+            return self._decode_forward_body(ids, slots, table, lengths, rows)
+
+    def _decode_forward_body(self, ids, slots, table, lengths, rows) -> torch.Tensor:
         pool, lay = self.pool, self.pool.layout
         dc = lay.kv_lora_rank
 

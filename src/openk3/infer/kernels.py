@@ -49,6 +49,7 @@ import os
 
 import torch
 
+from openk3.fast._triton import pdl_launch, pdl_on
 from openk3.infer.decode import FAST_KDA_DECODE, FAST_MLA_DECODE
 
 try:
@@ -128,6 +129,7 @@ def available() -> tuple[bool, str]:
 
 
 if HAS_TRITON:
+    from openk3.fast._triton import pdl_trigger, pdl_wait
 
     @triton.jit
     def _round(x, dtype: tl.constexpr):
@@ -267,7 +269,7 @@ if HAS_TRITON:
         H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BV: tl.constexpr,
         LB_GATE: tl.constexpr, STAGES: tl.constexpr, PF_L2: tl.constexpr, HEADS_FAST: tl.constexpr,
         fa_ptr, fb_ptr, s_fa, ZR: tl.constexpr, ZRC: tl.constexpr,
-        ga_ptr, gb_ptr, s_ga, GR: tl.constexpr, GRC: tl.constexpr,
+        ga_ptr, gb_ptr, s_ga, GR: tl.constexpr, GRC: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # HEADS_FAST: grid (H, B), the programs of one row's heads run together (one contiguous state slot)
         if HEADS_FAST:
@@ -287,6 +289,10 @@ if HAS_TRITON:
         sp0 = head + ck[:, None] * K + cv[None, :]
         if BV == K or STAGES == 0:
             S_next = tl.load(sp0)  # the first state tile is requested before anything else
+        # (PDL: the slots and the state are not written by the kernels of this step before this one, so they may be
+        # requested before the previous kernel has finished; the inputs below are its outputs)
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         conv = conv_ptr + slot * s_conv
         cw = tl.arange(0, WP)
         ch = h * K + ck
@@ -462,7 +468,10 @@ if HAS_TRITON:
         H, scale_log2, NS,
         PAGE: tl.constexpr, MODE: tl.constexpr, DIRECT: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, TRANS: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         hb = tl.program_id(0)
         sp = tl.program_id(1)
         b = tl.program_id(2)
@@ -536,10 +545,12 @@ if HAS_TRITON:
     @triton.jit
     def _mla_reduce_kernel(
         part_ptr, lse_ptr, len_ptr, out_ptr, H, s_ob, s_oh, NS, DC: tl.constexpr, BLOCK_N: tl.constexpr,
-        BS: tl.constexpr,
+        BS: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Combine the normalised partials of one (row, head) over the splits that hold tokens (the same split
         arithmetic as the split kernel), ``BS`` at a time, online in log2."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         h = tl.program_id(0)
         b = tl.program_id(1)
         length = tl.load(len_ptr + b).to(tl.int32)
@@ -577,8 +588,12 @@ if HAS_TRITON:
         return (x >> 16) ^ x
 
     @triton.jit
-    def _gumbel_argmax_kernel(x_ptr, key_ptr, out_ptr, V, s_x, BLOCK: tl.constexpr, NB: tl.constexpr):
+    def _gumbel_argmax_kernel(
+        x_ptr, key_ptr, out_ptr, V, s_x, BLOCK: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr
+    ):
         """out[r] = argmax_i x[r, i] + G(key_r, i), first index on ties (sampling.gumbel_argmax_reference)."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         r = tl.program_id(0).to(tl.int64)
         key = tl.load(key_ptr + r).to(tl.uint32)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -612,7 +627,7 @@ def gumbel_argmax_triton(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tens
     BLOCK = min(2048, triton.next_power_of_2(V))
     _gumbel_argmax_kernel[(R,)](
         x, keys.to(device=x.device, dtype=torch.long).contiguous(), out, V, x.stride(0), BLOCK=BLOCK,
-        NB=triton.cdiv(V, BLOCK), num_warps=8,
+        NB=triton.cdiv(V, BLOCK), PDL=pdl_on(x), num_warps=8, **pdl_launch(pdl_on(x)),
     )  # fmt: skip
     return out
 
@@ -688,9 +703,10 @@ def kda_decode_triton(
         raise ValueError(f"kda_decode_triton: stages must be 0 or >= 2, got {st}")
     pf = bool(cfg.get("l2_prefetch", False) if l2_prefetch is None else l2_prefetch) and not INTERPRET
     hf = bool(cfg.get("heads_fast", False) if heads_fast is None else heads_fast)
+    pdl = pdl_on(q)
     KDA_LAST_LAUNCH.clear()
     KDA_LAST_LAUNCH.update(
-        BV=bv, num_warps=nw, stages=st, l2_prefetch=pf, heads_fast=hf, lowrank=zr, gate_lowrank=gr
+        BV=bv, num_warps=nw, stages=st, l2_prefetch=pf, heads_fast=hf, lowrank=zr, gate_lowrank=gr, pdl=pdl
     )
     _kda_decode_kernel[(H, B) if hf else (B, H)](
         q, k, v, z, beta_logits, gate, o,
@@ -700,8 +716,8 @@ def kda_decode_triton(
         float(layer.lower_bound) if lb_gate else 0.0, float(layer.eps), K**-0.5,
         H=H, K=K, W=W, WP=triton.next_power_of_2(W), BV=bv, LB_GATE=lb_gate, STAGES=st, PF_L2=pf, HEADS_FAST=hf,
         fa_ptr=fa, fb_ptr=fb, s_fa=fa.stride(0), ZR=zr, ZRC=min(32, zr) if zr else 1,
-        ga_ptr=ga, gb_ptr=gb, s_ga=ga.stride(0), GR=gr, GRC=min(32, gr) if gr else 1,
-        num_warps=nw,
+        ga_ptr=ga, gb_ptr=gb, s_ga=ga.stride(0), GR=gr, GRC=min(32, gr) if gr else 1, PDL=pdl,
+        num_warps=nw, **pdl_launch(pdl),
     )  # fmt: skip
     return o
 
@@ -882,7 +898,7 @@ def mla_decode_triton(
     )  # fmt: skip
     consts = dict(
         PAGE=page_size, MODE=mode, DC=DC, DR=DR, BLOCK_H=bh, BLOCK_N=bn, F32=kv_cache.dtype == torch.float32,
-        TRANS=tr, PREFETCH=pf, STAGES=st, INTERP=INTERPRET,
+        TRANS=tr, PREFETCH=pf, STAGES=st, INTERP=INTERPRET, PDL=pdl_on(q),
     )  # fmt: skip
     ns = num_splits
     if not ns:  # decided once per shape and configuration (this is on the decode step's host path)
@@ -904,10 +920,15 @@ def mla_decode_triton(
         part = torch.empty(B, H, ns, DC, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, H, ns, dtype=torch.float32, device=q.device)
         args = (*args[:5], part, lse, *args[7:])
-    _mla_split_kernel[(triton.cdiv(H, bh), ns, B)](*args, ns, DIRECT=ns == 1, **consts, num_warps=nw)
+    pdl = consts["PDL"]
+    MLA_LAST_LAUNCH["pdl"] = pdl
+    _mla_split_kernel[(triton.cdiv(H, bh), ns, B)](
+        *args, ns, DIRECT=ns == 1, **consts, num_warps=nw, **pdl_launch(pdl)
+    )
     if ns > 1:
         _mla_reduce_kernel[(H, B)](
-            part, lse, lengths, out, H, out.stride(0), out.stride(1), ns, DC=DC, BLOCK_N=bn, BS=8, num_warps=4,
+            part, lse, lengths, out, H, out.stride(0), out.stride(1), ns, DC=DC, BLOCK_N=bn, BS=8, PDL=pdl,
+            num_warps=4, **pdl_launch(pdl),
         )  # fmt: skip
     return out
 
