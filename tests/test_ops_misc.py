@@ -334,3 +334,22 @@ def test_expert_gate_up_halves_stay_adjacent():
     # gradients land on the right halves
     (e2.w1.float().sum() * 2 + e2.w3.float().sum() * 3).backward()
     assert bool((e2.w1.grad == 2).all()) and bool((e2.w3.grad == 3).all())
+
+
+def test_pdl_switch():
+    """openk3.fast._triton's programmatic-dependent-launch switch: pdl_scope sets it inside the block only (also
+    when the block raises); CPU tensors never launch with it; the launch keyword follows the decision."""
+    from openk3.fast import _triton as TR
+
+    before = TR.PDL["on"]
+    with TR.pdl_scope(True):
+        assert TR.PDL["on"] is True
+        assert TR.pdl_on(torch.zeros(1)) is False  # CPU: never
+    assert TR.PDL["on"] == before
+    try:
+        with TR.pdl_scope(not before):
+            raise RuntimeError("inside")
+    except RuntimeError:
+        pass
+    assert TR.PDL["on"] == before
+    assert TR.pdl_launch(True) == {"launch_pdl": True} and TR.pdl_launch(False) == {}
