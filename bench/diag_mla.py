@@ -21,6 +21,11 @@ CONFIGS = {
     "old": dict(block_n=64, num_stages=2, prefetch=False),
     "n32s3": dict(block_n=32, num_stages=3, prefetch=2),
     "n64s2p2": dict(block_n=64, num_stages=2, prefetch=2),
+    # the latent rows through TMA tensor descriptors (one 16-token page per block with the 16-token pages here)
+    "tma16s3": dict(tma=True, block_n=16, num_stages=3, prefetch=2),
+    "tma16s4": dict(tma=True, block_n=16, num_stages=4, prefetch=2),
+    "tma16s5": dict(tma=True, block_n=16, num_stages=5, prefetch=2),
+    "tma16s3w8": dict(tma=True, block_n=16, num_stages=3, prefetch=2, num_warps=8),
 }
 
 
@@ -36,19 +41,24 @@ def main():
     a = ap.parse_args()
     print(
         f"{'config':10s} {'shape':18s} {'splits':>6s} {'eager ms':>9s} {'graph ms':>9s} {'graph TB/s':>10s}"
+        f" {'rel err':>9s}"
     )
     for sh in a.shapes.split(","):
         B, H, L = (int(v) for v in sh.split("x"))
         q, kv, table, lengths = mla_inputs(B, H, L)
         nbytes = B * L * kv.shape[-1] * kv.element_size()
+        ref = None  # the first config's output: every other config is checked against it
         for name in a.configs.split(","):
             kw = CONFIGS[name]
 
             def call(kw=kw, ins=(q, kv, table, lengths)):
                 return mla_decode_triton(*ins, scale=192**-0.5, kv_lora_rank=512, **kw)
 
-            call()
+            o = call()
             splits = MLA_LAST_LAUNCH["splits"]
+            if ref is None:
+                ref = o
+            err = float((o - ref).norm() / ref.norm())
             t_eager = triton.testing.do_bench(call, warmup=5, rep=50, return_mode="median")
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -71,11 +81,12 @@ def main():
                 ts.append(ev[0].elapsed_time(ev[1]) / 20)
             t_graph = sorted(ts)[2]
             print(
-                f"{name:10s} {sh:18s} {splits:6d} {t_eager:9.4f} {t_graph:9.4f} {nbytes / t_graph / 1e9:10.2f}",
+                f"{name:10s} {sh:18s} {splits:6d} {t_eager:9.4f} {t_graph:9.4f} {nbytes / t_graph / 1e9:10.2f}"
+                f" {err:9.1e}",
                 flush=True,
             )
             g = None
-        q = kv = table = lengths = None
+        q = kv = table = lengths = ref = o = None
         torch.cuda.empty_cache()
 
 

@@ -339,9 +339,10 @@ def test_gumbel_argmax_kernel(R, V):
 
 
 # ---------------------------------------------------------------------------------------------------------- MLA
-def run_mla_case(lengths, H, DC, DR, page_size, dtype, seed, tol, n_pad=1, **kw):
+def run_mla_case(lengths, H, DC, DR, page_size, dtype, seed, tol, n_pad=1, poison=False, **kw):
     """Rows with ``lengths`` (row 1 shares its first pages with row 0, as after a prefix hit) plus ``n_pad`` padded
-    rows (scratch page, length 1)."""
+    rows (scratch page, length 1). ``poison``: every cache row that no token of the batch owns is NaN (the kernel
+    must not let the unused rows of a row's last page reach its output)."""
     gen = torch.Generator().manual_seed(seed)
     B = len(lengths) + n_pad
     max_len = max(lengths)
@@ -362,6 +363,13 @@ def run_mla_case(lengths, H, DC, DR, page_size, dtype, seed, tol, n_pad=1, **kw)
     perm = torch.randperm(B, generator=gen)
     table, lens = table[perm].to(DEV), lens[perm].to(DEV)
     real = (perm < len(lengths)).to(DEV)
+    if poison:
+        owned = torch.zeros(P + 1, page_size, dtype=torch.bool)
+        for r in range(B):
+            n = int(lens[r])
+            for t in range(n):
+                owned[int(table[r, t // page_size]), t % page_size] = True
+        kv[~owned.to(DEV)] = float("nan")
     q = torch.randn(B, H, DC + DR, generator=gen).to(DEV)
     scale = (DC // 4 + DR) ** -0.5
     kv0 = kv.clone()
@@ -370,12 +378,75 @@ def run_mla_case(lengths, H, DC, DR, page_size, dtype, seed, tol, n_pad=1, **kw)
     assert torch.isfinite(o1).all(), "mla: output not fully written (padded rows included)"
     o2 = mla_decode_reference(q, kv, table, lens, scale=scale, kv_lora_rank=DC)
     assert o1.dtype == torch.float32 and o1.shape == (B, H, DC)
-    assert torch.equal(kv, kv0)
+    assert torch.allclose(kv, kv0, rtol=0, atol=0, equal_nan=True)  # the cache is read only
     tag = f"mla lens={lengths} H={H} ps={page_size} {dtype} {kw}"
     return check(tag, o1[real], o2[real], tol)
 
 
 MLA_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "page_size,block_n", [(16, 16), (32, 16), (64, 32)], ids=["p16n16", "p32n16", "p64n32"]
+)
+@pytest.mark.parametrize("prefetch", [False, True, 2], ids=["plain", "rows", "table"])
+def test_mla_decode_tma(dtype, page_size, block_n, prefetch):
+    """The latent rows through TMA tensor descriptors (tma=True): lengths that end inside a page, with every row no
+    token owns set to NaN, each loop form, auto and explicit splits; the launch record says so."""
+    seed = seed_of(str(dtype), page_size, block_n, str(prefetch))
+    kw = dict(tma=True, block_n=block_n, prefetch=prefetch, block_h=16)
+    for splits in (None, 3):
+        run_mla_case(
+            [1, 45, 64, 71],
+            5,
+            64,
+            16,
+            page_size,
+            dtype,
+            seed,
+            MLA_TOL[dtype],
+            poison=True,
+            num_splits=splits,
+            **kw,
+        )
+        assert KN.MLA_LAST_LAUNCH["tma"] is True
+
+
+def test_mla_reference_ignores_rows_past_length():
+    """The reference MLA decode step: cache rows past a row's length (the rest of its last page, a recycled page)
+    do not reach its output even when they hold NaN or huge values."""
+    g = torch.Generator().manual_seed(11)
+    kv = torch.randn(6, 8, 80, generator=g)
+    q = torch.randn(2, 3, 80, generator=g)
+    table = torch.tensor([[4, 1], [2, 5]], dtype=torch.int32)
+    lens = torch.tensor([11, 3], dtype=torch.int32)
+    want = mla_decode_reference(q, kv, table, lens, scale=0.1, kv_lora_rank=64)
+    bad = kv.clone()
+    bad[1, 3:] = float("nan")  # row 0: tokens 8..10 live in page 1, slots 0..2
+    bad[2, 3:] = float("inf")  # row 1: tokens 0..2 in page 2
+    bad[5] = float("nan")
+    got = mla_decode_reference(q, bad, table, lens, scale=0.1, kv_lora_rank=64)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@here
+def test_mla_decode_tma_refusals():
+    """tma with a block that spans pages, or a pool that is not contiguous, is refused with a clear error; the
+    row-pointer path takes the same poisoned cache."""
+    with pytest.raises(ValueError, match="tma needs a page size"):
+        run_mla_case([5, 40], 4, 64, 16, 8, torch.float32, 1, 1e-5, tma=True, block_n=16)
+    run_mla_case([5, 40], 4, 64, 16, 16, torch.float32, 2, 1e-5, poison=True, block_n=16, tma=False)
+    kv = torch.randn(5, 16, 160, device=DEV)[:, :, :80]  # rows not contiguous with the page stride
+    q = torch.randn(1, 4, 80, device=DEV)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="contiguous pool"):
+        KN.mla_decode_triton(
+            q, kv, table, torch.ones(1, dtype=torch.int32, device=DEV), scale=0.1, kv_lora_rank=64, tma=True,
+            block_n=16,
+        )  # fmt: skip
 
 
 @here

@@ -295,10 +295,12 @@ def test_env_command_reports_every_op_and_decode_step(capsys):
         assert d["chosen"] in d["backends"] and "reference" in d["backends"], op
         if not info["cuda"]:
             assert d["chosen"] == "reference", op
-    assert set(info["decode_steps"]) == {"kda", "mla", "moe"}
+    assert set(info["decode_steps"]) == {"kda", "mla", "moe", "launch"}
     if not info["cuda"]:
         assert all(info["decode_steps"][op]["chosen"] == "reference" for op in ("kda", "mla"))
         assert info["decode_steps"]["moe"]["chosen"] == "layer"
+        assert info["decode_steps"]["launch"]["chosen"] == "plain"
+    assert info["decode_steps"]["launch"]["chosen"] in ("plain", "pdl")
     from openk3.fast import moe_small
 
     want = (

@@ -157,6 +157,17 @@ def _decode_steps() -> dict:
                 "why": f"router + experts in 5 Triton launches at <= {moe_small.SMALL_N} tokens and <= "
                 f"{moe_small.PAIRS_PER_EXPERT} (token, slot) pairs per expert (OPENK3_MOE_SMALL_N)",
             }
+    from openk3.fast import _triton
+
+    if not ok:
+        out["launch"] = {"chosen": "plain", "why": "no Triton decode kernels here"}
+    elif _triton.PDL["on"]:
+        out["launch"] = {"chosen": "pdl", "why": "programmatic dependent launch on sm_90+ (OPENK3_PDL=1)"}
+    else:
+        out["launch"] = {
+            "chosen": "plain",
+            "why": "programmatic dependent launch off (--pdl or OPENK3_PDL=1: on)",
+        }
     return out
 
 

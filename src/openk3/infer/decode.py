@@ -109,15 +109,19 @@ def mla_decode_reference(
     kv_lora_rank: int,
 ) -> torch.Tensor:
     """Reference paged absorbed attention (signature in the module docstring): gathers each row's pages into a
-    contiguous ``[B, max_pages * page_size, dc + dr]`` view, masks positions >= length, softmax in fp32."""
+    contiguous ``[B, max_pages * page_size, dc + dr]`` view, masks positions >= length (scores and values), softmax
+    in fp32."""
     B, Hq, Dl = q.shape
     P, ps, _ = kv_cache.shape
     kv = kv_cache.index_select(0, block_table.reshape(-1).long()).view(B, -1, Dl).float()  # [B, S, Dl]
     logits = torch.einsum("bhd,bsd->bhs", q.float(), kv) * scale
     pos = torch.arange(kv.shape[1], device=q.device)
-    logits = logits.masked_fill((pos[None, :] >= lengths.long()[:, None])[:, None, :], float("-inf"))
+    past = pos[None, :] >= lengths.long()[:, None]  # [B, S]
+    logits = logits.masked_fill(past[:, None, :], float("-inf"))
     p = torch.softmax(logits, dim=-1)
-    return torch.einsum("bhs,bsc->bhc", p, kv[..., :kv_lora_rank])
+    # rows past a length (the rest of a row's last page, recycled pages) may hold anything, NaN included: zeroed, so
+    # that a zero weight times them stays zero
+    return torch.einsum("bhs,bsc->bhc", p, kv[..., :kv_lora_rank].masked_fill(past[..., None], 0.0))
 
 
 def resolve_kda_decode(
