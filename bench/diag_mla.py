@@ -21,11 +21,6 @@ CONFIGS = {
     "old": dict(block_n=64, num_stages=2, prefetch=False),
     "n32s3": dict(block_n=32, num_stages=3, prefetch=2),
     "n64s2p2": dict(block_n=64, num_stages=2, prefetch=2),
-    # the latent rows through TMA tensor descriptors (one 16-token page per block with the 16-token pages here)
-    "tma16s3": dict(tma=True, block_n=16, num_stages=3, prefetch=2),
-    "tma16s4": dict(tma=True, block_n=16, num_stages=4, prefetch=2),
-    "tma16s5": dict(tma=True, block_n=16, num_stages=5, prefetch=2),
-    "tma16s3w8": dict(tma=True, block_n=16, num_stages=3, prefetch=2, num_warps=8),
 }
 
 

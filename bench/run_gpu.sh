@@ -11,8 +11,7 @@
 # flags: the GPU tests of the decode options that are off by default, then their A/B, bench_e2e_decode.py
 # --compare-flags fuse_read_norm,fuse_kda_lowrank, for medium and the 48B shape at batch 1, 4, 16 -> e2e_flags.json;
 # pdl: the engine GPU tests of programmatic dependent launch, the kernel tests with OPENK3_PDL=1, bench/diag_pdl.py
-# -> diag_pdl.json, and the engine A/B --compare-flags pdl -> e2e_pdl.json; tma: the MLA kernel tests, TMA row loads
-# included, then bench/diag_mla.py with the TMA launch configurations at the target shapes).
+# -> diag_pdl.json, and the engine A/B --compare-flags pdl -> e2e_pdl.json).
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -65,13 +64,6 @@ if has pdl; then
   timeout "$T_DECODE" python3 bench/diag_pdl.py --out "$OUT_DIR/diag_pdl.json" 2>&1 | tail -30
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1,16,64 --steps 12 \
     --compare-flags pdl --out "$OUT_DIR/e2e_pdl.json" 2>&1 | grep -v "^\[.*{'preset" | tail -30
-fi
-if has tma; then
-  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/test_decode_kernels.py -k "tma or mla" \
-    >"$OUT_DIR/tests_tma.log" 2>&1
-  echo "MLA kernel tests (TMA included): exit $? ($(tail -1 "$OUT_DIR/tests_tma.log"))"
-  timeout "$T_DECODE" python3 bench/diag_mla.py --shapes 64x16x8192,64x96x8192,256x16x16384 \
-    --configs default,tma16s3,tma16s4,tma16s5,tma16s3w8 2>&1 | tail -30
 fi
 if has train; then
   timeout "$T_TRAIN" python3 bench/run_all.py --out "$OUT_DIR" 2>&1 | tail -60

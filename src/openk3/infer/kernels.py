@@ -349,9 +349,9 @@ if HAS_TRITON:
     @triton.jit
     def _mla_pages(bt, n0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr):
         """Block-table entries for tokens ``[n0, n0 + BLOCK_N)`` (blocks start at multiples of ``BLOCK_N``).
-        ``MODE`` 1 (``PAGE % BLOCK_N == 0``): the block lies in one page, one id (also 3: the same through tensor
-        descriptors); 2 (``BLOCK_N % PAGE == 0``): the ``BLOCK_N // PAGE`` ids of its pages; 0: one id per token."""
-        if MODE == 1 or MODE == 3:
+        ``MODE`` 1 (``PAGE % BLOCK_N == 0``): the block lies in one page, one id; 2 (``BLOCK_N % PAGE == 0``): the
+        ``BLOCK_N // PAGE`` ids of its pages; 0: one id per token."""
+        if MODE == 1:
             pages = tl.load(bt + n0 // PAGE, mask=n0 < end, other=0)
         elif MODE == 2:
             j = tl.arange(0, BLOCK_N // PAGE)
@@ -363,22 +363,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _mla_rows(
-        kv_ptr, kn_d, kr_d, pages, n0, end, s_kvp, s_kvt,
+        kv_ptr, pages, n0, end, s_kvp, s_kvt,
         DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     ):  # fmt: skip
         """The latent rows of tokens ``[n0, min(n0 + BLOCK_N, end))`` (zeros past ``end``), given the block's
-        :func:`_mla_pages`: (latent part ``[BLOCK_N, DC]``, rope part ``[BLOCK_N, DR]``). ``MODE`` 3: through the
-        tensor descriptors ``kn_d`` / ``kr_d`` over the pool seen as ``[pages * PAGE, DC + DR]`` (TMA copies)."""
+        :func:`_mla_pages`: (latent part ``[BLOCK_N, DC]``, rope part ``[BLOCK_N, DR]``)."""
         tn = tl.arange(0, BLOCK_N)
         tm = n0 + tn < end
-        if MODE == 3:
-            r0 = (pages * PAGE + n0 % PAGE).to(tl.int32)
-            kn = kn_d.load([r0, 0])
-            kr = kr_d.load([r0, DC])
-            if n0 + BLOCK_N > end:  # the row's last block: the page's rows past its length may hold anything
-                kn = tl.where(tm[:, None], kn, 0.0).to(kn.dtype)
-                kr = tl.where(tm[:, None], kr, 0.0).to(kr.dtype)
-            return kn, kr
         if MODE == 1:
             row = kv_ptr + pages.to(tl.int64) * s_kvp + ((n0 % PAGE) + tn).to(tl.int64) * s_kvt
         elif MODE == 2:
@@ -446,7 +437,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _mla_step(
-        qn, qr, kv_ptr, kn_d, kr_d, bt, kn, kr, pages, n0, end, s_kvp, s_kvt, scale_log2, m, l, acc,
+        qn, qr, kv_ptr, bt, kn, kr, pages, n0, end, s_kvp, s_kvt, scale_log2, m, l, acc,
         DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
         F32: tl.constexpr, TRANS: tl.constexpr, PREFETCH: tl.constexpr, INTERP: tl.constexpr,
     ):  # fmt: skip
@@ -456,21 +447,15 @@ if HAS_TRITON:
         if PREFETCH == 2:  # table entries one block ahead in registers; the rows go through the pipeliner
             cur = pages
             pages = _mla_pages(bt, n0 + BLOCK_N, end, PAGE, BLOCK_N, MODE)
-            kn_cur, kr_cur = _mla_rows(
-                kv_ptr, kn_d, kr_d, cur, n0, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE
-            )
+            kn_cur, kr_cur = _mla_rows(kv_ptr, cur, n0, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE)
         elif PREFETCH:
             kn_cur = kn
             kr_cur = kr
-            kn, kr = _mla_rows(
-                kv_ptr, kn_d, kr_d, pages, n0 + BLOCK_N, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE
-            )
+            kn, kr = _mla_rows(kv_ptr, pages, n0 + BLOCK_N, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE)
             pages = _mla_pages(bt, n0 + 2 * BLOCK_N, end, PAGE, BLOCK_N, MODE)
         else:
             cur = _mla_pages(bt, n0, end, PAGE, BLOCK_N, MODE)
-            kn_cur, kr_cur = _mla_rows(
-                kv_ptr, kn_d, kr_d, cur, n0, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE
-            )
+            kn_cur, kr_cur = _mla_rows(kv_ptr, cur, n0, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE)
         m, l, acc = _mla_fold(
             qn, qr, kn_cur, kr_cur, n0, end, scale_log2, m, l, acc, BLOCK_N, F32, TRANS, INTERP
         )
@@ -478,7 +463,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _mla_split_kernel(
-        q_ptr, kv_ptr, bt_ptr, len_ptr, out_ptr, part_ptr, lse_ptr, kn_d, kr_d,
+        q_ptr, kv_ptr, bt_ptr, len_ptr, out_ptr, part_ptr, lse_ptr,
         s_qb, s_qh, s_kvp, s_kvt, s_btb, s_ob, s_oh,
         H, scale_log2, NS,
         PAGE: tl.constexpr, MODE: tl.constexpr, DIRECT: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
@@ -526,22 +511,20 @@ if HAS_TRITON:
             # table) with compute, so this is done by hand: while block i is scored, the rows of block i + 1 are in
             # flight (registers) and the block-table entries of block i + 2.
             pages = _mla_pages(bt, start, end, PAGE, BLOCK_N, MODE)
-            kn, kr = _mla_rows(
-                kv_ptr, kn_d, kr_d, pages, start, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE
-            )
+            kn, kr = _mla_rows(kv_ptr, pages, start, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE)
             pages = _mla_pages(bt, start + BLOCK_N, end, PAGE, BLOCK_N, MODE)
         if INTERP:  # the CPU interpreter cannot take loaded values as range() bounds
             n0 = start
             while n0 < end:
                 kn, kr, pages, m, l, acc = _mla_step(
-                    qn, qr, kv_ptr, kn_d, kr_d, bt, kn, kr, pages, n0, end, s_kvp, s_kvt, scale_log2, m, l, acc,
+                    qn, qr, kv_ptr, bt, kn, kr, pages, n0, end, s_kvp, s_kvt, scale_log2, m, l, acc,
                     DC, DR, PAGE, BLOCK_N, MODE, F32, TRANS, PREFETCH, INTERP,
                 )  # fmt: skip
                 n0 += BLOCK_N
         else:
             for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
                 kn, kr, pages, m, l, acc = _mla_step(
-                    qn, qr, kv_ptr, kn_d, kr_d, bt, kn, kr, pages, n0, end, s_kvp, s_kvt, scale_log2, m, l, acc,
+                    qn, qr, kv_ptr, bt, kn, kr, pages, n0, end, s_kvp, s_kvt, scale_log2, m, l, acc,
                     DC, DR, PAGE, BLOCK_N, MODE, F32, TRANS, PREFETCH, INTERP,
                 )  # fmt: skip
         nonempty = l > 0.0
@@ -859,15 +842,13 @@ def mla_decode_triton(
     num_stages: int | None = None,
     trans: bool | None = None,
     prefetch: bool | None = None,
-    tma: bool | None = None,
 ) -> torch.Tensor:
     """Paged absorbed MLA decode (signature and layouts: :mod:`openk3.infer.decode`); returns ``[B, H, dc]`` fp32.
     ``num_splits`` (default :func:`mla_num_splits` with the compiled kernel's occupancy), ``block_h`` (heads per
     program), ``block_n``, ``num_warps``, ``num_stages`` (Triton's pipeliner), ``trans`` (transposed products) and
     ``prefetch`` (``True``: the next block's rows in registers; ``2``: the next block's page-table entries in
-    registers, the rows through the pipeliner) and ``tma`` (the latent rows through TMA tensor descriptors; needs
-    a page size that is a multiple of ``block_n`` and a contiguous pool) override :data:`MLA_CONFIG`. The
-    parameters used are left in :data:`MLA_LAST_LAUNCH`."""
+    registers, the rows through the pipeliner) override :data:`MLA_CONFIG`. The parameters used are left in
+    :data:`MLA_LAST_LAUNCH`."""
     B, H, D = q.shape
     _, page_size, Dk = kv_cache.shape
     DC = kv_lora_rank
@@ -906,28 +887,11 @@ def mla_decode_triton(
         mode = 2
     else:
         mode = 0
-    use_tma = bool(base.get("tma", False) if tma is None else tma)
-    kn_d = kr_d = None
-    if use_tma:
-        P = kv_cache.shape[0]
-        if mode != 1 or kv_cache.stride() != (page_size * D, D, 1) or (D * kv_cache.element_size()) % 16:
-            raise ValueError(
-                f"mla_decode_triton: tma needs a page size that is a multiple of block_n ({page_size} vs {bn}) and "
-                f"a contiguous pool with 16-byte aligned rows (strides {kv_cache.stride()}, width {D})"
-            )
-        if kv_cache.data_ptr() % 16:
-            raise ValueError("mla_decode_triton: tma needs a 16-byte aligned kv_cache")
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        flat = kv_cache.view(P * page_size, D)
-        kn_d = TensorDescriptor(flat, [P * page_size, D], [D, 1], [bn, DC])
-        kr_d = TensorDescriptor(flat, [P * page_size, D], [D, 1], [bn, DR])
-        mode = 3
     out = torch.empty(B, H, DC, dtype=torch.float32, device=q.device)
     if B == 0:
         return out
     args = (
-        q, kv_cache, block_table, lengths, out, out, out, kn_d, kr_d,
+        q, kv_cache, block_table, lengths, out, out, out,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1),
         H, float(scale) * math.log2(math.e),
@@ -951,9 +915,7 @@ def mla_decode_triton(
                 block_n=bn,
                 resident=_mla_resident(args, consts, nw, q.device),
             )
-    MLA_LAST_LAUNCH.update(
-        splits=ns, block_h=bh, block_n=bn, num_warps=nw, num_stages=st, prefetch=pf, tma=use_tma
-    )
+    MLA_LAST_LAUNCH.update(splits=ns, block_h=bh, block_n=bn, num_warps=nw, num_stages=st, prefetch=pf)
     if ns > 1:
         part = torch.empty(B, H, ns, DC, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, H, ns, dtype=torch.float32, device=q.device)
