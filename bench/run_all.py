@@ -820,6 +820,80 @@ def _model_ab(rounds: int) -> None:
     free()
 
 
+def _kernel_times(step) -> dict:
+    """GPU time (us) per kernel name of one profiled call of ``step`` (CUPTI: the kernels' own durations, so the
+    host-bound gaps that make wall-clock steps of the same model differ by 5-10 % do not enter)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return {
+        e.key: e.self_device_time_total
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
+    }
+
+
+def _model_kernel_ab(rounds: int) -> None:
+    """AttnRes's overhead over a plain residual in GPU kernel time: the AttnRes model and the same model with a plain
+    residual stream (both in this process, same inputs), one profiled step of each per round, alternating. Per round
+    the overhead is (kernel time with AttnRes - kernel time plain) / kernel time with AttnRes, i.e. the issue's
+    "AttnRes read overhead vs a plain residual" as a share of the AttnRes step; also the reader's own kernels and the
+    kernels whose time differs most between the two models (what the difference is made of)."""
+    B, T = 4, 4096
+    models = {name: _medium_model(False, attn_res=ar) for name, ar in (("attnres", True), ("plain", False))}
+    cfg = models["attnres"][0]
+    ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
+    tg = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
+
+    def stepper(model):
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(ids, targets=tg, return_logits=False).loss.backward()
+
+        return step
+
+    steps = {name: stepper(m) for name, (_, m) in models.items()}
+    for st in steps.values():  # compile / autotune both before any measurement
+        timeit(st, warmup=2, rep=1)
+    kt = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, st in steps.items():
+            kt[name].append(_kernel_times(st))
+    tot = {name: [sum(d.values()) for d in v] for name, v in kt.items()}
+    shares = sorted((a - p) / a for a, p in zip(tot["attnres"], tot["plain"]))
+    share = shares[len(shares) // 2]
+    reader = sorted(sum(v for k, v in d.items() if k.startswith(("_p1_", "_p2_"))) for d in kt["attnres"])
+    med = {name: sorted(v)[len(v) // 2] for name, v in tot.items()}
+    keys = set().union(*kt["attnres"], *kt["plain"])
+    diff = {
+        k: sorted(a.get(k, 0.0) - p.get(k, 0.0) for a, p in zip(kt["attnres"], kt["plain"]))[rounds // 2]
+        for k in keys
+    }
+    top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:12]
+    note = (
+        f"AttnRes overhead over plain residual {share * 100:.2f}% of its step's kernel time (per round "
+        f"{shares[0] * 100:.2f}..{shares[-1] * 100:.2f}%, {rounds} rounds; kernel time {med['attnres'] / 1e3:.1f} vs "
+        f"{med['plain'] / 1e3:.1f} ms; reader kernels {reader[len(reader) // 2] / 1e3:.2f} ms); target < 3%"
+    )
+    print("    " + note)
+    print("    largest per-kernel differences (AttnRes - plain, median over rounds, ms):")
+    for k, v in top:
+        print(f"      {v / 1e3:+8.3f}  {k[:90]}")
+    INFO["attnres_kernel_ab"] = {
+        "kernel_ms": {n: [t / 1e3 for t in v] for n, v in tot.items()},
+        "share": share,
+        "round_shares": shares,
+        "reader_ms": [r / 1e3 for r in reader],
+        "top_diffs_ms": {k: v / 1e3 for k, v in top},
+    }
+    row("model", "medium step kernel time, AttnRes vs plain residual (paired)", f"B{B} T{T} bf16",
+        med["attnres"] / 1e6, med["plain"] / 1e6, "plain residual", 0, 0, note=note)  # fmt: skip
+    models = steps = ids = tg = None
+    free()
+
+
 def sec_model(out_dir):
     import openk3.fast  # noqa: F401
     from openk3.cost import train_flops_per_token
@@ -831,6 +905,10 @@ def sec_model(out_dir):
     ab_rounds = int(os.environ.get("BENCH_MODEL_AB", "0"))
     if ab_rounds:  # only the paired AttnRes / plain comparison
         _model_ab(ab_rounds)
+        return
+    kernel_rounds = int(os.environ.get("BENCH_MODEL_KERNEL_AB", "0"))
+    if kernel_rounds:  # only the paired comparison in kernel time
+        _model_kernel_ab(kernel_rounds)
         return
     dm0 = fast_attnres.DIRECT_MAX
     configs = [(4, 4096, False, True, dm0), (8, 4096, True, True, dm0)]

@@ -11,7 +11,9 @@
 # flags: the GPU tests of the decode options that are off by default, then their A/B, bench_e2e_decode.py
 # --compare-flags fuse_read_norm,fuse_kda_lowrank, for medium and the 48B shape at batch 1, 4, 16 -> e2e_flags.json;
 # pdl: the engine GPU tests of programmatic dependent launch, the kernel tests with OPENK3_PDL=1, bench/diag_pdl.py
-# -> diag_pdl.json, and the engine A/B --compare-flags pdl -> e2e_pdl.json).
+# -> diag_pdl.json, and the engine A/B --compare-flags pdl -> e2e_pdl.json; attnres_ab: the medium training step
+# with AttnRes and with a plain residual, 5 paired rounds of one profiled step each: AttnRes's overhead in kernel
+# time -> bench.json).
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -64,6 +66,10 @@ if has pdl; then
   timeout "$T_DECODE" python3 bench/diag_pdl.py --out "$OUT_DIR/diag_pdl.json" 2>&1 | tail -30
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1,16,64 --steps 12 \
     --compare-flags pdl --out "$OUT_DIR/e2e_pdl.json" 2>&1 | grep -v "^\[.*{'preset" | tail -30
+fi
+if has attnres_ab; then
+  BENCH_MODEL_KERNEL_AB=5 timeout "$T_TRAIN" python3 bench/run_all.py --sections ceil,model --out "$OUT_DIR" \
+    2>&1 | tail -25
 fi
 if has train; then
   timeout "$T_TRAIN" python3 bench/run_all.py --out "$OUT_DIR" 2>&1 | tail -60

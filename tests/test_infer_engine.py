@@ -662,7 +662,10 @@ def test_cli_moe_small_tokens_is_checked(tmp_path):
     assert r.returncode != 0 and "OPENK3_MOE_SMALL_N must be a non-negative integer" in r.stderr
     r = run("--moe-small-tokens", "4", "--fuse-ffn-projections", "--fuse-residual")
     assert r.returncode == 0, r.stderr
-    r = run("--no-fuse-ffn-projections", env={"OPENK3_MOE_SMALL_N": ""})  # empty: the default count
+    r = run(  # (empty OPENK3_MOE_SMALL_N: the default count)
+        "--no-fuse-ffn-projections", "--no-fuse-read-norm", "--no-fuse-kda-lowrank", "--pdl",
+        env={"OPENK3_MOE_SMALL_N": ""},
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
 
 
