@@ -18,9 +18,10 @@ except Exception:  # pragma: no cover - triton missing
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Programmatic dependent launch (sm_90+) for the decode-step kernels: a kernel launched with it may start while the
-# kernel before it in the stream is still running; it requests only constant data (weights) before ``pdl_wait``
-# and touches nothing else until then, and every such kernel signals early (``pdl_trigger``) that the next one may
-# launch. "on" is the process default (OPENK3_PDL=1); EngineConfig.pdl sets it for an engine's kernels.
+# kernel before it in the stream is still running; before ``pdl_wait`` it reads only data that no kernel of the same
+# step writes (weights, a KDA slot's state) and writes nothing, and every such kernel signals early
+# (``pdl_trigger``) that the next one may launch. "on" is the process default (OPENK3_PDL=1); EngineConfig.pdl sets
+# it for an engine's decode forward.
 PDL = {"on": os.environ.get("OPENK3_PDL", "0") == "1"}
 _PDL_DEVICES: dict = {}
 

@@ -101,7 +101,7 @@ class EngineConfig:
     # launch fewer per projection and KDA layer. H200, batch 1: medium forward 1.66 -> 1.64 ms (both flags: 1.60),
     # 48B shape 3.36 -> 3.34 ms (bench/NOTES.md v9)
     fuse_kda_lowrank: bool = True
-    # decode step: our Triton kernels (KDA / MLA steps, AttnRes reads, few-token MoE, GEMVs, sampling) launched with
+    # decode forward: our Triton kernels (KDA / MLA steps, AttnRes reads and seals, few-token MoE) launched with
     # programmatic dependent launch (sm_90+), each starting while the kernel before it drains. Off: on an H200 it
     # measured within the run-to-run noise (-0.02 to -0.07 ms at batch 1, bench/NOTES.md v9)
     pdl: bool = False
