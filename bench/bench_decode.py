@@ -18,7 +18,8 @@
   shapes: its router (two kernels) vs ``openk3.ops.moe.route``, its routed experts (three kernels) vs the permuted
   ``torch._grouped_mm`` path; bytes = router weight, resp. the distinct experts' weights the tokens route to.
 
-Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, median) of a CUDA-graph replay of
+Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, median; ``--l2-flush read`` flushes
+by reading instead of zeroing, which leaves no dirty lines to write back during the call) of a CUDA-graph replay of
 the call, as the engine runs it: the Python launch path (tens of microseconds per call, more than a batch-1 kernel
 takes) stays outside the timed region; ``--eager-timing`` times the Python call instead, and a call whose capture
 fails is timed eagerly and listed in the JSON's ``eager_timed``. Random inputs, warm-up (compilation) outside the
@@ -127,14 +128,44 @@ def as_graph(fn):
         return fn
 
 
+L2_FLUSH = "zero"  # before each timed call: "zero" (do_bench's: zeroing 256 MB) or "read" (--l2-flush read)
+_FLUSH_BUF: list = []
+
+
+def _read_flush() -> None:
+    """Evict L2 by reading 256 MB (a sum): L2 then holds clean lines. do_bench's zeroing flush leaves up to an L2's
+    worth of dirty lines whose write-back overlaps the timed call (~5 us at the MLA target shape, NOTES.md v9)."""
+    if not _FLUSH_BUF:
+        _FLUSH_BUF.extend(
+            [
+                torch.empty(32 << 20, dtype=torch.int64, device=DEV),
+                torch.empty((), dtype=torch.int64, device=DEV),
+            ]
+        )
+    buf, sink = _FLUSH_BUF
+    torch.sum(buf, dim=0, out=sink)
+
+
 def bench(fn, graph: bool = True) -> float:
     """Median seconds of one call (replayed from a CUDA graph unless ``graph`` is off, see ``as_graph``; L2 flushed
-    before each call)."""
+    before each call, the way ``L2_FLUSH`` says)."""
     import triton.testing
 
-    return (
-        triton.testing.do_bench(as_graph(fn) if graph else fn, warmup=25, rep=100, return_mode="median") / 1e3
-    )
+    f = as_graph(fn) if graph else fn
+    if L2_FLUSH == "zero" or DEV != "cuda":
+        return triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median") / 1e3
+    for _ in range(25):
+        f()
+    ts = []
+    for _ in range(100):
+        _read_flush()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        f()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2] / 1e3
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -620,6 +651,13 @@ def main():
     )
     ap.add_argument("--sections", default="kda,mla,moe")
     ap.add_argument(
+        "--l2-flush",
+        choices=("zero", "read"),
+        default="zero",
+        help="L2 flush before each timed call: zero (triton's do_bench: zeroing 256 MB, whose dirty lines are "
+        "written back during the call) or read (a sum over 256 MB: clean lines)",
+    )
+    ap.add_argument(
         "--targets-only", action="store_true", help="MLA: only the target shapes (and their sweep)"
     )
     ap.add_argument(
@@ -636,8 +674,10 @@ def main():
     for name, table_ in (("tiles", MLA_SWEEP), ("splits", MLA_SPLIT_SWEEP)):
         if name not in sweeps:
             table_.update({h: [] for h in table_})
-    global GRAPH_TIMING
+    global GRAPH_TIMING, L2_FLUSH
     GRAPH_TIMING = not args.eager_timing
+    L2_FLUSH = args.l2_flush
+    INFO["l2_flush"] = L2_FLUSH
     global TARGETS_ONLY
     TARGETS_ONLY = args.targets_only
     if args.mla_shapes:
