@@ -42,6 +42,7 @@ ERRORS: list[str] = []
 INFO_PROFILE: dict[str, float] = {}
 PROFILE = ""  # directory for kernel profiles (--profile), empty: off
 DEV = "cuda"
+WALL = False  # --wall-timing
 
 
 def empty_cache():
@@ -149,7 +150,8 @@ def run_preset(
         fwd_times.append(time.perf_counter() - t)
         return out
 
-    eng._decode_logits = timed
+    if not WALL:
+        eng._decode_logits = timed
     g = torch.Generator().manual_seed(0)
     V = cfg.vocab_size
     for B in batches:
@@ -163,12 +165,20 @@ def run_preset(
             t_prefill = time.time() - tp
             step_t: list[float] = []
             fwd_times.clear()
-            for _ in range(steps):
+            if WALL:  # back to back, synchronised only around the whole run (what overlap changes)
                 sync()
                 t = time.perf_counter()
-                eng.step()
-                step_t.append(time.perf_counter() - t)
-            n_fwd = list(fwd_times)
+                for _ in range(steps):
+                    eng.step()
+                sync()
+                step_t = [(time.perf_counter() - t) / steps]
+            else:
+                for _ in range(steps):
+                    sync()
+                    t = time.perf_counter()
+                    eng.step()
+                    step_t.append(time.perf_counter() - t)
+            n_fwd = list(fwd_times) or [float("nan")]
             if PROFILE and B == min(batches) and fuse:
                 profile_steps(eng, label, B)
             for r in reqs:
@@ -200,7 +210,8 @@ def run_preset(
     moe_small.SMALL_N = small_before
     # the timing wrapper and the captured graphs form reference cycles through the engine: collect them, or each
     # variant keeps the previous model's weights and cache pool alive (the next, larger preset runs out of memory)
-    del eng._decode_logits
+    if not WALL:
+        del eng._decode_logits
     inner = timed = None
     del eng, model
     gc.collect()
@@ -279,6 +290,12 @@ def main():
         metavar="N",
         help="A/B: time each preset with the few-token MoE path off and on for up to N tokens (OPENK3_MOE_SMALL_N)",
     )
+    ap.add_argument(
+        "--wall-timing",
+        action="store_true",
+        help="time the steps back to back, synchronised only before and after them (step ms = the mean; no fwd "
+        "column): needed to see EngineConfig.overlap, whose steps overlap the host's work with the GPU's",
+    )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
     ap.add_argument(
         "--profile",
@@ -287,8 +304,9 @@ def main():
     )
     ap.add_argument("--out", default=default or os.path.join(ROOT, "bench", "out", "e2e_decode.json"))
     args = ap.parse_args()
-    global DEV, PROFILE
+    global DEV, PROFILE, WALL
     DEV = args.device
+    WALL = args.wall_timing
     if DEV == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_e2e_decode.py needs a CUDA device (or --device cpu for a smoke run)")
     batches = [int(b) for b in args.batches.split(",")]

@@ -13,7 +13,7 @@
 # pdl: the engine GPU tests of programmatic dependent launch, the kernel tests with OPENK3_PDL=1, bench/diag_pdl.py
 # -> diag_pdl.json, and the engine A/B --compare-flags pdl -> e2e_pdl.json; attnres_ab: the medium training step
 # with AttnRes and with a plain residual, 5 paired rounds of one profiled step each: AttnRes's overhead in kernel
-# time -> bench.json).
+# time -> bench.json; overlap: the engine GPU tests of EngineConfig.overlap and its A/B -> e2e_overlap.json).
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -66,6 +66,13 @@ if has pdl; then
   timeout "$T_DECODE" python3 bench/diag_pdl.py --out "$OUT_DIR/diag_pdl.json" 2>&1 | tail -30
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1,16,64 --steps 12 \
     --compare-flags pdl --out "$OUT_DIR/e2e_pdl.json" 2>&1 | grep -v "^\[.*{'preset" | tail -30
+fi
+if has overlap; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_engine_gpu.py -k overlap \
+    >"$OUT_DIR/tests_overlap.log" 2>&1
+  echo "engine overlap tests: exit $? ($(tail -1 "$OUT_DIR/tests_overlap.log"))"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1,16,64 --steps 24 \
+    --wall-timing --compare-flags overlap --out "$OUT_DIR/e2e_overlap.json" 2>&1 | grep -v "^\[.*{'preset" | tail -20
 fi
 if has attnres_ab; then
   BENCH_MODEL_KERNEL_AB=5 timeout "$T_TRAIN" python3 bench/run_all.py --sections ceil,model --out "$OUT_DIR" \

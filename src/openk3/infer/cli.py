@@ -101,6 +101,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "low-rank gate itself (one GEMV fewer each per KDA layer); default on",
     )
     g.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode: launch step t+1 before step t's tokens reach the host, and append them while it runs (same "
+        "tokens); default off (not yet measured on a GPU)",
+    )
+    g.add_argument(
         "--pdl",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -177,6 +184,7 @@ def _load(args):
         fuse_read_norm=args.fuse_read_norm,
         fuse_kda_lowrank=args.fuse_kda_lowrank,
         pdl=args.pdl,
+        overlap=args.overlap,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     if args.moe_small_tokens is not None:

@@ -105,6 +105,10 @@ class EngineConfig:
     # programmatic dependent launch (sm_90+), each starting while the kernel before it drains. Off: on an H200 it
     # measured within the run-to-run noise (-0.02 to -0.07 ms at batch 1, bench/NOTES.md v9)
     pdl: bool = False
+    # decode steps one ahead: step t+1's forward is launched with step t's sampled tokens still on the device, and
+    # the host appends step t's tokens (detokenising, stop checks, streaming) while the GPU runs it. Same tokens as
+    # without it; a row that stops at step t has step t+1 computed for nothing. Off until measured on a GPU
+    overlap: bool = False
 
 
 # above this many rows every KDA program would re-read its head's f_b_proj rows (from L2): the GEMV is kept
@@ -147,6 +151,37 @@ class IncrementalDetokenizer:
         now = self.tok.decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
         return now[len(before) :]
+
+
+def _swap_ids(ids: torch.Tensor, ids_from) -> None:
+    """ids[b] = src[k] for each (b, k) of ``ids_from = (pairs, src)`` (device to device; None: nothing)."""
+    if not ids_from:
+        return
+    pairs, src = ids_from
+    dst = torch.tensor([b for b, _ in pairs], dtype=torch.long).to(ids.device, non_blocking=True)
+    idx = torch.tensor([k for _, k in pairs], dtype=torch.long).to(src.device, non_blocking=True)
+    ids.index_copy_(0, dst, src.index_select(0, idx).to(ids.dtype))
+
+
+class _DoneEvent:
+    """Stand-in for a CUDA event on CPU (work there is done when it returns)."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass
+class _Pending:
+    """A decode step whose sampled tokens are still on their way to the host (EngineConfig.overlap)."""
+
+    batch: list
+    toks: torch.Tensor  # [B] on the device
+    host: torch.Tensor  # [B], filled by a non-blocking copy
+    ready: object  # CUDA event recorded after that copy (or _DoneEvent)
+    logits: torch.Tensor | None  # the step's logits rows (record_logits only)
 
 
 class Request:
@@ -326,6 +361,9 @@ class Engine:
                 self.graphs_enabled = False
         self._graphs: dict[int, tuple] = {}
         self._graph_pool = None
+        self._pending: _Pending | None = (
+            None  # overlap: the decode step whose sampled tokens are still on the device
+        )
         self._max_pages_per_seq = self.pool.pages_for(self.max_model_len)
         bmax = min(cfg.cuda_graph_max_batch, cfg.max_seqs)
         self._buckets = sorted(
@@ -469,7 +507,7 @@ class Engine:
         self._wake.set()
 
     def has_work(self) -> bool:
-        return bool(self.active or self.waiting or not self._inbox.empty())
+        return bool(self.active or self.waiting or self._pending is not None or not self._inbox.empty())
 
     def generate(
         self,
@@ -539,6 +577,7 @@ class Engine:
                 self._run_decode()
         except Exception as e:  # never let one bad step kill the server
             log.exception("engine step failed")
+            self._pending = None
             self.metrics["engine_errors_total"] += 1
             for r in list(self.active) + list(self.waiting):
                 try:
@@ -830,22 +869,37 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ decode
     def _run_decode(self) -> None:
+        if self.cfg.overlap:
+            self._run_decode_overlap()
+            return
         ready = [r for r in self.active if r.num_computed == len(r.all_ids) - 1]
-        batch = []
-        for req in sorted(ready, key=lambda r: r.admit_order):
-            if req.slot is None or req.finished:
-                continue
-            if self._ensure_pages(req, req.num_computed + 1):
-                batch.append(req)
-        batch = [
-            r for r in batch if r.slot is not None
-        ]  # a later allocation may have preempted an earlier one
+        batch = self._decode_batch(ready)
         if not batch:
             return
         logits = self._decode_logits(*self._decode_inputs(batch))
         self.metrics["decode_steps_total"] += 1
         for r in batch:
             r.num_computed += 1
+        toks = self._sample_rows(batch, logits).tolist()
+        for b, (r, t) in enumerate(zip(batch, toks)):
+            if self.cfg.record_logits:
+                r.logits_log.append(logits[b].float().cpu())
+            self._append_token(r, int(t))
+
+    def _decode_batch(self, ready: list[Request]) -> list[Request]:
+        """The rows of the next decode step, in admission order, each with a page for its new token."""
+        batch = []
+        for req in sorted(ready, key=lambda r: r.admit_order):
+            if req.slot is None or req.finished:
+                continue
+            if self._ensure_pages(req, req.num_computed + 1):
+                batch.append(req)
+        return [
+            r for r in batch if r.slot is not None
+        ]  # a later allocation may have preempted an earlier one
+
+    def _sample_rows(self, batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """Next token ids [B] (on the logits' device) of ``batch``'s rows of ``logits``."""
         if self.tok_vocab < logits.shape[-1]:
             logits[:, self.tok_vocab :] = float("-inf")
         seen = None
@@ -858,7 +912,7 @@ class Engine:
                     for r in batch
                 ]
             )
-        toks = sample(
+        return sample(
             logits,
             temperature=[r.params.temperature for r in batch],
             top_k=[r.params.top_k for r in batch],
@@ -868,11 +922,61 @@ class Engine:
             keys=sample_keys([r.seed or 0 for r in batch], [len(r.output_ids) for r in batch])
             if any(r.seed is not None for r in batch)
             else None,
-        ).tolist()
-        for b, (r, t) in enumerate(zip(batch, toks)):
-            if self.cfg.record_logits:
-                r.logits_log.append(logits[b].float().cpu())
-            self._append_token(r, int(t))
+        )
+
+    def _last_token_is_final(self, req: Request) -> bool:
+        """Whether the pending token of ``req`` ends it by length (known before the token itself)."""
+        return len(req.output_ids) + 1 >= req.max_new or len(req.all_ids) + 1 >= self.max_model_len
+
+    def _run_decode_overlap(self) -> None:
+        """EngineConfig.overlap: launch step t+1 (rows whose input token is step t's sample, still on the device,
+        and rows whose input is known here), then take step t's tokens to the host and append them while the GPU
+        runs step t+1, then sample step t+1 for the rows still running and leave its tokens pending."""
+        pend = self._pending
+        on_dev = {}  # request id -> row of pend.toks
+        if pend is not None:
+            on_dev = {
+                id(r): k
+                for k, r in enumerate(pend.batch)
+                if not r.finished and r.slot is not None and r.num_computed == len(r.all_ids)
+                and not self._last_token_is_final(r)
+            }  # fmt: skip
+        ready = [r for r in self.active if r.num_computed == len(r.all_ids) - 1 or id(r) in on_dev]
+        batch = self._decode_batch(ready)
+        logits = None
+        if batch:
+            meta, lengths, table, B = self._decode_inputs(batch)
+            swap = [(b, on_dev[id(r)]) for b, r in enumerate(batch) if id(r) in on_dev]
+            logits = self._decode_logits(
+                meta, lengths, table, B, ids_from=(swap, pend.toks) if swap else None
+            )
+            self.metrics["decode_steps_total"] += 1
+            for r in batch:
+                r.num_computed += 1
+        if pend is not None:  # step t's tokens, while step t+1 runs
+            self._pending = None
+            pend.ready.synchronize()
+            for k, (r, t) in enumerate(zip(pend.batch, pend.host.tolist())):
+                if r.finished:  # aborted (or failed) meanwhile
+                    continue
+                if self.cfg.record_logits:
+                    r.logits_log.append(pend.logits[k].float().cpu())
+                self._append_token(r, int(t))
+        if not batch:
+            return
+        keep = [
+            b for b, r in enumerate(batch) if not r.finished
+        ]  # rows that stopped at step t: step t+1 discarded
+        if not keep:
+            return
+        rows = [batch[b] for b in keep]
+        lg = logits if len(keep) == len(batch) else logits[torch.tensor(keep, device=logits.device)]
+        toks = self._sample_rows(rows, lg)
+        host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=toks.is_cuda)
+        host.copy_(toks, non_blocking=True)
+        ready_ev = torch.cuda.Event() if toks.is_cuda else _DoneEvent()
+        ready_ev.record()
+        self._pending = _Pending(rows, toks, host, ready_ev, lg if self.cfg.record_logits else None)
 
     def _append_token(self, req: Request, t: int) -> None:
         if req.first_token_time is None:
@@ -937,16 +1041,19 @@ class Engine:
         )
         return meta, lengths, table, B
 
-    def _decode_logits(self, meta, lengths, table, B: int) -> torch.Tensor:
-        """Logits [B, V] of one decode step from :meth:`_decode_inputs`' tensors (graph replay or eager)."""
+    def _decode_logits(self, meta, lengths, table, B: int, ids_from=None) -> torch.Tensor:
+        """Logits [B, V] of one decode step from :meth:`_decode_inputs`' tensors (graph replay or eager).
+        ``ids_from = (pairs, src)``: row ``b`` takes its token id from ``src[k]`` (a device tensor) for each
+        ``(b, k)`` in ``pairs`` instead of from ``meta`` (overlap: tokens not yet on the host)."""
         bucket = self._bucket(B)
         if bucket is not None and bucket == meta.shape[1]:
             try:
-                return self._graph_decode(bucket, meta, lengths, table, B)
+                return self._graph_decode(bucket, meta, lengths, table, B, ids_from)
             except Exception as e:  # capture failed (host sync in some op): run eagerly from now on
                 self._disable_graphs(e)
         dev = self.device
         meta, lengths, table = meta[:, :B].to(dev), lengths[:B].to(dev), table[:B].to(dev)
+        _swap_ids(meta[0], ids_from)
         return self._decode_forward(meta[0], meta[1], table, lengths, meta[2])
 
     def _decode_forward(self, ids, slots, table, lengths, rows) -> torch.Tensor:
@@ -1031,7 +1138,7 @@ class Engine:
         )
         return F.linear(h[:, 0], self.model.output_weight).float()
 
-    def _graph_decode(self, bucket, meta, lengths, table, B: int) -> torch.Tensor:
+    def _graph_decode(self, bucket, meta, lengths, table, B: int, ids_from=None) -> torch.Tensor:
         if bucket not in self._graphs:
             self._capture(bucket)
         g, (b_meta, b_len, b_table), out = self._graphs[bucket]
@@ -1040,6 +1147,7 @@ class Engine:
         b_meta.copy_(meta, non_blocking=True)
         b_len.copy_(lengths, non_blocking=True)
         b_table[:, : table.shape[1]].copy_(table, non_blocking=True)
+        _swap_ids(b_meta[0], ids_from)
         g.replay()
         return out[:B].clone()
 
