@@ -332,8 +332,9 @@ def test_cuda_graph_flag_is_a_noop_on_cpu(tiny):
     assert len(r.output_ids) == 3
 
 
-def test_background_thread(tiny):
-    eng = Engine(tiny, None, max_seqs=4, max_tokens=512)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_background_thread(tiny, overlap):
+    eng = Engine(tiny, None, max_seqs=4, max_tokens=512, overlap=overlap)
     eng.start()
     try:
         reqs = eng.generate(
@@ -345,7 +346,7 @@ def test_background_thread(tiny):
         eng.shutdown()
     assert eng._thread is None
     assert pending.done_event.is_set() and pending.finish_reason in ("abort", "length")
-    assert eng.stats()["pages_used_by_sequences"] == 0
+    assert eng.stats()["pages_used_by_sequences"] == 0 and eng._pending is None
 
 
 # ------------------------------------------------------------------------------------------------ memory

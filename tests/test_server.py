@@ -25,16 +25,18 @@ MODEL = "tiny-test"
 CTX = 384
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["sequential", "overlap"])
+def engine(tmp_path_factory, request):
+    """The served engine, once as is and once with EngineConfig.overlap (decode steps one ahead)."""
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset("tiny")).eval()
     tok = Tokenizer.train_bpe(
         default_corpus(max_bytes=300_000), vocab_size=1024, cache_dir=tmp_path_factory.mktemp("tok")
     )
     eng = Engine(
-        model, tok, page_size=16, max_seqs=40, max_tokens=16384, max_model_len=CTX, prefix_interval=32
-    )
+        model, tok, page_size=16, max_seqs=40, max_tokens=16384, max_model_len=CTX, prefix_interval=32,
+        overlap=request.param,
+    )  # fmt: skip
     yield eng
 
 

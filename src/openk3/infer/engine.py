@@ -550,6 +550,7 @@ class Engine:
             self._drain_inbox()
             for r in list(self.active) + list(self.waiting):
                 self._finish(r, "abort")
+            self._pending = None  # (its rows are finished: their tokens would be dropped anyway)
 
     def _loop(self, n_threads: int) -> None:
         if self.device.type == "cpu":
