@@ -778,13 +778,9 @@ def _medium_model(ckpt: bool, attn_res: bool = True):
     return cfg, model
 
 
-def _model_ab(rounds: int) -> None:
-    """AttnRes's share of the medium step, paired: the AttnRes model and the same model with a plain residual
-    stream, both built in this process and timed alternately for ``rounds`` rounds (3 timed steps each), so that
-    drift of the machine falls on both. Reports the median step of each and the per-round shares."""
-    from openk3.cost import train_flops_per_token
-
-    B, T = 4, 4096
+def _paired_steps(B: int, T: int):
+    """(config, {"attnres": step, "plain": step}): training steps (zero_grad, forward, backward) of the medium
+    model with AttnRes and of the same model with a plain residual stream, built in this process on one batch."""
     models = {name: _medium_model(False, attn_res=ar) for name, ar in (("attnres", True), ("plain", False))}
     cfg = models["attnres"][0]
     ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
@@ -797,7 +793,17 @@ def _model_ab(rounds: int) -> None:
 
         return step
 
-    steps = {name: stepper(m) for name, (_, m) in models.items()}
+    return cfg, {name: stepper(m) for name, (_, m) in models.items()}
+
+
+def _model_ab(rounds: int) -> None:
+    """AttnRes's share of the medium step, paired: the AttnRes model and the same model with a plain residual
+    stream, both built in this process and timed alternately for ``rounds`` rounds (3 timed steps each), so that
+    drift of the machine falls on both. Reports the median step of each and the per-round shares."""
+    from openk3.cost import train_flops_per_token
+
+    B, T = 4, 4096
+    cfg, steps = _paired_steps(B, T)
     for st in steps.values():  # compile / warm up both before any timing
         timeit(st, warmup=2, rep=1)
     times = {name: [] for name in steps}
@@ -816,7 +822,7 @@ def _model_ab(rounds: int) -> None:
     INFO["attnres_ab"] = {"times_s": times, "share": share, "round_shares": shares}
     row("model", "medium step, AttnRes vs plain residual (paired)", f"B{B} T{T} bf16", med["attnres"],
         med["plain"], "plain residual", fl, 0, note=note, mfu=fl / med["attnres"] / CEIL["mm"])  # fmt: skip
-    models = steps = ids = tg = None
+    steps = None
     free()
 
 
@@ -842,19 +848,7 @@ def _model_kernel_ab(rounds: int) -> None:
     "AttnRes read overhead vs a plain residual" as a share of the AttnRes step; also the reader's own kernels and the
     kernels whose time differs most between the two models (what the difference is made of)."""
     B, T = 4, 4096
-    models = {name: _medium_model(False, attn_res=ar) for name, ar in (("attnres", True), ("plain", False))}
-    cfg = models["attnres"][0]
-    ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
-    tg = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
-
-    def stepper(model):
-        def step():
-            model.zero_grad(set_to_none=True)
-            model(ids, targets=tg, return_logits=False).loss.backward()
-
-        return step
-
-    steps = {name: stepper(m) for name, (_, m) in models.items()}
+    cfg, steps = _paired_steps(B, T)
     for st in steps.values():  # compile / autotune both before any measurement
         timeit(st, warmup=2, rep=1)
     kt = {name: [] for name in steps}
@@ -890,7 +884,7 @@ def _model_kernel_ab(rounds: int) -> None:
     }
     row("model", "medium step kernel time, AttnRes vs plain residual (paired)", f"B{B} T{T} bf16",
         med["attnres"] / 1e6, med["plain"] / 1e6, "plain residual", 0, 0, note=note)  # fmt: skip
-    models = steps = ids = tg = None
+    steps = None
     free()
 
 
