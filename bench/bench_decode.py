@@ -132,7 +132,7 @@ L2_FLUSH = "zero"  # before each timed call: "zero" (do_bench's: zeroing 256 MB)
 _FLUSH_BUF: list = []
 
 
-def _read_flush() -> None:
+def read_flush() -> None:
     """Evict L2 by reading 256 MB (a sum): L2 then holds clean lines. do_bench's zeroing flush leaves up to an L2's
     worth of dirty lines whose write-back overlaps the timed call (~5 us at the MLA target shape, NOTES.md v9)."""
     if not _FLUSH_BUF:
@@ -154,18 +154,25 @@ def bench(fn, graph: bool = True) -> float:
     f = as_graph(fn) if graph else fn
     if L2_FLUSH == "zero" or DEV != "cuda":
         return triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median") / 1e3
-    for _ in range(25):
+    return time_calls(f, read_flush) / 1e3
+
+
+def time_calls(f, flush=None, warmup: int = 25, reps: int = 100) -> float:
+    """Median ms of one call of ``f`` (CUDA events around it), each call after ``flush()`` (outside the timed
+    region), after ``warmup`` untimed calls."""
+    for _ in range(warmup):
         f()
     ts = []
-    for _ in range(100):
-        _read_flush()
+    for _ in range(reps):
+        if flush is not None:
+            flush()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         f()
         b.record()
         b.synchronize()
         ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2] / 1e3
+    return sorted(ts)[len(ts) // 2]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

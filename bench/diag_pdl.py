@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -40,22 +39,6 @@ def capture(fn, pdl: bool):
     return g
 
 
-def time_replays(g, flush=None, reps=50) -> float:
-    """Median ms of one replay of ``g``, each replay after ``flush()`` (outside the timed region)."""
-    ts = []
-    for i in range(reps + 5):
-        if flush is not None:
-            flush()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        if i >= 5:
-            ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "diag_pdl.json"))
@@ -63,17 +46,13 @@ def main():
     dev = torch.device("cuda")
     rows = []
     cache = torch.empty(256 << 20, dtype=torch.int8, device=dev)
-    sink = torch.empty((), dtype=torch.int64, device=dev)
 
     def zero_flush():
         cache.zero_()
 
-    def read_flush():
-        torch.sum(cache.view(torch.int64), dim=0, out=sink)
-
     import triton.testing
 
-    from bench_decode import mla_inputs
+    from bench_decode import mla_inputs, read_flush, time_calls
     from openk3.infer.kernels import MLA_LAST_LAUNCH, mla_decode_triton
 
     src = torch.randn(1 << 28, device=dev)
@@ -108,9 +87,9 @@ def main():
                 one()
 
         g20 = capture(twenty, pdl)
-        tz = time_replays(g1, zero_flush, reps=100)
-        tr = time_replays(g1, read_flush, reps=100)
-        tb = time_replays(g20, None, reps=30) / 20
+        tz = time_calls(g1.replay, zero_flush, warmup=5)
+        tr = time_calls(g1.replay, read_flush, warmup=5)
+        tb = time_calls(g20.replay, None, warmup=5, reps=30) / 20
         r = dict(
             section="mla",
             shape=f"B={B} H={H} L={L}",

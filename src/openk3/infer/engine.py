@@ -361,9 +361,8 @@ class Engine:
                 self.graphs_enabled = False
         self._graphs: dict[int, tuple] = {}
         self._graph_pool = None
-        self._pending: _Pending | None = (
-            None  # overlap: the decode step whose sampled tokens are still on the device
-        )
+        # overlap: the decode step whose sampled tokens are still on the device
+        self._pending: _Pending | None = None
         self._max_pages_per_seq = self.pool.pages_for(self.max_model_len)
         bmax = min(cfg.cuda_graph_max_batch, cfg.max_seqs)
         self._buckets = sorted(
@@ -881,8 +880,14 @@ class Engine:
         self.metrics["decode_steps_total"] += 1
         for r in batch:
             r.num_computed += 1
-        toks = self._sample_rows(batch, logits).tolist()
+        self._append_tokens(batch, self._sample_rows(batch, logits).tolist(), logits)
+
+    def _append_tokens(self, batch: list[Request], toks: list[int], logits: torch.Tensor | None) -> None:
+        """Append each row's sampled token (and, with record_logits, its logits row); rows finished meanwhile (an
+        abort while the tokens were on their way) are skipped."""
         for b, (r, t) in enumerate(zip(batch, toks)):
+            if r.finished:
+                continue
             if self.cfg.record_logits:
                 r.logits_log.append(logits[b].float().cpu())
             self._append_token(r, int(t))
@@ -934,17 +939,15 @@ class Engine:
         and rows whose input is known here), then take step t's tokens to the host and append them while the GPU
         runs step t+1, then sample step t+1 for the rows still running and leave its tokens pending."""
         pend = self._pending
-        on_dev = {}  # request id -> row of pend.toks
+        on_dev = {}  # request id -> row of pend.toks (finished or preempted rows are not active: never ready)
         if pend is not None:
             on_dev = {
                 id(r): k
                 for k, r in enumerate(pend.batch)
-                if not r.finished and r.slot is not None and r.num_computed == len(r.all_ids)
-                and not self._last_token_is_final(r)
-            }  # fmt: skip
+                if r.num_computed == len(r.all_ids) and not self._last_token_is_final(r)
+            }
         ready = [r for r in self.active if r.num_computed == len(r.all_ids) - 1 or id(r) in on_dev]
         batch = self._decode_batch(ready)
-        logits = None
         if batch:
             meta, lengths, table, B = self._decode_inputs(batch)
             swap = [(b, on_dev[id(r)]) for b, r in enumerate(batch) if id(r) in on_dev]
@@ -957,17 +960,11 @@ class Engine:
         if pend is not None:  # step t's tokens, while step t+1 runs
             self._pending = None
             pend.ready.synchronize()
-            for k, (r, t) in enumerate(zip(pend.batch, pend.host.tolist())):
-                if r.finished:  # aborted (or failed) meanwhile
-                    continue
-                if self.cfg.record_logits:
-                    r.logits_log.append(pend.logits[k].float().cpu())
-                self._append_token(r, int(t))
+            self._append_tokens(pend.batch, pend.host.tolist(), pend.logits)
         if not batch:
             return
-        keep = [
-            b for b, r in enumerate(batch) if not r.finished
-        ]  # rows that stopped at step t: step t+1 discarded
+        # rows that stopped at step t: their step t+1 is discarded
+        keep = [b for b, r in enumerate(batch) if not r.finished]
         if not keep:
             return
         rows = [batch[b] for b in keep]

@@ -625,9 +625,10 @@ def gumbel_argmax_triton(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tens
     x = _row_major(logits)
     # one program per row: wide blocks keep enough bytes in flight
     BLOCK = min(2048, triton.next_power_of_2(V))
+    pdl = pdl_on(x)
     _gumbel_argmax_kernel[(R,)](
         x, keys.to(device=x.device, dtype=torch.long).contiguous(), out, V, x.stride(0), BLOCK=BLOCK,
-        NB=triton.cdiv(V, BLOCK), PDL=pdl_on(x), num_warps=8, **pdl_launch(pdl_on(x)),
+        NB=triton.cdiv(V, BLOCK), PDL=pdl, num_warps=8, **pdl_launch(pdl),
     )  # fmt: skip
     return out
 
@@ -915,13 +916,14 @@ def mla_decode_triton(
                 block_n=bn,
                 resident=_mla_resident(args, consts, nw, q.device),
             )
-    MLA_LAST_LAUNCH.update(splits=ns, block_h=bh, block_n=bn, num_warps=nw, num_stages=st, prefetch=pf)
+    MLA_LAST_LAUNCH.update(
+        splits=ns, block_h=bh, block_n=bn, num_warps=nw, num_stages=st, prefetch=pf, pdl=consts["PDL"]
+    )
     if ns > 1:
         part = torch.empty(B, H, ns, DC, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, H, ns, dtype=torch.float32, device=q.device)
         args = (*args[:5], part, lse, *args[7:])
     pdl = consts["PDL"]
-    MLA_LAST_LAUNCH["pdl"] = pdl
     _mla_split_kernel[(triton.cdiv(H, bh), ns, B)](
         *args, ns, DIRECT=ns == 1, **consts, num_warps=nw, **pdl_launch(pdl)
     )
