@@ -125,28 +125,44 @@ class DecoderLayer(nn.Module):
         sid = 2 * self.layer_idx + (0 if which == "self_attention" else 1)
         return sid, getattr(self, f"{which}_res_proj").weight, getattr(self, f"{which}_res_norm").weight
 
-    def forward(self, r, reader, *, cu_seqlens=None, cache=None, checkpoint=False, block_sites=None):
+    def forward(
+        self,
+        r,
+        reader,
+        *,
+        cu_seqlens=None,
+        cache=None,
+        checkpoint=False,
+        block_sites=None,
+        fuse_read_norm=False,
+    ):
         """One layer of the AttnRes walk (SPEC.md §3.3). r: live running sum [B,T,D]; reader: the AttnRes reader
         holding the sealed block summaries (this layer may seal, announcing ``block_sites``). Returns the new
-        running sum."""
-        attn = lambda h: self.self_attn(self.input_layernorm(h), cu_seqlens=cu_seqlens, cache=cache)
-        ffn = lambda h: self.ffn(self.post_attention_layernorm(h))
-        if checkpoint and cache is None:
-            attn_fn = lambda h: _ckpt(attn, h, use_reentrant=False)
-            ffn_fn = lambda h: _ckpt(ffn, h, use_reentrant=False)
-        else:
-            attn_fn, ffn_fn = attn, ffn
+        running sum. ``fuse_read_norm``: each read and the RMSNorm after it through ``reader.read_normed`` (the
+        norm then runs outside the gradient checkpoint: the checkpoint keeps the normed input instead)."""
+        attn = lambda x: self.self_attn(x, cu_seqlens=cu_seqlens, cache=cache)  # x: normed
+        ffn = lambda x: self.ffn(x)
+        normed_attn = lambda h: attn(self.input_layernorm(h))
+        normed_ffn = lambda h: ffn(self.post_attention_layernorm(h))
+        ck = (lambda f: lambda t: _ckpt(f, t, use_reentrant=False)) if checkpoint and cache is None else None
+        wrap = ck or (lambda f: f)
         if not self.use_attn_res:
-            r = r + attn_fn(r)
-            return r + ffn_fn(r)
-        h = reader.read(*self.site("self_attention"), r) if reader.num_sealed else r
+            r = r + wrap(normed_attn)(r)
+            return r + wrap(normed_ffn)(r)
+        if not reader.num_sealed:
+            a = wrap(normed_attn)(r)
+        elif fuse_read_norm:
+            a = wrap(attn)(reader.read_normed(*self.site("self_attention"), r, self.input_layernorm))
+        else:
+            a = wrap(normed_attn)(reader.read(*self.site("self_attention"), r))
         if self.seal:
             reader.seal(r, block_sites)
-            r = attn_fn(h)
+            r = a
         else:
-            r = r + attn_fn(h)
-        m = reader.read(*self.site("mlp"), r)
-        return r + ffn_fn(m)
+            r = r + a
+        if fuse_read_norm:
+            return r + wrap(ffn)(reader.read_normed(*self.site("mlp"), r, self.post_attention_layernorm))
+        return r + wrap(normed_ffn)(reader.read(*self.site("mlp"), r))
 
 
 class K3Model(nn.Module):
@@ -162,6 +178,9 @@ class K3Model(nn.Module):
             self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
         self.gradient_checkpointing = False
         self.attnres_backend: str | None = None
+        # AttnRes read + the RMSNorm after it in one kernel (forward and backward) where the reader fuses them (the
+        # Triton reader); OPENK3_FUSE_READ_NORM=0 or False here: the read, then the norm module
+        self.fuse_read_norm: bool = os.environ.get("OPENK3_FUSE_READ_NORM", "1") != "0"
 
     def output_site(self) -> tuple[int, torch.Tensor, torch.Tensor]:
         return (
@@ -197,6 +216,7 @@ class K3Model(nn.Module):
             else None
         )
         ck = self.gradient_checkpointing and self.training
+        fuse = bool(self.fuse_read_norm and getattr(reader, "fuses_read_norm", False))
         for i, layer in enumerate(self.layers):
             r = layer(
                 r,
@@ -205,7 +225,10 @@ class K3Model(nn.Module):
                 cache=None if cache is None else cache.layers[i],
                 checkpoint=ck,
                 block_sites=self.block_sites(i) if (cfg.use_attn_res and layer.seal) else None,
+                fuse_read_norm=fuse,
             )
+        if cfg.use_attn_res and fuse:
+            return reader.read_normed(*self.output_site(), r, self.norm)
         if cfg.use_attn_res:
             r = reader.read(*self.output_site(), r)
         return self.norm(r)

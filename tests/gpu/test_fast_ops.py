@@ -494,6 +494,59 @@ def test_attnres_read_normed(dtype, T, check):
                   AR_TOL[dtype])  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("S,direct_max,T", [(3, None, 257), (3, 0, 257), (4, 4, 65), (2, None, 1)])
+def test_attnres_read_normed_grad(dtype, S, direct_max, T, check, monkeypatch):
+    """The fused read + RMSNorm with gradients (training: the read's output is recomputed in the backward, the
+    norm's backward runs in phase 2's backward kernel) against the reference read followed by the reference norm:
+    normed outputs and the gradients of the sources, the live sum, every query, key norm and gain; a second read of
+    a site takes the unfused path. ``direct_max``: sets of up to that many sources keep no partials."""
+    from openk3.fast import attnres
+    from openk3.modules.norm import RMSNorm
+    from openk3.ops.attnres import AttnResReader
+
+    if direct_max is not None:
+        monkeypatch.setattr(attnres, "DIRECT_MAX", direct_max)
+    g = _fresh()
+    B, D, Q = 2, 2048, 4
+    srcs = [_rand(B, T, D, dtype=dtype, scale=1 + i % 3, g=g) for i in range(S)]
+    live = _rand(B, T, D, dtype=dtype, scale=2, g=g)
+    qs = [_rand(1, D, scale=0.05, g=g) for _ in range(Q)]
+    nws = [1 + 0.1 * _rand(D, g=g) for _ in range(Q)]
+    gains = [1 + 0.2 * _rand(D, g=g) for _ in range(Q)]
+    res = []
+    for cls in (attnres.TritonAttnResReader, AttnResReader):
+        ins = [t.clone().requires_grad_() for t in [*srcs, live, *qs, *nws, *gains]]
+        src, lv = ins[:S], ins[S]
+        qq, nw, gn = ins[S + 1 : S + 1 + Q], ins[S + 1 + Q : S + 1 + 2 * Q], ins[S + 1 + 2 * Q :]
+        norms = []
+        for j in range(Q):
+            m = RMSNorm(D, eps=1e-6)
+            m.backend = "reference"
+            del m.weight
+            m.weight = gn[j]
+            norms.append(m)
+        rd = cls(1e-5)
+        rd.sealed.extend(src[:-1])
+        rd.seal(src[-1], [(j, qq[j], nw[j]) for j in range(Q)])
+        outs = [rd.read_normed(j, qq[j], nw[j], lv * (1 + 0.1 * j), norms[j]) for j in range(Q)]
+        outs.append(rd.read_normed(0, qq[0], nw[0], lv * 0.5, norms[0]))  # read twice: unfused path
+        gen = _fresh(3)
+        loss = sum((o.float() * torch.randn(o.shape, device=DEV, generator=gen)).sum() for o in outs)
+        loss.backward()
+        res.append((outs, [t.grad for t in ins]))
+    tol = AR_TOL[dtype]
+    tag = f"attnres_read_normed_grad.{str(dtype)[6:]}.S{S}.T{T}.dm{direct_max}"
+    for j, (a, b) in enumerate(zip(*[r[0] for r in res])):
+        assert a.dtype == dtype
+        check(f"{tag}.out{j}", a, b, tol)
+    names = (
+        [f"src{i}" for i in range(S)] + ["live"] + [f"{k}{j}" for k in ("q", "nw", "gain") for j in range(Q)]
+    )
+    for n, a, b in zip(names, res[0][1], res[1][1]):
+        check(f"{tag}.d{n}", a, b, 3 * tol)
+
+
 @pytest.mark.parametrize(
     "dtype,blocks,Q,D,T,cap,direct_max",
     [

@@ -154,6 +154,100 @@ def test_triton_kernels_interpreted_on_cpu(run_interpreted):
     assert worst < 1e-5, worst
 
 
+READ_NORMED_SCRIPT = textwrap.dedent(
+    """
+    import copy
+    import torch
+    import openk3.model as M
+    from openk3.config import get_preset
+    from openk3.fast import attnres
+    from openk3.model import K3ForCausalLM
+    from openk3.modules.norm import RMSNorm
+    from openk3.ops.attnres import AttnResReader
+
+    torch.manual_seed(0)
+
+    def rel(a, b):
+        a, b = a.detach().double(), b.detach().double()
+        return float((a - b).norm() / b.norm())
+
+    # read_normed with gradients: the fused read + RMSNorm (forward without the read's output, the norm's backward
+    # inside phase 2's) against the reference read, then the reference norm; partials for every set, for none, mixed;
+    # 37 tokens (training tiles) and 3 (phase 1's few-token tile); a second read of a site (unfused path)
+    worst = 0.0
+    D, Q = 200, 4
+    fused = []
+    p2n = attnres._Phase2Normed.apply
+    attnres._Phase2Normed.apply = lambda *a: fused.append(a[1]) or p2n(*a)
+    for N, direct_max in [(37, 0), (37, 3), (37, 2), (3, 3)]:
+        attnres.DIRECT_MAX = direct_max
+        blocks = [torch.randn(1, N, D) * (1 + i % 3) for i in range(3)]
+        live = torch.randn(1, N, D) * 2
+        qs = [torch.randn(1, D) * 0.3 for _ in range(3 * Q)]
+        nws = [1 + 0.1 * torch.randn(D) for _ in range(3 * Q)]
+        gains = [1 + 0.2 * torch.randn(D) for _ in range(3 * Q)]
+        res = []
+        for cls in (attnres.TritonAttnResReader, AttnResReader):
+            L = [t.clone().requires_grad_() for t in blocks + [live] + qs + nws + gains]
+            src, lv = L[:3], L[3]
+            qq, nw, gn = L[4 : 4 + 3 * Q], L[4 + 3 * Q : 4 + 6 * Q], L[4 + 6 * Q :]
+            rd = cls(1e-5, max_sources=2)
+            outs = []
+            for b in range(3):
+                ids = range(b * Q, (b + 1) * Q)
+                rd.seal(src[b], [(j, qq[j], nw[j]) for j in ids])
+                for j in list(ids) + [b * Q]:  # the last: a second read of the set's first site
+                    norm = RMSNorm(D, eps=1e-6)
+                    del norm.weight
+                    norm.weight = gn[j]
+                    outs.append(rd.read_normed(j, qq[j], nw[j], lv * (1 + 0.1 * j), norm))
+            gen = torch.Generator().manual_seed(1)
+            sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs).backward()
+            res.append(outs + [t.grad for t in L])
+        assert len(fused) == 3 * Q, fused  # every first read fused, the second reads not
+        fused.clear()
+        worst = max([worst] + [rel(a, b) for a, b in zip(*res)])
+    attnres._Phase2Normed.apply = p2n
+
+    # the tiny model (8 layers, AttnRes blocks of 3): loss and every parameter gradient with the Triton reader, read
+    # and norm fused (the default) and not, against the reference reader; with gradient checkpointing too
+    M.make_reader = lambda eps, is_cuda, be, max_sources=None: (
+        attnres.TritonAttnResReader if be == "triton" else AttnResReader
+    )(eps, max_sources=max_sources)
+    cfg = get_preset("tiny")
+    base = K3ForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 37))
+
+    def step(backend, fuse, ckpt):
+        m = copy.deepcopy(base)
+        m.set_backend("attnres", backend)
+        m.model.fuse_read_norm = fuse
+        m.model.gradient_checkpointing = ckpt
+        loss = m(ids, targets=ids).loss
+        loss.backward()
+        return loss.detach(), {k: p.grad for k, p in m.named_parameters() if p.grad is not None}
+
+    calls = []
+    attnres._Phase2Normed.apply = lambda *a: calls.append(1) or p2n(*a)
+    for ckpt in (False, True):
+        ref_loss, ref_g = step("reference", True, ckpt)
+        for fuse in (False, True) if not ckpt else (True,):
+            calls.clear()
+            loss, g = step("triton", fuse, ckpt)
+            assert len(calls) == (2 * cfg.num_hidden_layers if fuse else 0), len(calls)  # all reads but layer 0's first
+            assert set(g) == set(ref_g)
+            worst = max([worst, rel(loss, ref_loss)] + [rel(g[k], ref_g[k]) for k in ref_g if ref_g[k].abs().sum() > 0])
+    print("WORST", worst)
+    """
+)
+
+
+def test_attnres_read_normed_training_interpreted_on_cpu(run_interpreted):
+    """The fused AttnRes read + RMSNorm with gradients, reader-level and in a whole tiny model step."""
+    worst = run_interpreted(READ_NORMED_SCRIPT, hide_cuda=True)
+    assert worst < 2e-5, worst
+
+
 MOE_V2_SCRIPT = textwrap.dedent(
     """
     import torch

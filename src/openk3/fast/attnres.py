@@ -15,6 +15,11 @@ autograd. Phase 1's backward then produces the gradients of every sealed source 
 two kernels: per-(site, token) coefficients (one pass over D), then per source the source gradient and the query
 gradient partials (fp32 dots over the token tiles).
 
+Read + RMSNorm (``read_normed``, the model's default on this reader): phase 2 writes only the normed rows; its
+backward recomputes the read's output from the same operands, runs the norm's backward (the output gradient,
+rounded to the output dtype, goes to the block's buffer as above) and the gain-gradient partials, so neither the
+read's output nor its gradient passes through memory.
+
 The reader copies each source into one ``[capacity, N, D]`` buffer when it is sealed, so phase 1 and its backward
 read the sources in place (no per-seal stack of all of them).
 
@@ -148,11 +153,13 @@ if HAS_TRITON:
     def _p2_fwd(
         r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, lse_ptr, out_ptr, s_ptr, inv_ptr, N, eps, g_ptr, x_ptr, neps,
         D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, S: tl.constexpr, DIRECT: tl.constexpr,
-        NORM: tl.constexpr, PDL: tl.constexpr,
+        NORM: tl.constexpr, PDL: tl.constexpr, STORE_OUT: tl.constexpr = True,
     ):  # fmt: skip
         """Phase 2 of one read for BN tokens. ``NORM``: also the RMSNorm of the output (gain ``g``, eps ``neps``) into
         ``x``, as ``openk3.ops.norm.rms_norm`` computes it from the stored output (fp32 mean of squares, the
-        normalised value rounded to the output dtype before the gain, the product rounded again)."""
+        normalised value rounded to the output dtype before the gain, the product rounded again). ``NORM`` without
+        ``STORE_OUT`` (training): the output is not stored; the norm is taken of the output recomputed in registers,
+        rounded to the output dtype as it would have been stored, and only ``x`` is written."""
         pdl_wait(PDL)
         pdl_trigger(PDL)
         n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
@@ -172,15 +179,37 @@ if HAS_TRITON:
         lam = tl.sigmoid(tl.load(lse_ptr + n, mask=nm, other=0.0) - s)
         tl.store(s_ptr + n, s, mask=nm)
         tl.store(inv_ptr + n, inv, mask=nm)
-        for d0 in tl.range(0, D, BD):
-            d = d0 + tl.arange(0, BD)
-            dm = d < D
-            m2 = nm[:, None] & dm[None, :]
-            r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-            pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
-            o = lam[:, None] * pn + (1.0 - lam[:, None]) * r
-            tl.store(out_ptr + n[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=m2)
-        if NORM:  # the rows just stored (other threads of this program wrote part of them): norm them
+        if STORE_OUT:
+            for d0 in tl.range(0, D, BD):
+                d = d0 + tl.arange(0, BD)
+                dm = d < D
+                m2 = nm[:, None] & dm[None, :]
+                r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+                pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
+                o = lam[:, None] * pn + (1.0 - lam[:, None]) * r
+                tl.store(out_ptr + n[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=m2)
+        else:  # NORM from the output in registers: its mean of squares, then the normed rows
+            dt = x_ptr.dtype.element_ty
+            hs = tl.zeros([BN], dtype=tl.float32)
+            for d0 in tl.range(0, D, BD):
+                d = d0 + tl.arange(0, BD)
+                m2 = nm[:, None] & (d < D)[None, :]
+                r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+                pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
+                h = (lam[:, None] * pn + (1.0 - lam[:, None]) * r).to(dt).to(tl.float32)
+                hs += tl.sum(h * h, axis=1)
+            hinv = tl.rsqrt(hs / D + neps)
+            for d0 in tl.range(0, D, BD):
+                d = d0 + tl.arange(0, BD)
+                dm = d < D
+                m2 = nm[:, None] & dm[None, :]
+                r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+                pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
+                h = (lam[:, None] * pn + (1.0 - lam[:, None]) * r).to(dt).to(tl.float32)
+                y = (h * hinv[:, None]).to(dt).to(tl.float32)
+                g = tl.load(g_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+                tl.store(x_ptr + n[:, None] * D + d[None, :], (g[None, :] * y).to(dt), mask=m2)
+        if NORM and STORE_OUT:  # the rows just stored (other threads of this program wrote part): norm them
             tl.debug_barrier()
             hs = tl.zeros([BN], dtype=tl.float32)
             for d0 in tl.range(0, D, BD):
@@ -202,33 +231,53 @@ if HAS_TRITON:
     @triton.jit
     def _p2_bwd(
         dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr, lam_ptr,
-        dl_ptr, dwp_ptr, N,
+        dl_ptr, dwp_ptr, N, gn_ptr, dgp_ptr, neps,
         D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
-        S: tl.constexpr, SP: tl.constexpr, DIRECT: tl.constexpr,
+        S: tl.constexpr, SP: tl.constexpr, DIRECT: tl.constexpr, NORM: tl.constexpr = False,
     ):  # fmt: skip
         """RB blocks of BN tokens per program; the query-gradient partial of the program's tokens goes to one row
         of dwp (accumulated there across the blocks: the program owns that row). DIRECT: the numerator is mixed
         from the sources here, and the site's phase-1 score gradients ``dps[i] = v_i . (lam * dout)`` are written
-        on the way (phase 1's backward then needs no pass over the sources for them)."""
+        on the way (phase 1's backward then needs no pass over the sources for them). NORM: ``dout`` is the gradient
+        of the read's RMSNorm (gain ``gn``, eps ``neps``; forward ``_p2_fwd`` with NORM and without STORE_OUT); the
+        read's output is recomputed, the norm's backward gives the output gradient (rounded to the output dtype, as
+        a stored gradient would be) and the gain-gradient partial of the program's tokens goes to one row of dgp."""
         pid = tl.program_id(0)
         for rb in tl.range(0, RB):
             _p2_bwd_rows(
                 dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr,
-                lam_ptr, dl_ptr, dwp_ptr, N, pid, rb, D, BN, BD, RB, S, SP, DIRECT,
+                lam_ptr, dl_ptr, dwp_ptr, N, pid, rb, gn_ptr, dgp_ptr, neps, D, BN, BD, RB, S, SP, DIRECT, NORM,
             )  # fmt: skip
 
     @triton.jit
     def _p2_bwd_rows(
         dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr, lam_ptr,
-        dl_ptr, dwp_ptr, N, pid, rb,
+        dl_ptr, dwp_ptr, N, pid, rb, gn_ptr, dgp_ptr, neps,
         D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
-        S: tl.constexpr, SP: tl.constexpr, DIRECT: tl.constexpr,
+        S: tl.constexpr, SP: tl.constexpr, DIRECT: tl.constexpr, NORM: tl.constexpr,
     ):  # fmt: skip
         n = ((pid * RB + rb) * BN + tl.arange(0, BN)).to(tl.int64)
         nm = n < N
         s = tl.load(s_ptr + n, mask=nm, other=0.0)
         inv = tl.load(inv_ptr + n, mask=nm, other=0.0)
         lam = tl.sigmoid(tl.load(lse_ptr + n, mask=nm, other=0.0) - s)
+        dt = g_ptr.dtype.element_ty
+        if NORM:  # the recomputed output h's mean of squares and sum(dy * gain * h), per token
+            hs = tl.zeros([BN], dtype=tl.float32)
+            hc = tl.zeros([BN], dtype=tl.float32)
+            for d0 in tl.range(0, D, BD):
+                d = d0 + tl.arange(0, BD)
+                dm = d < D
+                m2 = nm[:, None] & dm[None, :]
+                dy = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+                r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+                pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
+                h = (lam[:, None] * pn + (1.0 - lam[:, None]) * r).to(dt).to(tl.float32)
+                gn = tl.load(gn_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+                hs += tl.sum(h * h, axis=1)
+                hc += tl.sum(dy * gn[None, :] * h, axis=1)
+            hinv = tl.rsqrt(hs / D + neps)
+            hk = hinv * hinv * hinv * hc / D
         dl = tl.zeros([BN], dtype=tl.float32)
         cols = tl.arange(0, SP)
         dps = tl.zeros([BN, SP], dtype=tl.float32)
@@ -245,9 +294,24 @@ if HAS_TRITON:
                     v = tl.load(v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0)
                     v = v.to(tl.float32)
                     pn += pi[:, None] * v
-                    dps = tl.where(cols[None, :] == i, dps + tl.sum(v * g, axis=1)[:, None], dps)
+                    if not NORM:
+                        dps = tl.where(cols[None, :] == i, dps + tl.sum(v * g, axis=1)[:, None], dps)
             else:
                 pn = tl.load(pn_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            if NORM:  # g: dy here; the output gradient from the norm's backward, stored for phase 1 and below
+                h = (lam[:, None] * pn + (1.0 - lam[:, None]) * r).to(dt).to(tl.float32)
+                gn = tl.load(gn_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+                y = (h * hinv[:, None]).to(dt).to(tl.float32)
+                prev = tl.load(dgp_ptr + pid * D + d, mask=dm & (rb > 0), other=0.0)
+                tl.store(dgp_ptr + pid * D + d, prev + tl.sum(g * y, axis=0), mask=dm)
+                g = (hinv[:, None] * gn[None, :] * g - hk[:, None] * h).to(dt)
+                tl.store(g_ptr + n[:, None] * D + d[None, :], g, mask=m2)
+                g = g.to(tl.float32)
+                if DIRECT:  # the score gradients need the output gradient: a second pass over the sources
+                    for i in tl.static_range(S):
+                        v = tl.load(v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0)
+                        v = v.to(tl.float32)
+                        dps = tl.where(cols[None, :] == i, dps + tl.sum(v * g, axis=1)[:, None], dps)
             dl += tl.sum(g * (pn - r), axis=1)
         gl = dl * lam * (1.0 - lam)  # d lse; d score(r) = -gl
         tl.store(dl_ptr + n, gl, mask=nm)
@@ -258,14 +322,19 @@ if HAS_TRITON:
         ds = -gl
         c_r = ds * s * inv * inv / D
         c_w = ds * inv
+        if NORM:  # the output gradient rows just stored (other threads of this program wrote part of them)
+            tl.debug_barrier()
         for d0 in tl.range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             dm = d < D
             m2 = nm[:, None] & dm[None, :]
-            g = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            if NORM:
+                g = tl.load(g_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            else:
+                g = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+                tl.store(g_ptr + n[:, None] * D + d[None, :], g.to(dt), mask=m2)
             r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + d, mask=dm, other=0.0)
-            tl.store(g_ptr + n[:, None] * D + d[None, :], g.to(g_ptr.dtype.element_ty), mask=m2)
             dr = (1.0 - lam[:, None]) * g + c_w[:, None] * w[None, :] - c_r[:, None] * r
             tl.store(dr_ptr + n[:, None] * D + d[None, :], dr.to(dr_ptr.dtype.element_ty), mask=m2)
             prev = tl.load(dwp_ptr + pid * D + d, mask=dm & (rb > 0), other=0.0)
@@ -384,6 +453,10 @@ TILES = {
     "p2_bwd": (2, 2048, 8),
     "p2_fwd_direct": (1, 2048, 4),  # phase 2 of sets without partials (reads the sources)
     "p2_bwd_direct": (1, 2048, 8),
+    # phase 2's backward with the RMSNorm's (read_normed with gradients): half-row column tiles (whole rows need
+    # ~220 registers per thread at 8 warps, one program per SM; 1024 columns: 99-124)
+    "p2_bwd_norm": (2, 1024, 8),
+    "p2_bwd_norm_direct": (1, 1024, 8),
 }
 
 
@@ -580,23 +653,26 @@ def _p2_operands(block: _Block, qi: int):
     return pn, pn, pn
 
 
-def _p2_forward(block: _Block, qi: int, rf: torch.Tensor, w: torch.Tensor, lse: torch.Tensor, norm=None):
-    """Phase 2 of site ``qi`` for the rows ``rf [N, D]``: (output, scores, inverse rms); with an RMSNorm module
-    ``norm``, also the normed output (else None), written by the same launch."""
+def _p2_forward(
+    block: _Block, qi: int, rf: torch.Tensor, w: torch.Tensor, lse: torch.Tensor, norm=None, store_out=True
+):
+    """Phase 2 of site ``qi`` for the rows ``rf [N, D]``: (output, scores, inverse rms); with ``norm`` = (gain,
+    eps) of an RMSNorm, also the normed output (else None), written by the same launch. ``store_out=False`` (with
+    ``norm``): the output is not written (None is returned for it)."""
     N, D = rf.shape
-    out = torch.empty_like(rf)
+    out = torch.empty_like(rf) if store_out else None
     x = torch.empty_like(rf) if norm is not None else out
     s = torch.empty(N, dtype=torch.float32, device=rf.device)
     inv = torch.empty_like(s)
     bn, bd, nw = TILES["p2_fwd_direct" if block.direct else "p2_fwd"]
     bd = min(bd, _pow2(D, 16))
     pn, V, pp = _p2_operands(block, qi)
-    g, neps = (norm.weight, float(norm.eps)) if norm is not None else (w, 0.0)
+    g, neps = (norm[0], float(norm[1])) if norm is not None else (w, 0.0)
     pdl = pdl_on(rf) and not torch.is_grad_enabled()
     _p2_fwd[(triton.cdiv(N, bn),)](
-        rf, w, pn, V, pp, lse, out, s, inv, N, block.eps, g, x, neps,
-        D=D, BN=bn, BD=bd, S=V.shape[0], DIRECT=block.direct, NORM=norm is not None, PDL=pdl, num_warps=nw,
-        **pdl_launch(pdl),
+        rf, w, pn, V, pp, lse, x if out is None else out, s, inv, N, block.eps, g, x, neps,
+        D=D, BN=bn, BD=bd, S=V.shape[0], DIRECT=block.direct, NORM=norm is not None, PDL=pdl,
+        STORE_OUT=out is not None, num_warps=nw, **pdl_launch(pdl),
     )  # fmt: skip
     return out, s, inv, (x if norm is not None else None)
 
@@ -612,54 +688,64 @@ class _Phase2(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         r, w, lse_all, s, inv = ctx.saved_tensors
-        block, qi = ctx.block, ctx.qi
-        D = r.shape[-1]
-        rf = r.reshape(-1, D)
-        N = rf.shape[0]
-        Q = lse_all.shape[0]
-        if block.g is None:
-            block.g = torch.empty(Q, N, D, dtype=r.dtype, device=r.device)
-            block.lam = torch.empty(Q, N, dtype=torch.float32, device=r.device)
-            if block.direct:
-                block.dps = torch.empty(Q, block.V.shape[0], N, dtype=torch.float32, device=r.device)
-            block.written = set()
-        pn, V, pp = _p2_operands(block, qi)
-        dps = block.dps[qi] if block.direct else pp
-        dr = torch.empty_like(rf)
-        dlse = torch.zeros_like(lse_all)
-        bn, bd, nw = TILES["p2_bwd_direct" if block.direct else "p2_bwd"]
-        bd = min(bd, _pow2(D, 16))
-        rb = max(1, 16 // bn)  # at least 16 tokens per query-gradient partial
-        nprog = triton.cdiv(N, bn * rb)
-        dwp = torch.empty(nprog, D, dtype=torch.float32, device=r.device)
-        _p2_bwd[(nprog,)](
-            dout.contiguous().view(-1, D),
-            rf,
-            w,
-            pn,
-            V,
-            pp,
-            dps,
-            lse_all[qi],
-            s,
-            inv,
-            dr,
-            block.g[qi],
-            block.lam[qi],
-            dlse[qi],
-            dwp,
-            N,
-            D=D,
-            BN=bn,
-            BD=bd,
-            RB=rb,
-            S=V.shape[0],
-            SP=_pow2(V.shape[0]),
-            DIRECT=block.direct,
-            num_warps=nw,
+        dr, dw, dlse, _ = _p2_backward(ctx.block, ctx.qi, dout, r, w, lse_all, s, inv)
+        return None, None, dr, dw, dlse
+
+
+class _Phase2Normed(torch.autograd.Function):
+    """``rms_norm(read, gain, eps)`` of one phase-2 read, with gradients: the forward writes only the normed rows
+    (the read's output is not stored), the backward recomputes the output and runs the norm's backward in the same
+    kernel as phase 2's."""
+
+    @staticmethod
+    def forward(ctx, block, qi, r, w, lse_all, gain, eps):
+        _, s, inv, x = _p2_forward(
+            block, qi, r.reshape(-1, r.shape[-1]), w, lse_all[qi], (gain, eps), store_out=False
         )
-        block.written.add(qi)
-        return None, None, dr.view_as(r), dwp.sum(0), dlse
+        ctx.block, ctx.qi, ctx.eps = block, qi, eps
+        ctx.save_for_backward(r, w, lse_all, s, inv, gain)
+        return x.view_as(r)
+
+    @staticmethod
+    def backward(ctx, dx):
+        r, w, lse_all, s, inv, gain = ctx.saved_tensors
+        dr, dw, dlse, dgain = _p2_backward(ctx.block, ctx.qi, dx, r, w, lse_all, s, inv, (gain, ctx.eps))
+        return None, None, dr, dw, dlse, dgain.to(gain.dtype), None
+
+
+def _p2_backward(block, qi, dout, r, w, lse_all, s, inv, norm=None):
+    """Phase 2's backward of site ``qi``: (d r, d folded query, d lse of every site, d gain or None). ``dout``: the
+    output's gradient, or with ``norm`` = (gain, eps) the gradient of the normed output. Fills the block's
+    gradient buffers for phase 1's backward."""
+    D = r.shape[-1]
+    rf = r.reshape(-1, D)
+    N = rf.shape[0]
+    Q = lse_all.shape[0]
+    if block.g is None:
+        block.g = torch.empty(Q, N, D, dtype=r.dtype, device=r.device)
+        block.lam = torch.empty(Q, N, dtype=torch.float32, device=r.device)
+        if block.direct:
+            block.dps = torch.empty(Q, block.V.shape[0], N, dtype=torch.float32, device=r.device)
+        block.written = set()
+    pn, V, pp = _p2_operands(block, qi)
+    dps = block.dps[qi] if block.direct else pp
+    dr = torch.empty_like(rf)
+    dlse = torch.zeros_like(lse_all)
+    bn, bd, nw = TILES["p2_bwd" + ("_norm" if norm is not None else "") + ("_direct" if block.direct else "")]
+    bd = min(bd, _pow2(D, 16))
+    rb = max(1, 16 // bn)  # at least 16 tokens per query-gradient partial
+    nprog = triton.cdiv(N, bn * rb)
+    dwp = torch.empty(nprog, D, dtype=torch.float32, device=r.device)
+    gain, neps = norm if norm is not None else (w, 0.0)
+    dgp = torch.empty(nprog, D, dtype=torch.float32, device=r.device) if norm is not None else dwp
+    _p2_bwd[(nprog,)](
+        dout.contiguous().view(-1, D), rf, w, pn, V, pp, dps, lse_all[qi], s, inv, dr, block.g[qi],
+        block.lam[qi], dlse[qi], dwp, N, gain, dgp, float(neps),
+        D=D, BN=bn, BD=bd, RB=rb, S=V.shape[0], SP=_pow2(V.shape[0]), DIRECT=block.direct,
+        NORM=norm is not None, num_warps=nw,
+    )  # fmt: skip
+    block.written.add(qi)
+    return dr.view_as(r), dwp.sum(0), dlse, (dgp.sum(0) if norm is not None else None)
 
 
 class TritonAttnResReader:
@@ -672,6 +758,8 @@ class TritonAttnResReader:
     ``max_sources``, grown by doubling when exceeded), so phase 1 and its backward read the sources in place
     instead of stacking all of them at every seal and again in the backward. The buffer holds copies taken at seal
     time: like the reference, a sealed tensor must not be modified in place afterwards."""
+
+    fuses_read_norm = True  # read_normed is one kernel (forward and backward), see the module docstring
 
     def __init__(self, eps: float, max_sources: int | None = None):
         self.eps = eps
@@ -764,17 +852,23 @@ class TritonAttnResReader:
     def read_normed(
         self, site_id: int, query: torch.Tensor, norm_weight: torch.Tensor, r: torch.Tensor, norm
     ) -> torch.Tensor:
-        """``norm(read(...))`` for an RMSNorm module ``norm`` (``weight``, ``eps``). With gradients off and the read
-        on the fast path (see :meth:`read`), one phase-2 launch writes the normed rows directly (the read's own
-        output stays in a scratch buffer); otherwise the read, then ``norm``."""
-        if torch.is_grad_enabled() or norm.weight.shape != r.shape[-1:]:
+        """``norm(read(...))`` for an :class:`~openk3.modules.norm.RMSNorm` ``norm``. With the read on the fast path
+        (see :meth:`read`) one phase-2 launch writes the normed rows directly, with the reference norm's rounding
+        (the read's output is not stored: with gradients on, the backward recomputes it and runs the norm's
+        backward in phase 2's backward kernel); otherwise the read, then ``norm``."""
+        from openk3.modules.norm import RMSNorm
+
+        gain = norm.weight if isinstance(norm, RMSNorm) else None
+        if gain is None or gain.shape != r.shape[-1:]:
             return norm(self.read(site_id, query, norm_weight, r))
         qi = self._site(site_id, r)
         if qi is None:
             return norm(attnres_read([*self.sealed, r], query, norm_weight, self.eps))
+        w, eps = _fold(query, norm_weight), float(norm.eps)
+        if torch.is_grad_enabled():
+            return _Phase2Normed.apply(self._block, qi, r.contiguous(), w, self._lse, gain, eps)
         rf = r.contiguous().view(-1, r.shape[-1])
-        x = _p2_forward(self._block, qi, rf, _fold(query, norm_weight), self._lse[qi], norm)[3]
-        return x.view_as(r)
+        return _p2_forward(self._block, qi, rf, w, self._lse[qi], (gain, eps))[3].view_as(r)
 
 
 def attnres_read_fast(sources, query, norm_weight, eps):
