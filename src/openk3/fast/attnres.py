@@ -234,6 +234,7 @@ if HAS_TRITON:
         dl_ptr, dwp_ptr, N, gn_ptr, dgp_ptr, neps,
         D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
         S: tl.constexpr, SP: tl.constexpr, DIRECT: tl.constexpr, NORM: tl.constexpr = False,
+        STAGES: tl.constexpr = None,
     ):  # fmt: skip
         """RB blocks of BN tokens per program; the query-gradient partial of the program's tokens goes to one row
         of dwp (accumulated there across the blocks: the program owns that row). DIRECT: the numerator is mixed
@@ -243,11 +244,70 @@ if HAS_TRITON:
         read's output is recomputed, the norm's backward gives the output gradient (rounded to the output dtype, as
         a stored gradient would be) and the gain-gradient partial of the program's tokens goes to one row of dgp."""
         pid = tl.program_id(0)
-        for rb in tl.range(0, RB):
-            _p2_bwd_rows(
-                dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr,
-                lam_ptr, dl_ptr, dwp_ptr, N, pid, rb, gn_ptr, dgp_ptr, neps, D, BN, BD, RB, S, SP, DIRECT, NORM,
-            )  # fmt: skip
+        for rb in tl.range(0, RB, num_stages=STAGES):
+            if NORM and BD >= D:  # whole rows in registers: every operand loaded once
+                _p2_bwd_norm_rows(
+                    dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr,
+                    lam_ptr, dl_ptr, dwp_ptr, N, pid, rb, gn_ptr, dgp_ptr, neps, D, BN, BD, RB, S, SP, DIRECT,
+                )  # fmt: skip
+            else:
+                _p2_bwd_rows(
+                    dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr,
+                    lam_ptr, dl_ptr, dwp_ptr, N, pid, rb, gn_ptr, dgp_ptr, neps, D, BN, BD, RB, S, SP, DIRECT, NORM,
+                )  # fmt: skip
+
+    @triton.jit
+    def _p2_bwd_norm_rows(
+        dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr, lam_ptr,
+        dl_ptr, dwp_ptr, N, pid, rb, gn_ptr, dgp_ptr, neps,
+        D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
+        S: tl.constexpr, SP: tl.constexpr, DIRECT: tl.constexpr,
+    ):  # fmt: skip
+        """``_p2_bwd_rows`` with NORM for rows that fit one tile (BD >= D): the same arithmetic, one pass."""
+        n = ((pid * RB + rb) * BN + tl.arange(0, BN)).to(tl.int64)
+        nm = n < N
+        d = tl.arange(0, BD)
+        dm = d < D
+        m2 = nm[:, None] & dm[None, :]
+        dt = g_ptr.dtype.element_ty
+        s = tl.load(s_ptr + n, mask=nm, other=0.0)
+        inv = tl.load(inv_ptr + n, mask=nm, other=0.0)
+        lam = tl.sigmoid(tl.load(lse_ptr + n, mask=nm, other=0.0) - s)
+        dy = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
+        gn = tl.load(gn_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+        h = (lam[:, None] * pn + (1.0 - lam[:, None]) * r).to(dt).to(tl.float32)
+        hinv = tl.rsqrt(tl.sum(h * h, axis=1) / D + neps)
+        hk = hinv * hinv * hinv * tl.sum(dy * gn[None, :] * h, axis=1) / D
+        y = (h * hinv[:, None]).to(dt).to(tl.float32)
+        prev = tl.load(dgp_ptr + pid * D + d, mask=dm & (rb > 0), other=0.0)
+        tl.store(dgp_ptr + pid * D + d, prev + tl.sum(dy * y, axis=0), mask=dm)
+        g = (hinv[:, None] * gn[None, :] * dy - hk[:, None] * h).to(dt)
+        tl.store(g_ptr + n[:, None] * D + d[None, :], g, mask=m2)
+        g = g.to(tl.float32)
+        dl = tl.sum(g * (pn - r), axis=1)
+        gl = dl * lam * (1.0 - lam)  # d lse; d score(r) = -gl
+        tl.store(dl_ptr + n, gl, mask=nm)
+        tl.store(lam_ptr + n, lam, mask=nm)
+        if DIRECT:
+            cols = tl.arange(0, SP)
+            dps = tl.zeros([BN, SP], dtype=tl.float32)
+            for i in tl.static_range(S):
+                v = tl.load(v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(
+                    tl.float32
+                )
+                dps = tl.where(cols[None, :] == i, dps + tl.sum(v * g, axis=1)[:, None], dps)
+            dpm = nm[:, None] & (cols[None, :] < S)
+            tl.store(dps_ptr + cols[None, :] * N + n[:, None], dps * lam[:, None], mask=dpm)
+        ds = -gl
+        c_r = ds * s * inv * inv / D
+        c_w = ds * inv
+        w = tl.load(w_ptr + d, mask=dm, other=0.0)
+        dr = (1.0 - lam[:, None]) * g + c_w[:, None] * w[None, :] - c_r[:, None] * r
+        tl.store(dr_ptr + n[:, None] * D + d[None, :], dr.to(dr_ptr.dtype.element_ty), mask=m2)
+        prev = tl.load(dwp_ptr + pid * D + d, mask=dm & (rb > 0), other=0.0)
+        tl.store(dwp_ptr + pid * D + d, prev + tl.sum(c_w[:, None] * r, axis=0), mask=dm)
 
     @triton.jit
     def _p2_bwd_rows(
@@ -453,10 +513,10 @@ TILES = {
     "p2_bwd": (2, 2048, 8),
     "p2_fwd_direct": (1, 2048, 4),  # phase 2 of sets without partials (reads the sources)
     "p2_bwd_direct": (1, 2048, 8),
-    # phase 2's backward with the RMSNorm's (read_normed with gradients): half-row column tiles (whole rows need
-    # ~220 registers per thread at 8 warps, one program per SM; 1024 columns: 99-124)
-    "p2_bwd_norm": (2, 1024, 8),
-    "p2_bwd_norm_direct": (1, 1024, 8),
+    # phase 2's backward with the RMSNorm's (read_normed with gradients): rows that fit the columns take the one-pass
+    # kernel (every operand loaded once); wider rows loop over column tiles in three passes
+    "p2_bwd_norm": (1, 2048, 8),
+    "p2_bwd_norm_direct": (1, 2048, 8),
 }
 
 
