@@ -759,12 +759,13 @@ def sec_norm():
     free()
 
 
-def _medium_model(ckpt: bool, attn_res: bool = True):
+def _medium_model(ckpt: bool, attn_res: bool = True, layers: int | None = None):
     from openk3 import K3Config, K3ForCausalLM
 
-    cfg = K3Config.from_preset("medium")
+    kw = {} if layers is None else {"num_hidden_layers": layers}
+    cfg = K3Config.from_preset("medium", **kw)
     if not attn_res:  # the same model with a plain residual stream
-        cfg = K3Config.from_preset("medium", attn_res_block_size=None)
+        cfg = K3Config.from_preset("medium", attn_res_block_size=None, **kw)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = K3ForCausalLM(cfg)
@@ -778,10 +779,14 @@ def _medium_model(ckpt: bool, attn_res: bool = True):
     return cfg, model
 
 
-def _paired_steps(B: int, T: int):
+def _paired_steps(B: int, T: int, half: bool = False):
     """(config, {"attnres": step, "plain": step}): training steps (zero_grad, forward, backward) of the medium
-    model with AttnRes and of the same model with a plain residual stream, built in this process on one batch."""
+    model with AttnRes and of the same model with a plain residual stream, built in this process on one batch.
+    ``half``: also "plain_half", the plain model with half the layers (what the step spends outside the layers)."""
     models = {name: _medium_model(False, attn_res=ar) for name, ar in (("attnres", True), ("plain", False))}
+    if half:
+        L = models["plain"][0].num_hidden_layers
+        models["plain_half"] = _medium_model(False, attn_res=False, layers=L // 2)
     cfg = models["attnres"][0]
     ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
     tg = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
@@ -848,7 +853,8 @@ def _model_kernel_ab(rounds: int) -> None:
     "AttnRes read overhead vs a plain residual" as a share of the AttnRes step; also the reader's own kernels and the
     kernels whose time differs most between the two models (what the difference is made of)."""
     B, T = 4, 4096
-    cfg, steps = _paired_steps(B, T)
+    half = os.environ.get("BENCH_MODEL_LAYER_SHARE", "1") == "1"
+    cfg, steps = _paired_steps(B, T, half=half)
     for st in steps.values():  # compile / autotune both before any measurement
         timeit(st, warmup=2, rep=1)
     kt = {name: [] for name in steps}
@@ -871,6 +877,17 @@ def _model_kernel_ab(rounds: int) -> None:
         f"{shares[0] * 100:.2f}..{shares[-1] * 100:.2f}%, {rounds} rounds; kernel time {med['attnres'] / 1e3:.1f} vs "
         f"{med['plain'] / 1e3:.1f} ms; reader kernels {reader[len(reader) // 2] / 1e3:.2f} ms); target < 3%"
     )
+    layer_share = None
+    if half:  # the issue's denominator is a layer's time: take off what the step spends outside the layers
+        # plain kernel time = outside + L * layer; with L/2 layers = outside + L/2 * layer (L even)
+        outside = [2 * h - p for h, p in zip(tot["plain_half"], tot["plain"])]
+        layer_shares = sorted((a - p) / (a - o) for a, p, o in zip(tot["attnres"], tot["plain"], outside))
+        layer_share = layer_shares[len(layer_shares) // 2]
+        note += (
+            f"; of the decoder layers' kernel time alone {layer_share * 100:.2f}% (per round "
+            f"{layer_shares[0] * 100:.2f}..{layer_shares[-1] * 100:.2f}%; outside the layers "
+            f"{sorted(outside)[len(outside) // 2] / 1e3:.1f} ms, from a plain model with half the layers)"
+        )
     print("    " + note)
     print("    largest per-kernel differences (AttnRes - plain, median over rounds, ms):")
     for k, v in top:
@@ -879,6 +896,7 @@ def _model_kernel_ab(rounds: int) -> None:
         "kernel_ms": {n: [t / 1e3 for t in v] for n, v in tot.items()},
         "share": share,
         "round_shares": shares,
+        "layer_share": layer_share,
         "reader_ms": [r / 1e3 for r in reader],
         "top_diffs_ms": {k: v / 1e3 for k, v in top},
     }
