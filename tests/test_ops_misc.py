@@ -307,6 +307,8 @@ def test_env_command_reports_every_op_and_decode_step(capsys):
         "OPENK3_MOE_SMALL_N=0" if moe_small.SMALL_N <= 0 else "OPENK3_MOE_SMALL_N" if info["cuda"] else "CUDA"
     )
     assert want in info["decode_steps"]["moe"]["why"]
+    rn = info["fusions"]["readnorm"]
+    assert rn["chosen"] == ("fused" if info["backends"]["attnres"]["chosen"] == "triton" else "separate")
     assert main(["env"]) == 0
     text = capsys.readouterr().out
     assert "inference decode steps" in text and "op backends" in text

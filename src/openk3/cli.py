@@ -110,11 +110,12 @@ def cmd_env(args) -> int:
             info[mod] = None
     info["backends"] = backend.describe(torch.cuda.is_available())
     info["decode_steps"] = _decode_steps()
+    info["fusions"] = _fusions(info["backends"])
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     for k, v in info.items():
-        if k not in ("backends", "decode_steps"):
+        if k not in ("backends", "decode_steps", "fusions"):
             print(f"{k:14s} {v if v is not None else '-'}")
     print("op backends (chosen for this machine; OPENK3_BACKEND_<OP>=name overrides):")
     for op, d in info["backends"].items():
@@ -125,6 +126,9 @@ def cmd_env(args) -> int:
         print(f"  {op:8s} -> {d['chosen']:12s} [{avail}]")
     print("inference decode steps (openk3 generate / serve; --decode-backend overrides):")
     for op, d in info["decode_steps"].items():
+        print(f"  {op:8s} -> {d['chosen']:12s} ({d['why']})")
+    print("fusions (training and prefill):")
+    for op, d in info["fusions"].items():
         print(f"  {op:8s} -> {d['chosen']:12s} ({d['why']})")
     return 0
 
@@ -169,6 +173,23 @@ def _decode_steps() -> dict:
             "why": "programmatic dependent launch off (--pdl or OPENK3_PDL=1: on)",
         }
     return out
+
+
+def _fusions(backends: dict) -> dict:
+    """Cross-op fusions the model takes on this machine: the AttnRes read + the RMSNorm after it."""
+    import os
+
+    be = backends.get("attnres", {}).get("chosen")
+    if os.environ.get("OPENK3_FUSE_READ_NORM", "1") == "0":
+        rn = {"chosen": "separate", "why": "off (OPENK3_FUSE_READ_NORM=0)"}
+    elif be != "triton":
+        rn = {"chosen": "separate", "why": f"needs the triton AttnRes reader (attnres -> {be})"}
+    else:
+        rn = {
+            "chosen": "fused",
+            "why": "read + RMSNorm in one Triton kernel, fwd and bwd (OPENK3_FUSE_READ_NORM=0: off)",
+        }
+    return {"readnorm": rn}
 
 
 def _import_fast_paths() -> None:
