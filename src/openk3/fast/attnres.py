@@ -229,12 +229,49 @@ if HAS_TRITON:
                 tl.store(x_ptr + n[:, None] * D + d[None, :], (g[None, :] * y).to(dt), mask=m2)
 
     @triton.jit
+    def _acc_row(ptr, pid, d, dm, rb, val, D: tl.constexpr):
+        """``ptr[pid, d] += val``: the program's own row of a per-program partial (its first block writes it)."""
+        prev = tl.load(ptr + pid * D + d, mask=dm & (rb > 0), other=0.0)
+        tl.store(ptr + pid * D + d, prev + val, mask=dm)
+
+    @triton.jit
+    def _h_tile(lam, pn, r, g_ptr):
+        """The read's output rows as they would be stored (rounded to the gradient buffer's dtype, the output's)."""
+        return (lam[:, None] * pn + (1.0 - lam[:, None]) * r).to(g_ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _norm_bwd_tile(dy, h, gn, hinv, hk, g_ptr, dgp_ptr, n, d, dm, m2, pid, rb, D: tl.constexpr):
+        """The RMSNorm's backward for one tile: the gain-gradient partial (into dgp), the output gradient (rounded
+        to the output dtype, stored into g and returned in fp32)."""
+        dt = g_ptr.dtype.element_ty
+        y = (h * hinv[:, None]).to(dt).to(tl.float32)
+        _acc_row(dgp_ptr, pid, d, dm, rb, tl.sum(dy * y, axis=0), D)
+        g = (hinv[:, None] * gn[None, :] * dy - hk[:, None] * h).to(dt)
+        tl.store(g_ptr + n[:, None] * D + d[None, :], g, mask=m2)
+        return g.to(tl.float32)
+
+    @triton.jit
+    def _dps_tile(v_ptr, n, d, m2, N, g, dps, cols, D: tl.constexpr, S: tl.constexpr):
+        """``dps[:, i] += v_i . g`` over one tile, for every source i."""
+        for i in tl.static_range(S):
+            v = tl.load(v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            dps = tl.where(cols[None, :] == i, dps + tl.sum(v * g, axis=1)[:, None], dps)
+        return dps
+
+    @triton.jit
+    def _dr_tile(g, r, lam, c_w, c_r, w_ptr, dr_ptr, dwp_ptr, n, d, dm, m2, pid, rb, D: tl.constexpr):
+        """The live sum's gradient for one tile, and the query-gradient partial (into dwp)."""
+        w = tl.load(w_ptr + d, mask=dm, other=0.0)
+        dr = (1.0 - lam[:, None]) * g + c_w[:, None] * w[None, :] - c_r[:, None] * r
+        tl.store(dr_ptr + n[:, None] * D + d[None, :], dr.to(dr_ptr.dtype.element_ty), mask=m2)
+        _acc_row(dwp_ptr, pid, d, dm, rb, tl.sum(c_w[:, None] * r, axis=0), D)
+
+    @triton.jit
     def _p2_bwd(
         dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr, lam_ptr,
         dl_ptr, dwp_ptr, N, gn_ptr, dgp_ptr, neps,
         D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
         S: tl.constexpr, SP: tl.constexpr, DIRECT: tl.constexpr, NORM: tl.constexpr = False,
-        STAGES: tl.constexpr = None,
     ):  # fmt: skip
         """RB blocks of BN tokens per program; the query-gradient partial of the program's tokens goes to one row
         of dwp (accumulated there across the blocks: the program owns that row). DIRECT: the numerator is mixed
@@ -244,7 +281,7 @@ if HAS_TRITON:
         read's output is recomputed, the norm's backward gives the output gradient (rounded to the output dtype, as
         a stored gradient would be) and the gain-gradient partial of the program's tokens goes to one row of dgp."""
         pid = tl.program_id(0)
-        for rb in tl.range(0, RB, num_stages=STAGES):
+        for rb in tl.range(0, RB):
             if NORM and BD >= D:  # whole rows in registers: every operand loaded once
                 _p2_bwd_norm_rows(
                     dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr,
@@ -277,37 +314,23 @@ if HAS_TRITON:
         r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
         pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
         gn = tl.load(gn_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
-        h = (lam[:, None] * pn + (1.0 - lam[:, None]) * r).to(dt).to(tl.float32)
+        h = _h_tile(lam, pn, r, g_ptr)
         hinv = tl.rsqrt(tl.sum(h * h, axis=1) / D + neps)
         hk = hinv * hinv * hinv * tl.sum(dy * gn[None, :] * h, axis=1) / D
-        y = (h * hinv[:, None]).to(dt).to(tl.float32)
-        prev = tl.load(dgp_ptr + pid * D + d, mask=dm & (rb > 0), other=0.0)
-        tl.store(dgp_ptr + pid * D + d, prev + tl.sum(dy * y, axis=0), mask=dm)
-        g = (hinv[:, None] * gn[None, :] * dy - hk[:, None] * h).to(dt)
-        tl.store(g_ptr + n[:, None] * D + d[None, :], g, mask=m2)
-        g = g.to(tl.float32)
+        g = _norm_bwd_tile(dy, h, gn, hinv, hk, g_ptr, dgp_ptr, n, d, dm, m2, pid, rb, D)
         dl = tl.sum(g * (pn - r), axis=1)
         gl = dl * lam * (1.0 - lam)  # d lse; d score(r) = -gl
         tl.store(dl_ptr + n, gl, mask=nm)
         tl.store(lam_ptr + n, lam, mask=nm)
         if DIRECT:
             cols = tl.arange(0, SP)
-            dps = tl.zeros([BN, SP], dtype=tl.float32)
-            for i in tl.static_range(S):
-                v = tl.load(v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(
-                    tl.float32
-                )
-                dps = tl.where(cols[None, :] == i, dps + tl.sum(v * g, axis=1)[:, None], dps)
+            dps = _dps_tile(v_ptr, n, d, m2, N, g, tl.zeros([BN, SP], dtype=tl.float32), cols, D, S)
             dpm = nm[:, None] & (cols[None, :] < S)
             tl.store(dps_ptr + cols[None, :] * N + n[:, None], dps * lam[:, None], mask=dpm)
         ds = -gl
-        c_r = ds * s * inv * inv / D
-        c_w = ds * inv
-        w = tl.load(w_ptr + d, mask=dm, other=0.0)
-        dr = (1.0 - lam[:, None]) * g + c_w[:, None] * w[None, :] - c_r[:, None] * r
-        tl.store(dr_ptr + n[:, None] * D + d[None, :], dr.to(dr_ptr.dtype.element_ty), mask=m2)
-        prev = tl.load(dwp_ptr + pid * D + d, mask=dm & (rb > 0), other=0.0)
-        tl.store(dwp_ptr + pid * D + d, prev + tl.sum(c_w[:, None] * r, axis=0), mask=dm)
+        _dr_tile(
+            g, r, lam, ds * inv, ds * s * inv * inv / D, w_ptr, dr_ptr, dwp_ptr, n, d, dm, m2, pid, rb, D
+        )
 
     @triton.jit
     def _p2_bwd_rows(
@@ -332,7 +355,7 @@ if HAS_TRITON:
                 dy = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
                 r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
                 pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
-                h = (lam[:, None] * pn + (1.0 - lam[:, None]) * r).to(dt).to(tl.float32)
+                h = _h_tile(lam, pn, r, g_ptr)
                 gn = tl.load(gn_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
                 hs += tl.sum(h * h, axis=1)
                 hc += tl.sum(dy * gn[None, :] * h, axis=1)
@@ -359,19 +382,11 @@ if HAS_TRITON:
             else:
                 pn = tl.load(pn_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
             if NORM:  # g: dy here; the output gradient from the norm's backward, stored for phase 1 and below
-                h = (lam[:, None] * pn + (1.0 - lam[:, None]) * r).to(dt).to(tl.float32)
                 gn = tl.load(gn_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
-                y = (h * hinv[:, None]).to(dt).to(tl.float32)
-                prev = tl.load(dgp_ptr + pid * D + d, mask=dm & (rb > 0), other=0.0)
-                tl.store(dgp_ptr + pid * D + d, prev + tl.sum(g * y, axis=0), mask=dm)
-                g = (hinv[:, None] * gn[None, :] * g - hk[:, None] * h).to(dt)
-                tl.store(g_ptr + n[:, None] * D + d[None, :], g, mask=m2)
-                g = g.to(tl.float32)
+                h = _h_tile(lam, pn, r, g_ptr)
+                g = _norm_bwd_tile(g, h, gn, hinv, hk, g_ptr, dgp_ptr, n, d, dm, m2, pid, rb, D)
                 if DIRECT:  # the score gradients need the output gradient: a second pass over the sources
-                    for i in tl.static_range(S):
-                        v = tl.load(v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0)
-                        v = v.to(tl.float32)
-                        dps = tl.where(cols[None, :] == i, dps + tl.sum(v * g, axis=1)[:, None], dps)
+                    dps = _dps_tile(v_ptr, n, d, m2, N, g, dps, cols, D, S)
             dl += tl.sum(g * (pn - r), axis=1)
         gl = dl * lam * (1.0 - lam)  # d lse; d score(r) = -gl
         tl.store(dl_ptr + n, gl, mask=nm)
@@ -394,11 +409,7 @@ if HAS_TRITON:
                 g = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
                 tl.store(g_ptr + n[:, None] * D + d[None, :], g.to(dt), mask=m2)
             r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + d, mask=dm, other=0.0)
-            dr = (1.0 - lam[:, None]) * g + c_w[:, None] * w[None, :] - c_r[:, None] * r
-            tl.store(dr_ptr + n[:, None] * D + d[None, :], dr.to(dr_ptr.dtype.element_ty), mask=m2)
-            prev = tl.load(dwp_ptr + pid * D + d, mask=dm & (rb > 0), other=0.0)
-            tl.store(dwp_ptr + pid * D + d, prev + tl.sum(c_w[:, None] * r, axis=0), mask=dm)
+            _dr_tile(g, r, lam, c_w, c_r, w_ptr, dr_ptr, dwp_ptr, n, d, dm, m2, pid, rb, D)
 
     @triton.jit
     def _p1_bwd_coef(
