@@ -13,7 +13,7 @@
 # pdl: the engine GPU tests of programmatic dependent launch, the kernel tests with OPENK3_PDL=1, bench/diag_pdl.py
 # -> diag_pdl.json, and the engine A/B --compare-flags pdl -> e2e_pdl.json; attnres_ab: the medium training step
 # with AttnRes and with a plain residual, 5 paired rounds of one profiled step each: AttnRes's overhead in kernel
-# time -> bench.json; overlap: the engine GPU tests of EngineConfig.overlap and its A/B -> e2e_overlap.json).
+# time, also as a share of the decoder layers' own time (a plain model with half the layers) -> bench.json; overlap: the engine GPU tests of EngineConfig.overlap and its A/B -> e2e_overlap.json).
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
