@@ -177,10 +177,10 @@ def _decode_steps() -> dict:
 
 def _fusions(backends: dict) -> dict:
     """Cross-op fusions the model takes on this machine: the AttnRes read + the RMSNorm after it."""
-    import os
+    from openk3.model import fuse_read_norm_default
 
     be = backends.get("attnres", {}).get("chosen")
-    if os.environ.get("OPENK3_FUSE_READ_NORM", "1") == "0":
+    if not fuse_read_norm_default():
         rn = {"chosen": "separate", "why": "off (OPENK3_FUSE_READ_NORM=0)"}
     elif be != "triton":
         rn = {"chosen": "separate", "why": f"needs the triton AttnRes reader (attnres -> {be})"}

@@ -141,28 +141,31 @@ class DecoderLayer(nn.Module):
         running sum. ``fuse_read_norm``: each read and the RMSNorm after it through ``reader.read_normed`` (the
         norm then runs outside the gradient checkpoint: the checkpoint keeps the normed input instead)."""
         attn = lambda x: self.self_attn(x, cu_seqlens=cu_seqlens, cache=cache)  # x: normed
-        ffn = lambda x: self.ffn(x)
-        normed_attn = lambda h: attn(self.input_layernorm(h))
-        normed_ffn = lambda h: ffn(self.post_attention_layernorm(h))
-        ck = (lambda f: lambda t: _ckpt(f, t, use_reentrant=False)) if checkpoint and cache is None else None
-        wrap = ck or (lambda f: f)
+        ck = checkpoint and cache is None
+        wrap = (lambda f: lambda t: _ckpt(f, t, use_reentrant=False)) if ck else (lambda f: f)
+
+        def normed(f, norm, r, which=None):
+            """f(norm(h)) for h = r (``which`` None) or the AttnRes read at the site ``which`` of ``r``."""
+            if which is not None and fuse_read_norm:
+                return wrap(f)(reader.read_normed(*self.site(which), r, norm))
+            h = r if which is None else reader.read(*self.site(which), r)
+            return wrap(lambda t: f(norm(t)))(h)
+
         if not self.use_attn_res:
-            r = r + wrap(normed_attn)(r)
-            return r + wrap(normed_ffn)(r)
-        if not reader.num_sealed:
-            a = wrap(normed_attn)(r)
-        elif fuse_read_norm:
-            a = wrap(attn)(reader.read_normed(*self.site("self_attention"), r, self.input_layernorm))
-        else:
-            a = wrap(normed_attn)(reader.read(*self.site("self_attention"), r))
+            r = r + normed(attn, self.input_layernorm, r)
+            return r + normed(self.ffn, self.post_attention_layernorm, r)
+        a = normed(attn, self.input_layernorm, r, "self_attention" if reader.num_sealed else None)
         if self.seal:
             reader.seal(r, block_sites)
             r = a
         else:
             r = r + a
-        if fuse_read_norm:
-            return r + wrap(ffn)(reader.read_normed(*self.site("mlp"), r, self.post_attention_layernorm))
-        return r + wrap(normed_ffn)(reader.read(*self.site("mlp"), r))
+        return r + normed(self.ffn, self.post_attention_layernorm, r, "mlp")
+
+
+def fuse_read_norm_default() -> bool:
+    """``K3Model.fuse_read_norm``'s default: on unless ``OPENK3_FUSE_READ_NORM=0``."""
+    return os.environ.get("OPENK3_FUSE_READ_NORM", "1") != "0"
 
 
 class K3Model(nn.Module):
@@ -180,7 +183,7 @@ class K3Model(nn.Module):
         self.attnres_backend: str | None = None
         # AttnRes read + the RMSNorm after it in one kernel (forward and backward) where the reader fuses them (the
         # Triton reader); OPENK3_FUSE_READ_NORM=0 or False here: the read, then the norm module
-        self.fuse_read_norm: bool = os.environ.get("OPENK3_FUSE_READ_NORM", "1") != "0"
+        self.fuse_read_norm: bool = fuse_read_norm_default()
 
     def output_site(self) -> tuple[int, torch.Tensor, torch.Tensor]:
         return (

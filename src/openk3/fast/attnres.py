@@ -150,6 +150,25 @@ if HAS_TRITON:
             )
 
     @triton.jit
+    def _h_tile(lam, pn, r, ref_ptr):
+        """The read's output rows as they would be stored (rounded to ``ref_ptr``'s dtype, the output's), fp32."""
+        return (lam[:, None] * pn + (1.0 - lam[:, None]) * r).to(ref_ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _out_tile(
+        out_ptr, r_ptr, v_ptr, pp_ptr, pn_ptr, lam, n, d, m2, N,
+        D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, S: tl.constexpr, DIRECT: tl.constexpr,
+        STORED: tl.constexpr,
+    ):  # fmt: skip
+        """One tile of the read's output (fp32): loaded from ``out`` (STORED) or recomputed from its operands."""
+        if STORED:
+            h = tl.load(out_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        else:
+            r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            h = _h_tile(lam, _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT), r, out_ptr)
+        return h
+
+    @triton.jit
     def _p2_fwd(
         r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, lse_ptr, out_ptr, s_ptr, inv_ptr, N, eps, g_ptr, x_ptr, neps,
         D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, S: tl.constexpr, DIRECT: tl.constexpr,
@@ -188,34 +207,18 @@ if HAS_TRITON:
                 pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
                 o = lam[:, None] * pn + (1.0 - lam[:, None]) * r
                 tl.store(out_ptr + n[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=m2)
-        else:  # NORM from the output in registers: its mean of squares, then the normed rows
-            dt = x_ptr.dtype.element_ty
+        # the RMSNorm of the output rows: re-read as stored (other threads of this program wrote part of them), or
+        # without STORE_OUT recomputed in registers
+        if NORM:
+            if STORE_OUT:
+                tl.debug_barrier()
             hs = tl.zeros([BN], dtype=tl.float32)
             for d0 in tl.range(0, D, BD):
                 d = d0 + tl.arange(0, BD)
                 m2 = nm[:, None] & (d < D)[None, :]
-                r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-                pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
-                h = (lam[:, None] * pn + (1.0 - lam[:, None]) * r).to(dt).to(tl.float32)
-                hs += tl.sum(h * h, axis=1)
-            hinv = tl.rsqrt(hs / D + neps)
-            for d0 in tl.range(0, D, BD):
-                d = d0 + tl.arange(0, BD)
-                dm = d < D
-                m2 = nm[:, None] & dm[None, :]
-                r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-                pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
-                h = (lam[:, None] * pn + (1.0 - lam[:, None]) * r).to(dt).to(tl.float32)
-                y = (h * hinv[:, None]).to(dt).to(tl.float32)
-                g = tl.load(g_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
-                tl.store(x_ptr + n[:, None] * D + d[None, :], (g[None, :] * y).to(dt), mask=m2)
-        if NORM and STORE_OUT:  # the rows just stored (other threads of this program wrote part): norm them
-            tl.debug_barrier()
-            hs = tl.zeros([BN], dtype=tl.float32)
-            for d0 in tl.range(0, D, BD):
-                d = d0 + tl.arange(0, BD)
-                m2 = nm[:, None] & (d < D)[None, :]
-                h = tl.load(out_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+                h = _out_tile(
+                    out_ptr, r_ptr, v_ptr, pp_ptr, pn_ptr, lam, n, d, m2, N, D, BN, BD, S, DIRECT, STORE_OUT
+                )
                 hs += tl.sum(h * h, axis=1)
             hinv = tl.rsqrt(hs / D + neps)
             dt = x_ptr.dtype.element_ty
@@ -223,7 +226,9 @@ if HAS_TRITON:
                 d = d0 + tl.arange(0, BD)
                 dm = d < D
                 m2 = nm[:, None] & dm[None, :]
-                h = tl.load(out_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+                h = _out_tile(
+                    out_ptr, r_ptr, v_ptr, pp_ptr, pn_ptr, lam, n, d, m2, N, D, BN, BD, S, DIRECT, STORE_OUT
+                )
                 y = (h * hinv[:, None]).to(dt).to(tl.float32)
                 g = tl.load(g_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
                 tl.store(x_ptr + n[:, None] * D + d[None, :], (g[None, :] * y).to(dt), mask=m2)
@@ -233,11 +238,6 @@ if HAS_TRITON:
         """``ptr[pid, d] += val``: the program's own row of a per-program partial (its first block writes it)."""
         prev = tl.load(ptr + pid * D + d, mask=dm & (rb > 0), other=0.0)
         tl.store(ptr + pid * D + d, prev + val, mask=dm)
-
-    @triton.jit
-    def _h_tile(lam, pn, r, g_ptr):
-        """The read's output rows as they would be stored (rounded to the gradient buffer's dtype, the output's)."""
-        return (lam[:, None] * pn + (1.0 - lam[:, None]) * r).to(g_ptr.dtype.element_ty).to(tl.float32)
 
     @triton.jit
     def _norm_bwd_tile(dy, h, gn, hinv, hk, g_ptr, dgp_ptr, n, d, dm, m2, pid, rb, D: tl.constexpr):
@@ -353,9 +353,9 @@ if HAS_TRITON:
                 dm = d < D
                 m2 = nm[:, None] & dm[None, :]
                 dy = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-                r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-                pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
-                h = _h_tile(lam, pn, r, g_ptr)
+                h = _out_tile(
+                    g_ptr, r_ptr, v_ptr, pp_ptr, pn_ptr, lam, n, d, m2, N, D, BN, BD, S, DIRECT, False
+                )
                 gn = tl.load(gn_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
                 hs += tl.sum(h * h, axis=1)
                 hc += tl.sum(dy * gn[None, :] * h, axis=1)
