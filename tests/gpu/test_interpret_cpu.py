@@ -173,19 +173,20 @@ READ_NORMED_SCRIPT = textwrap.dedent(
 
     # read_normed with gradients: the fused read + RMSNorm (forward without the read's output, the norm's backward
     # inside phase 2's) against the reference read, then the reference norm; partials for every set, for none, mixed;
-    # 37 tokens (training tiles) and 3 (phase 1's few-token tile); whole-row and column-tiled backward; a second
-    # read of a site (unfused path)
+    # 37 tokens (training tiles) and 3 (phase 1's few-token tile); whole-row backward (one and two rows per block,
+    # several blocks per program) and column-tiled; a second read of a site (unfused path)
     worst = 0.0
     D, Q = 200, 4
     fused = []
     p2n = attnres._Phase2Normed.apply
     attnres._Phase2Normed.apply = lambda *a: fused.append(a[1]) or p2n(*a)
     row_tiles = dict(attnres.TILES)
-    for N, direct_max, looped in [(37, 0, False), (37, 3, False), (37, 2, False), (3, 3, False), (37, 2, True)]:
+    looped = dict(p2_bwd_norm=(2, 64, 4), p2_bwd_norm_direct=(1, 64, 4))  # rows wider than the column tile
+    rows2 = dict(p2_bwd_norm=(2, 256, 4), p2_bwd_norm_direct=(2, 256, 4))  # one pass, two rows per block
+    for N, direct_max, tiles in [(37, 0, {}), (37, 3, {}), (37, 2, {}), (3, 3, {}), (37, 2, looped), (37, 2, rows2)]:
         attnres.DIRECT_MAX = direct_max
         attnres.TILES.update(row_tiles)
-        if looped:  # rows wider than the column tile: the three-pass backward
-            attnres.TILES.update(p2_bwd_norm=(2, 64, 4), p2_bwd_norm_direct=(1, 64, 4))
+        attnres.TILES.update(tiles)
         blocks = [torch.randn(1, N, D) * (1 + i % 3) for i in range(3)]
         live = torch.randn(1, N, D) * 2
         qs = [torch.randn(1, D) * 0.3 for _ in range(3 * Q)]

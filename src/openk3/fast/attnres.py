@@ -240,15 +240,14 @@ if HAS_TRITON:
         tl.store(ptr + pid * D + d, prev + val, mask=dm)
 
     @triton.jit
-    def _norm_bwd_tile(dy, h, gn, hinv, hk, g_ptr, dgp_ptr, n, d, dm, m2, pid, rb, D: tl.constexpr):
-        """The RMSNorm's backward for one tile: the gain-gradient partial (into dgp), the output gradient (rounded
-        to the output dtype, stored into g and returned in fp32)."""
+    def _norm_bwd_tile(dy, h, gn, hinv, hk, g_ptr, n, d, m2, D: tl.constexpr):
+        """The RMSNorm's backward for one tile: (the output gradient, rounded to the output dtype and stored into g,
+        in fp32; the tile's gain-gradient partial, summed over its tokens)."""
         dt = g_ptr.dtype.element_ty
         y = (h * hinv[:, None]).to(dt).to(tl.float32)
-        _acc_row(dgp_ptr, pid, d, dm, rb, tl.sum(dy * y, axis=0), D)
         g = (hinv[:, None] * gn[None, :] * dy - hk[:, None] * h).to(dt)
         tl.store(g_ptr + n[:, None] * D + d[None, :], g, mask=m2)
-        return g.to(tl.float32)
+        return g.to(tl.float32), tl.sum(dy * y, axis=0)
 
     @triton.jit
     def _dps_tile(v_ptr, n, d, m2, N, g, dps, cols, D: tl.constexpr, S: tl.constexpr):
@@ -259,12 +258,11 @@ if HAS_TRITON:
         return dps
 
     @triton.jit
-    def _dr_tile(g, r, lam, c_w, c_r, w_ptr, dr_ptr, dwp_ptr, n, d, dm, m2, pid, rb, D: tl.constexpr):
-        """The live sum's gradient for one tile, and the query-gradient partial (into dwp)."""
-        w = tl.load(w_ptr + d, mask=dm, other=0.0)
+    def _dr_tile(g, r, lam, c_w, c_r, w, dr_ptr, n, d, m2, D: tl.constexpr):
+        """The live sum's gradient for one tile (stored); returns the tile's query-gradient partial."""
         dr = (1.0 - lam[:, None]) * g + c_w[:, None] * w[None, :] - c_r[:, None] * r
         tl.store(dr_ptr + n[:, None] * D + d[None, :], dr.to(dr_ptr.dtype.element_ty), mask=m2)
-        _acc_row(dwp_ptr, pid, d, dm, rb, tl.sum(c_w[:, None] * r, axis=0), D)
+        return tl.sum(c_w[:, None] * r, axis=0)
 
     @triton.jit
     def _p2_bwd(
@@ -281,56 +279,132 @@ if HAS_TRITON:
         read's output is recomputed, the norm's backward gives the output gradient (rounded to the output dtype, as
         a stored gradient would be) and the gain-gradient partial of the program's tokens goes to one row of dgp."""
         pid = tl.program_id(0)
-        for rb in tl.range(0, RB):
-            if NORM and BD >= D:  # whole rows in registers: every operand loaded once
-                _p2_bwd_norm_rows(
-                    dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr,
-                    lam_ptr, dl_ptr, dwp_ptr, N, pid, rb, gn_ptr, dgp_ptr, neps, D, BN, BD, RB, S, SP, DIRECT,
-                )  # fmt: skip
-            else:
+        # whole rows in registers, the next block's loads ahead
+        if NORM and BD >= D and (not DIRECT or S <= 3):
+            _p2_bwd_norm_rows(
+                dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr,
+                lam_ptr, dl_ptr, dwp_ptr, N, pid, gn_ptr, dgp_ptr, neps, D, BN, BD, RB, S, SP, DIRECT,
+            )  # fmt: skip
+        else:
+            for rb in tl.range(0, RB):
                 _p2_bwd_rows(
                     dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr,
                     lam_ptr, dl_ptr, dwp_ptr, N, pid, rb, gn_ptr, dgp_ptr, neps, D, BN, BD, RB, S, SP, DIRECT, NORM,
                 )  # fmt: skip
 
     @triton.jit
+    def _src_rows(v_ptr, pp_ptr, i: tl.constexpr, n, nm, d, m2, N, D: tl.constexpr, S: tl.constexpr):
+        """Source i's rows n (as stored) and their phase-1 weights (fp32); zeros for i >= S."""
+        if i < S:
+            p = tl.load(pp_ptr + i * N + n, mask=nm, other=0.0)
+            v = tl.load(v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0)
+        else:
+            p = tl.zeros(n.shape, dtype=tl.float32)
+            v = tl.zeros(m2.shape, dtype=v_ptr.dtype.element_ty)
+        return p, v
+
+    @triton.jit
+    def _row_sums2(a, b):
+        """Row sums of two [BN, BD] tiles in one reduction (one exchange between warps instead of two)."""
+        return tl.split(tl.sum(tl.join(a, b), axis=1))
+
+    @triton.jit
+    def _row_sums4(a, b, c, e):
+        """Row sums of four [BN, BD] tiles in one reduction."""
+        ab, ce = tl.split(tl.sum(tl.join(tl.join(a, b), tl.join(c, e)), axis=1))  # join adds the last dim
+        sa, sb = tl.split(ab)
+        sc, se = tl.split(ce)
+        return sa, sb, sc, se
+
+    @triton.jit
     def _p2_bwd_norm_rows(
         dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr, lam_ptr,
-        dl_ptr, dwp_ptr, N, pid, rb, gn_ptr, dgp_ptr, neps,
+        dl_ptr, dwp_ptr, N, pid, gn_ptr, dgp_ptr, neps,
         D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
         S: tl.constexpr, SP: tl.constexpr, DIRECT: tl.constexpr,
     ):  # fmt: skip
-        """``_p2_bwd_rows`` with NORM for rows that fit one tile (BD >= D): the same arithmetic, one pass."""
-        n = ((pid * RB + rb) * BN + tl.arange(0, BN)).to(tl.int64)
-        nm = n < N
+        """``_p2_bwd_rows`` with NORM for rows that fit one tile (BD >= D; DIRECT sets of at most 3 sources): the
+        same arithmetic in one pass. A block's row reductions are a dependent chain (the norm's statistics, then
+        the merge-weight and score gradients), so: every operand of the program's next block of rows is loaded
+        before this block's reductions, the independent row sums of each step share one reduction, and the gain-
+        and query-gradient partials are summed in registers over the program's blocks and stored once."""
         d = tl.arange(0, BD)
         dm = d < D
-        m2 = nm[:, None] & dm[None, :]
         dt = g_ptr.dtype.element_ty
+        dg_acc = tl.zeros([BD], dtype=tl.float32)
+        dw_acc = tl.zeros([BD], dtype=tl.float32)
+        n = (pid * RB * BN + tl.arange(0, BN)).to(tl.int64)
+        nm = n < N
+        m2 = nm[:, None] & dm[None, :]
+        # the first block's operands, as stored (converted where they are used)
         s = tl.load(s_ptr + n, mask=nm, other=0.0)
         inv = tl.load(inv_ptr + n, mask=nm, other=0.0)
-        lam = tl.sigmoid(tl.load(lse_ptr + n, mask=nm, other=0.0) - s)
-        dy = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
-        gn = tl.load(gn_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
-        h = _h_tile(lam, pn, r, g_ptr)
-        hinv = tl.rsqrt(tl.sum(h * h, axis=1) / D + neps)
-        hk = hinv * hinv * hinv * tl.sum(dy * gn[None, :] * h, axis=1) / D
-        g = _norm_bwd_tile(dy, h, gn, hinv, hk, g_ptr, dgp_ptr, n, d, dm, m2, pid, rb, D)
-        dl = tl.sum(g * (pn - r), axis=1)
-        gl = dl * lam * (1.0 - lam)  # d lse; d score(r) = -gl
-        tl.store(dl_ptr + n, gl, mask=nm)
-        tl.store(lam_ptr + n, lam, mask=nm)
+        lse = tl.load(lse_ptr + n, mask=nm, other=0.0)
+        dy = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0)
+        r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0)
         if DIRECT:
-            cols = tl.arange(0, SP)
-            dps = _dps_tile(v_ptr, n, d, m2, N, g, tl.zeros([BN, SP], dtype=tl.float32), cols, D, S)
-            dpm = nm[:, None] & (cols[None, :] < S)
-            tl.store(dps_ptr + cols[None, :] * N + n[:, None], dps * lam[:, None], mask=dpm)
-        ds = -gl
-        _dr_tile(
-            g, r, lam, ds * inv, ds * s * inv * inv / D, w_ptr, dr_ptr, dwp_ptr, n, d, dm, m2, pid, rb, D
-        )
+            p0, v0 = _src_rows(v_ptr, pp_ptr, 0, n, nm, d, m2, N, D, S)
+            p1, v1 = _src_rows(v_ptr, pp_ptr, 1, n, nm, d, m2, N, D, S)
+            p2, v2 = _src_rows(v_ptr, pp_ptr, 2, n, nm, d, m2, N, D, S)
+        else:
+            pn = tl.load(pn_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0)
+        for rb in tl.range(0, RB):
+            # the next block's loads (masked off after the program's last block)
+            n1 = n + BN
+            nm1 = (n1 < N) & (rb + 1 < RB)
+            m21 = nm1[:, None] & dm[None, :]
+            s1 = tl.load(s_ptr + n1, mask=nm1, other=0.0)
+            inv1 = tl.load(inv_ptr + n1, mask=nm1, other=0.0)
+            lse1 = tl.load(lse_ptr + n1, mask=nm1, other=0.0)
+            dy1 = tl.load(dout_ptr + n1[:, None] * D + d[None, :], mask=m21, other=0.0)
+            r1 = tl.load(r_ptr + n1[:, None] * D + d[None, :], mask=m21, other=0.0)
+            if DIRECT:
+                q0, u0 = _src_rows(v_ptr, pp_ptr, 0, n1, nm1, d, m21, N, D, S)
+                q1, u1 = _src_rows(v_ptr, pp_ptr, 1, n1, nm1, d, m21, N, D, S)
+                q2, u2 = _src_rows(v_ptr, pp_ptr, 2, n1, nm1, d, m21, N, D, S)
+                # the numerator in the order _pn_tile sums it (fp32, sources in order)
+                pnf = p0[:, None] * v0.to(tl.float32)
+                if S > 1:
+                    pnf += p1[:, None] * v1.to(tl.float32)
+                if S > 2:
+                    pnf += p2[:, None] * v2.to(tl.float32)
+            else:
+                pn1 = tl.load(pn_ptr + n1[:, None] * D + d[None, :], mask=m21, other=0.0)
+                pnf = pn.to(tl.float32)
+            dyf = dy.to(tl.float32)
+            rf = r.to(tl.float32)
+            lam = tl.sigmoid(lse - s)
+            h = _h_tile(lam, pnf, rf, g_ptr)
+            gn = tl.load(gn_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)  # from L1 (fewer registers)
+            hs, hc = _row_sums2(h * h, dyf * gn[None, :] * h)
+            hinv = tl.rsqrt(hs / D + neps)
+            hk = hinv * hinv * hinv * hc / D
+            g, dg = _norm_bwd_tile(dyf, h, gn, hinv, hk, g_ptr, n, d, m2, D)
+            dg_acc += dg
+            if DIRECT:  # the merge-weight gradient and the score gradients v_i . g in one reduction
+                dl, c0, c1, c2 = _row_sums4(g * (pnf - rf), v0.to(tl.float32) * g, v1.to(tl.float32) * g,
+                                            v2.to(tl.float32) * g)  # fmt: skip
+                cols = tl.arange(0, SP)
+                dps = tl.where(
+                    cols[None, :] == 0, c0[:, None], tl.where(cols[None, :] == 1, c1[:, None], c2[:, None])
+                )
+                dpm = nm[:, None] & (cols[None, :] < S)
+                tl.store(dps_ptr + cols[None, :] * N + n[:, None], dps * lam[:, None], mask=dpm)
+            else:
+                dl = tl.sum(g * (pnf - rf), axis=1)
+            gl = dl * lam * (1.0 - lam)  # d lse; d score(r) = -gl
+            tl.store(dl_ptr + n, gl, mask=nm)
+            tl.store(lam_ptr + n, lam, mask=nm)
+            ds = -gl
+            w = tl.load(w_ptr + d, mask=dm, other=0.0)
+            dw_acc += _dr_tile(g, rf, lam, ds * inv, ds * s * inv * inv / D, w, dr_ptr, n, d, m2, D)
+            n, nm, m2, s, inv, lse, dy, r = n1, nm1, m21, s1, inv1, lse1, dy1, r1
+            if DIRECT:
+                p0, v0, p1, v1, p2, v2 = q0, u0, q1, u1, q2, u2
+            else:
+                pn = pn1
+        tl.store(dgp_ptr + pid * D + d, dg_acc, mask=dm)
+        tl.store(dwp_ptr + pid * D + d, dw_acc, mask=dm)
 
     @triton.jit
     def _p2_bwd_rows(
@@ -384,7 +458,8 @@ if HAS_TRITON:
             if NORM:  # g: dy here; the output gradient from the norm's backward, stored for phase 1 and below
                 gn = tl.load(gn_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
                 h = _h_tile(lam, pn, r, g_ptr)
-                g = _norm_bwd_tile(g, h, gn, hinv, hk, g_ptr, dgp_ptr, n, d, dm, m2, pid, rb, D)
+                g, dg = _norm_bwd_tile(g, h, gn, hinv, hk, g_ptr, n, d, m2, D)
+                _acc_row(dgp_ptr, pid, d, dm, rb, dg, D)
                 if DIRECT:  # the score gradients need the output gradient: a second pass over the sources
                     dps = _dps_tile(v_ptr, n, d, m2, N, g, dps, cols, D, S)
             dl += tl.sum(g * (pn - r), axis=1)
@@ -409,7 +484,8 @@ if HAS_TRITON:
                 g = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
                 tl.store(g_ptr + n[:, None] * D + d[None, :], g.to(dt), mask=m2)
             r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-            _dr_tile(g, r, lam, c_w, c_r, w_ptr, dr_ptr, dwp_ptr, n, d, dm, m2, pid, rb, D)
+            w = tl.load(w_ptr + d, mask=dm, other=0.0)
+            _acc_row(dwp_ptr, pid, d, dm, rb, _dr_tile(g, r, lam, c_w, c_r, w, dr_ptr, n, d, m2, D), D)
 
     @triton.jit
     def _p1_bwd_coef(
@@ -544,6 +620,36 @@ def _parse_tiles(spec: str) -> None:
 
 
 _parse_tiles(os.environ.get("OPENK3_ATTNRES_TILES", ""))
+
+# register cap per thread (ptxas maxnreg) of a kernel's launch, by TILES name, optionally for one source count
+# ("name.S3"); 0 or absent: the compiler's choice. The one-pass normed backward loads the next block of rows ahead,
+# which takes it past 64 registers at 16 warps (sm_90) and so from two programs per SM to one; at 64 it keeps two
+# (stored partials: no spills; direct with 2 sources: 16 bytes spilled, 0.184 against 0.227 ms per read at N=16384
+# D=2048; with 3 sources the cap spills more and is slower, 0.266 against 0.225: bench/NOTES.md v11).
+# OPENK3_ATTNRES_MAXNREG="p2_bwd_norm=0,p2_bwd_norm_direct.S3=64,..." overrides
+MAXNREG = {"p2_bwd_norm": 64, "p2_bwd_norm_direct": 64, "p2_bwd_norm_direct.S3": 0}
+
+
+def _parse_maxnreg(spec: str) -> None:
+    for item in filter(None, (t.strip() for t in spec.split(","))):
+        name, _, val = item.partition("=")
+        base, _, srcs = name.partition(".S")
+        if base not in TILES or (srcs and not srcs.isdigit()):
+            raise ValueError(
+                f"OPENK3_ATTNRES_MAXNREG: unknown kernel {name!r}; expected one of {sorted(TILES)}, "
+                "optionally with .S<sources>"
+            )
+        MAXNREG[name] = int(val)
+
+
+_parse_maxnreg(os.environ.get("OPENK3_ATTNRES_MAXNREG", ""))
+
+
+def _regs(name: str, S: int) -> dict:
+    """The launch option capping the registers of kernel ``name`` for ``S`` sources (none under the
+    interpreter)."""
+    n = MAXNREG.get(f"{name}.S{S}", MAXNREG.get(name, 0))
+    return {"maxnreg": n} if n and not INTERPRET else {}
 
 
 class _Block:
@@ -725,6 +831,12 @@ def _p2_operands(block: _Block, qi: int):
     return pn, pn, pn
 
 
+def _nsrc(block: _Block) -> int:
+    """Phase 2's source count constant: the sources it mixes (direct mode), else 1 (it reads the partials; a
+    token-count-sized constant would compile the kernels anew for every N)."""
+    return block.V.shape[0] if block.direct else 1
+
+
 def _p2_forward(
     block: _Block, qi: int, rf: torch.Tensor, w: torch.Tensor, lse: torch.Tensor, norm=None, store_out=True
 ):
@@ -743,7 +855,7 @@ def _p2_forward(
     pdl = pdl_on(rf) and not torch.is_grad_enabled()
     _p2_fwd[(triton.cdiv(N, bn),)](
         rf, w, pn, V, pp, lse, x if out is None else out, s, inv, N, block.eps, g, x, neps,
-        D=D, BN=bn, BD=bd, S=V.shape[0], DIRECT=block.direct, NORM=norm is not None, PDL=pdl,
+        D=D, BN=bn, BD=bd, S=_nsrc(block), DIRECT=block.direct, NORM=norm is not None, PDL=pdl,
         STORE_OUT=out is not None, num_warps=nw, **pdl_launch(pdl),
     )  # fmt: skip
     return out, s, inv, (x if norm is not None else None)
@@ -803,7 +915,8 @@ def _p2_backward(block, qi, dout, r, w, lse_all, s, inv, norm=None):
     dps = block.dps[qi] if block.direct else pp
     dr = torch.empty_like(rf)
     dlse = torch.zeros_like(lse_all)
-    bn, bd, nw = TILES["p2_bwd" + ("_norm" if norm is not None else "") + ("_direct" if block.direct else "")]
+    kname = "p2_bwd" + ("_norm" if norm is not None else "") + ("_direct" if block.direct else "")
+    bn, bd, nw = TILES[kname]
     bd = min(bd, _pow2(D, 16))
     rb = max(1, 16 // bn)  # at least 16 tokens per query-gradient partial
     nprog = triton.cdiv(N, bn * rb)
@@ -813,8 +926,8 @@ def _p2_backward(block, qi, dout, r, w, lse_all, s, inv, norm=None):
     _p2_bwd[(nprog,)](
         dout.contiguous().view(-1, D), rf, w, pn, V, pp, dps, lse_all[qi], s, inv, dr, block.g[qi],
         block.lam[qi], dlse[qi], dwp, N, gain, dgp, float(neps),
-        D=D, BN=bn, BD=bd, RB=rb, S=V.shape[0], SP=_pow2(V.shape[0]), DIRECT=block.direct,
-        NORM=norm is not None, num_warps=nw,
+        D=D, BN=bn, BD=bd, RB=rb, S=_nsrc(block), SP=_pow2(_nsrc(block)), DIRECT=block.direct,
+        NORM=norm is not None, num_warps=nw, **_regs(kname, _nsrc(block)),
     )  # fmt: skip
     block.written.add(qi)
     return dr.view_as(r), dwp.sum(0), dlse, (dgp.sum(0) if norm is not None else None)
