@@ -4,12 +4,15 @@ implementation loaded from a file (to compare versions in one process). Stored p
 ``DIRECT_MAX`` sources) and direct mode (fewer sources) are timed separately.
 
     python bench/diag_attnres_normed.py [--N 16384 --D 2048 --Q 4] [--other path/to/attnres.py]
-                                        [--maxnreg "64;0"] [--out diag.json]
+                                        [--maxnreg "default;0"] [--direct-max 2] [--dot tf32x3]
+                                        [--rows 64] [--out diag.json]
 
 ``--maxnreg``: semicolon-separated register caps for the normed backward (0: the compiler's choice; default: the
 reader's MAXNREG table), each timed as one variant of the current reader. ``--direct-max``: DIRECT_MAX values (sets
-of at most that many sources keep no partials), each one variant. Column ``all``: every kernel of the walk (phase 1,
-its backward and the glue included) per read.
+of at most that many sources keep no partials), ``--dot``: the source-gradient kernel's dot precisions (ieee,
+tf32x3), ``--rows``: tokens per program of the one-pass normed backward; each value one variant. Column ``all``:
+every kernel of the walk (phase 1, its backward and the glue included) per read; ``p1_dv``: the source-gradient
+kernel of the walk's one sealed set.
 """
 
 import argparse
@@ -60,6 +63,10 @@ def main():
     ap.add_argument(
         "--direct-max", default="", help="comma-separated DIRECT_MAX values, each timed once (current reader)"
     )
+    ap.add_argument("--dot", default="", help="comma-separated source-gradient dot precisions (ieee, tf32x3)")
+    ap.add_argument(
+        "--rows", default="", help="comma-separated tokens per program of the one-pass normed backward"
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     N, D, Q = a.N, a.D, a.Q
@@ -87,13 +94,18 @@ def main():
         outs = [rd.read_normed(j, qs[j], nws[j], lives[j], norms[j]) for j in range(Q)]
         torch.autograd.backward(outs, douts)
 
+    # (name, module, {module attribute: value} set for the variant, register cap for every MAXNREG entry or None)
     variants = []
     for cap in (x for x in a.maxnreg.split(";") if x != ""):
-        variants.append((f"current, maxnreg {cap if cap != '0' else 'none'}", attnres, cap, None))
+        variants.append((f"current, maxnreg {cap if cap != '0' else 'none'}", attnres, {}, cap))
     for dm in (int(x) for x in a.direct_max.split(",") if x != ""):
-        variants.append((f"current, DIRECT_MAX {dm}", attnres, "default", dm))
+        variants.append((f"current, DIRECT_MAX {dm}", attnres, {"DIRECT_MAX": dm}, None))
+    for dot in (x for x in a.dot.split(",") if x != ""):
+        variants.append((f"current, dot {dot}", attnres, {"DV_DOT": dot}, None))
+    for rows in (int(x) for x in a.rows.split(",") if x != ""):
+        variants.append((f"current, rows {rows}", attnres, {"P2_NORM_ROWS": rows}, None))
     if a.other:
-        variants.append((f"other ({os.path.basename(a.other)})", _load(a.other), "default", None))
+        variants.append((f"other ({os.path.basename(a.other)})", _load(a.other), {}, None))
     # bytes phase 2's normed backward moves per element at least: dy, r (bf16), the numerator's operands (fp32
     # partials, or S bf16 sources), g and dr written (bf16)
     copy_tbs = None
@@ -111,32 +123,35 @@ def main():
     del x, y
     rows = []
     print(f"read_normed N{N} D{D} Q{Q} bf16, kernel ms per read (profiler); copy {copy_tbs:.2f} TB/s")
-    print(
-        f"{'variant':34s} {'mode':14s} {'p2_fwd':>8s} {'p2_bwd':>8s} {'floor':>7s} {'TB/s':>6s} {'all':>7s}"
-    )
-    for name, mod, cap, dmax in variants:
+    head = f"{'variant':34s} {'mode':6s} {'p2_fwd':>8s} {'p2_bwd':>8s} {'floor':>7s} {'TB/s':>6s} {'all':>7s}"
+    print(head + f" {'p1_dv':>7s}")
+    for name, mod, attrs, cap in variants:
         saved = dict(getattr(mod, "MAXNREG", {}))
-        saved_dm = mod.DIRECT_MAX
-        if cap != "default":
+        saved_attrs = {k: getattr(mod, k) for k in attrs}
+        if cap not in (None, "default"):
             for k in list(mod.MAXNREG):
                 mod.MAXNREG[k] = int(cap)
-        if dmax is not None:
-            mod.DIRECT_MAX = dmax
+        for k, v in attrs.items():
+            setattr(mod, k, v)
         for mode, S in (("S=6", 6), ("S=3", 3), ("S=2", 2)):
             kt = kernel_times(lambda mod=mod, S=S: walk(mod, S), a.reps)
             fwd = sum(v for k, v in kt.items() if k.startswith("_p2_fwd")) / Q
             bwd = sum(v for k, v in kt.items() if k.startswith("_p2_bwd")) / Q
+            dv = sum(v for k, v in kt.items() if k.startswith("_p1_bwd_dv"))  # per walk (one sealed set)
             allk = sum(kt.values()) / Q  # every kernel of the walk (phase 1 included), per read
             nbytes = N * D * (2 + 2 + (4 if S > mod.DIRECT_MAX else 2 * S) + 2 + 2)
             floor = nbytes / (copy_tbs * 1e12) * 1e3
             row = dict(variant=name, mode=mode, p2_fwd_ms=fwd, p2_bwd_ms=bwd, floor_ms=floor,
-                       tbs=nbytes / (bwd / 1e3) / 1e12, all_ms=allk)  # fmt: skip
+                       tbs=nbytes / (bwd / 1e3) / 1e12 if bwd else float("nan"), all_ms=allk, p1_bwd_dv_ms=dv)  # fmt: skip
             rows.append(row)
-            print(f"{name:34s} {mode:14s} {fwd:8.3f} {bwd:8.3f} {floor:7.3f} {row['tbs']:6.2f} {allk:7.3f}")
+            print(
+                f"{name:34s} {mode:6s} {fwd:8.3f} {bwd:8.3f} {floor:7.3f} {row['tbs']:6.2f} {allk:7.3f} {dv:7.3f}"
+            )
         if hasattr(mod, "MAXNREG"):
             mod.MAXNREG.clear()
             mod.MAXNREG.update(saved)
-        mod.DIRECT_MAX = saved_dm
+        for k, v in saved_attrs.items():
+            setattr(mod, k, v)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(N=N, D=D, Q=Q, copy_tbs=copy_tbs, rows=rows), f, indent=1)

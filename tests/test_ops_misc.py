@@ -357,3 +357,46 @@ def test_pdl_switch():
         pass
     assert TR.PDL["on"] == before
     assert TR.pdl_launch(True) == {"launch_pdl": True} and TR.pdl_launch(False) == {}
+
+
+def test_attnres_kernel_knobs_reject_bad_values(monkeypatch):
+    """The AttnRes kernels' environment knobs: bad names or values raise a ValueError naming the variable at import
+    (never a crash inside a launch); good ones land in the tables; register caps by source count fall back to the
+    kernel's entry; no cap under the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    from openk3.fast import attnres as A
+
+    for spec in ("nope=1x2x3", "p2_bwd=1x2048", "p2_bwd=0x64x4", "p2_bwd=axbxc"):
+        with pytest.raises(ValueError, match="OPENK3_ATTNRES_TILES"):
+            A._parse_tiles(spec)
+    for spec in ("nope=64", "p2_bwd_norm.Sx=64", "p2_bwd_norm=-1", "p2_bwd_norm=many"):
+        with pytest.raises(ValueError, match="OPENK3_ATTNRES_MAXNREG"):
+            A._parse_maxnreg(spec)
+    monkeypatch.setattr(A, "TILES", dict(A.TILES))
+    monkeypatch.setattr(A, "MAXNREG", {})
+    monkeypatch.setattr(A, "INTERPRET", False)
+    A._parse_tiles(" p2_bwd=4x512x4 ,")
+    assert A.TILES["p2_bwd"] == (4, 512, 4)
+    A._parse_maxnreg("p2_bwd_norm=64,p2_bwd_norm.S3=0")
+    assert A._regs("p2_bwd_norm", 2) == {"maxnreg": 64} and A._regs("p2_bwd_norm", 3) == {}
+    assert A._regs("p2_fwd", 2) == {}
+    monkeypatch.setattr(A, "INTERPRET", True)
+    assert A._regs("p2_bwd_norm", 2) == {}
+    for var, val in [
+        ("OPENK3_ATTNRES_DOT", "fp64"),
+        ("OPENK3_ATTNRES_P2_ROWS", "0"),
+        ("OPENK3_ATTNRES_DIRECT_MAX", "three"),
+        ("OPENK3_ATTNRES_MAXNREG", "p2_bwd_norm=lots"),
+    ]:
+        env = {**os.environ, var: val}
+        res = subprocess.run(
+            [sys.executable, "-c", "import openk3.fast.attnres"], env=env, capture_output=True, text=True
+        )
+        assert res.returncode != 0 and var in res.stderr and "ValueError" in res.stderr, (
+            var,
+            res.stderr[-300:],
+        )

@@ -183,8 +183,11 @@ READ_NORMED_SCRIPT = textwrap.dedent(
     row_tiles = dict(attnres.TILES)
     looped = dict(p2_bwd_norm=(2, 64, 4), p2_bwd_norm_direct=(1, 64, 4))  # rows wider than the column tile
     rows2 = dict(p2_bwd_norm=(2, 256, 4), p2_bwd_norm_direct=(2, 256, 4))  # one pass, two rows per block
-    for N, direct_max, tiles in [(37, 0, {}), (37, 3, {}), (37, 2, {}), (3, 3, {}), (37, 2, looped), (37, 2, rows2)]:
+    cases = [(37, 0, {}, 16), (37, 3, {}, 16), (37, 2, {}, 16), (3, 3, {}, 16), (37, 2, looped, 16),
+             (37, 2, rows2, 16), (37, 0, {}, 5), (37, 3, {}, 5)]  # fmt: skip
+    for N, direct_max, tiles, rows in cases:  # rows: tokens per program of the one-pass backward
         attnres.DIRECT_MAX = direct_max
+        attnres.P2_NORM_ROWS = rows
         attnres.TILES.update(row_tiles)
         attnres.TILES.update(tiles)
         blocks = [torch.randn(1, N, D) * (1 + i % 3) for i in range(3)]
@@ -215,6 +218,7 @@ READ_NORMED_SCRIPT = textwrap.dedent(
         worst = max([worst] + [rel(a, b) for a, b in zip(*res)])
     attnres._Phase2Normed.apply = p2n
     attnres.TILES.update(row_tiles)
+    attnres.P2_NORM_ROWS = 16
 
     # the tiny model (8 layers, AttnRes blocks of 3): loss and every parameter gradient with the Triton reader, read
     # and norm fused (the default) and not, against the reference reader; with gradient checkpointing too

@@ -44,8 +44,25 @@ PARTIAL_DTYPE = torch.float32
 # (the same fp32 sum) and writes phase 1's score gradients in its backward, which drops the mix kernel, the
 # [Q, N, D] partials and the source pass of phase 1's coefficient kernel. Per read that costs 2*S bytes of sources
 # per element instead of 4 of fp32 partials (OPENK3_ATTNRES_DIRECT_MAX; 0 stores partials for every set).
-DIRECT_MAX = int(os.environ.get("OPENK3_ATTNRES_DIRECT_MAX", "3"))
+_dmax = os.environ.get("OPENK3_ATTNRES_DIRECT_MAX", "3")
+if not _dmax.isdigit():
+    raise ValueError(
+        f"OPENK3_ATTNRES_DIRECT_MAX={_dmax!r}: expected a source count (0: partials for every set)"
+    )
+DIRECT_MAX = int(_dmax)
 NBG = 16  # token blocks per program in the source-gradient kernel (query gradients are reduced over these groups)
+# the source-gradient kernel's two small fp32 dots ([tokens, sites] x [sites, columns] and its transpose): "ieee"
+# (fp32 FMAs) or "tf32x3" (tensor cores, three TF32 products per fp32 product: about fp32's rounding error)
+# (OPENK3_ATTNRES_DOT)
+DV_DOT = os.environ.get("OPENK3_ATTNRES_DOT", "ieee")
+if DV_DOT not in ("ieee", "tf32x3"):
+    raise ValueError(f"OPENK3_ATTNRES_DOT={DV_DOT!r}: expected 'ieee' or 'tf32x3'")
+# tokens per program of the one-pass normed phase-2 backward (its gain- and query-gradient partials are summed over
+# them in registers; fewer programs, fewer partial rows to reduce afterwards) (OPENK3_ATTNRES_P2_ROWS)
+_rows = os.environ.get("OPENK3_ATTNRES_P2_ROWS", "16")
+if not _rows.isdigit() or int(_rows) < 1:
+    raise ValueError(f"OPENK3_ATTNRES_P2_ROWS={_rows!r}: expected a positive token count")
+P2_NORM_ROWS = int(_rows)
 # Phase 1 of at most FEW_TOKENS tokens (a decode step) scores them in one [tokens, columns] tile of at most
 # FEW_TILE_VALUES values per source: with the training tile (32 x 64) a batch-1 seal walked a 2048-wide row in 32
 # dependent steps (21.5 us per seal on an H200, 4 seals per `medium` step).
@@ -535,7 +552,7 @@ if HAS_TRITON:
     def _p1_bwd_dv(
         v_ptr, w_ptr, g_ptr, lam_ptr, pc_ptr, dc_ptr, ac_ptr, inv_ptr, dv_ptr, dwp_ptr, N,
         S: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr,
-        BN: tl.constexpr, BD: tl.constexpr, NB: tl.constexpr,
+        BN: tl.constexpr, BD: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr = "ieee",
     ):  # fmt: skip
         """Gradient of source i over NB token tiles x BD columns (grid [S, groups, D/BD], sources fastest so the S
         programs of a tile share the site gradients in L2):
@@ -559,7 +576,7 @@ if HAS_TRITON:
             off = qs[None, :] * S * N + i * N + n[:, None]  # [BN, QP]
             dc = tl.load(dc_ptr + off, mask=cm, other=0.0)
             asum = tl.sum(tl.load(ac_ptr + off, mask=cm, other=0.0), axis=1)
-            acc = tl.dot(dc, wt, input_precision="ieee")  # [BN, BD]
+            acc = tl.dot(dc, wt, input_precision=PREC)  # [BN, BD]
             for q in tl.static_range(Q):  # unrolled: the Q tile loads are issued together
                 lam = tl.load(lam_ptr + q * N + n, mask=nm, other=0.0)
                 pcq = tl.load(pc_ptr + q * S * N + i * N + n, mask=nm, other=0.0)
@@ -569,7 +586,7 @@ if HAS_TRITON:
             tl.store(
                 dv_ptr + i * N * D + n[:, None] * D + d[None, :], acc.to(dv_ptr.dtype.element_ty), mask=m2
             )
-            dw += tl.dot(tl.trans(dc), v, input_precision="ieee")
+            dw += tl.dot(tl.trans(dc), v, input_precision=PREC)
         tl.store(
             dwp_ptr + (grp * S + i) * QP * D + qs[:, None] * D + d[None, :],
             dw,
@@ -615,8 +632,12 @@ def _parse_tiles(spec: str) -> None:
             raise ValueError(
                 f"OPENK3_ATTNRES_TILES: unknown kernel {name!r}; expected one of {sorted(TILES)}"
             )
-        bn, bd, nw = (int(x) for x in val.split("x"))
-        TILES[name] = (bn, bd, nw)
+        parts = val.split("x")
+        if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise ValueError(
+                f"OPENK3_ATTNRES_TILES: {item!r}: expected name=TOKENSxCOLUMNSxWARPS (positive integers)"
+            )
+        TILES[name] = tuple(int(x) for x in parts)
 
 
 _parse_tiles(os.environ.get("OPENK3_ATTNRES_TILES", ""))
@@ -639,6 +660,8 @@ def _parse_maxnreg(spec: str) -> None:
                 f"OPENK3_ATTNRES_MAXNREG: unknown kernel {name!r}; expected one of {sorted(TILES)}, "
                 "optionally with .S<sources>"
             )
+        if not val.isdigit():
+            raise ValueError(f"OPENK3_ATTNRES_MAXNREG: {item!r}: expected name=REGISTERS (0: no cap)")
         MAXNREG[name] = int(val)
 
 
@@ -815,7 +838,7 @@ class _Phase1(torch.autograd.Function):
         dwp = torch.empty(G, S, QP16, D, dtype=torch.float32, device=V.device)
         _p1_bwd_dv[(S, G, triton.cdiv(D, bd))](
             V, W, block.g, block.lam, pc, dc, ac, inv, dv, dwp, N,
-            S=S, Q=Q, QP=QP16, D=D, BN=bn, BD=bd, NB=NBG, num_warps=nw,
+            S=S, Q=Q, QP=QP16, D=D, BN=bn, BD=bd, NB=NBG, PREC=DV_DOT, num_warps=nw,
         )  # fmt: skip
         block.g = block.lam = block.dps = None
         block.written = set()
@@ -918,7 +941,8 @@ def _p2_backward(block, qi, dout, r, w, lse_all, s, inv, norm=None):
     kname = "p2_bwd" + ("_norm" if norm is not None else "") + ("_direct" if block.direct else "")
     bn, bd, nw = TILES[kname]
     bd = min(bd, _pow2(D, 16))
-    rb = max(1, 16 // bn)  # at least 16 tokens per query-gradient partial
+    one_pass = norm is not None and bd >= D and (not block.direct or _nsrc(block) <= 3)  # as _p2_bwd decides
+    rb = max(1, (P2_NORM_ROWS if one_pass else 16) // bn)  # at least 16 tokens per query-gradient partial
     nprog = triton.cdiv(N, bn * rb)
     dwp = torch.empty(nprog, D, dtype=torch.float32, device=r.device)
     gain, neps = norm if norm is not None else (w, 0.0)
