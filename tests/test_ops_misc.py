@@ -309,9 +309,20 @@ def test_env_command_reports_every_op_and_decode_step(capsys):
     assert want in info["decode_steps"]["moe"]["why"]
     rn = info["fusions"]["readnorm"]
     assert rn["chosen"] == ("fused" if info["backends"]["attnres"]["chosen"] == "triton" else "separate")
+    ak = info["attnres_kernels"]
+    if ak is not None:
+        from openk3.fast import attnres
+
+        assert (ak["direct_max"], ak["dot"], ak["p2_rows"]) == (
+            attnres.DIRECT_MAX,
+            attnres.DV_DOT,
+            attnres.P2_NORM_ROWS,
+        )
+        assert ak["maxnreg"] == attnres.MAXNREG and set(ak["tiles"]) == set(attnres.TILES)
     assert main(["env"]) == 0
     text = capsys.readouterr().out
     assert "inference decode steps" in text and "op backends" in text
+    assert ak is None or f"direct_max {ak['direct_max']}" in text
 
 
 def test_expert_gate_up_halves_stay_adjacent():

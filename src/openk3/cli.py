@@ -111,11 +111,12 @@ def cmd_env(args) -> int:
     info["backends"] = backend.describe(torch.cuda.is_available())
     info["decode_steps"] = _decode_steps()
     info["fusions"] = _fusions(info["backends"])
+    info["attnres_kernels"] = _attnres_knobs()
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     for k, v in info.items():
-        if k not in ("backends", "decode_steps", "fusions"):
+        if k not in ("backends", "decode_steps", "fusions", "attnres_kernels"):
             print(f"{k:14s} {v if v is not None else '-'}")
     print("op backends (chosen for this machine; OPENK3_BACKEND_<OP>=name overrides):")
     for op, d in info["backends"].items():
@@ -130,7 +131,29 @@ def cmd_env(args) -> int:
     print("fusions (training and prefill):")
     for op, d in info["fusions"].items():
         print(f"  {op:8s} -> {d['chosen']:12s} ({d['why']})")
+    ak = info["attnres_kernels"]
+    if ak is not None:
+        caps = ", ".join(f"{k}={v}" for k, v in ak["maxnreg"].items()) or "none"
+        print(
+            f"attnres kernels (OPENK3_ATTNRES_*): direct_max {ak['direct_max']}, dot {ak['dot']}, "
+            f"p2_rows {ak['p2_rows']}, maxnreg {caps}"
+        )
     return 0
+
+
+def _attnres_knobs() -> dict | None:
+    """The Triton AttnRes reader's settings (from OPENK3_ATTNRES_* at import), or None without Triton."""
+    try:
+        from openk3.fast import attnres
+    except ImportError:
+        return None
+    return {
+        "direct_max": attnres.DIRECT_MAX,
+        "dot": attnres.DV_DOT,
+        "p2_rows": attnres.P2_NORM_ROWS,
+        "maxnreg": dict(attnres.MAXNREG),
+        "tiles": {k: list(v) for k, v in attnres.TILES.items()},
+    }
 
 
 def _decode_steps() -> dict:
