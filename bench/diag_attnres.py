@@ -20,11 +20,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
 
-def _load(path):
+def load_module(path):
+    """Another version of ``openk3/fast/attnres.py``, loaded from a file (to time two versions in one process)."""
     spec = importlib.util.spec_from_file_location("attnres_other", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.TritonAttnResReader
+    return mod
+
+
+def _load(path):
+    return load_module(path).TritonAttnResReader
 
 
 SWEEP = {

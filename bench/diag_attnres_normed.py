@@ -16,7 +16,6 @@ kernel of the walk's one sealed set.
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -25,13 +24,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
-
-
-def _load(path):
-    spec = importlib.util.spec_from_file_location("attnres_other", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
 def kernel_times(run, reps):
@@ -50,6 +43,7 @@ def kernel_times(run, reps):
 
 
 def main():
+    from diag_attnres import load_module
     from openk3.fast import attnres
     from openk3.modules.norm import RMSNorm
 
@@ -105,7 +99,7 @@ def main():
     for rows in (int(x) for x in a.rows.split(",") if x != ""):
         variants.append((f"current, rows {rows}", attnres, {"P2_NORM_ROWS": rows}, None))
     if a.other:
-        variants.append((f"other ({os.path.basename(a.other)})", _load(a.other), {}, None))
+        variants.append((f"other ({os.path.basename(a.other)})", load_module(a.other), {}, None))
     # bytes phase 2's normed backward moves per element at least: dy, r (bf16), the numerator's operands (fp32
     # partials, or S bf16 sources), g and dr written (bf16)
     copy_tbs = None

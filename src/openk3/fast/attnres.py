@@ -321,6 +321,16 @@ if HAS_TRITON:
         return p, v
 
     @triton.jit
+    def _row_operands(s_ptr, inv_ptr, lse_ptr, dout_ptr, r_ptr, n, nm, d, m2, D: tl.constexpr):
+        """Rows n's phase-2 statistics (score, inverse rms, lse) and their dy and live-sum rows, as stored."""
+        s = tl.load(s_ptr + n, mask=nm, other=0.0)
+        inv = tl.load(inv_ptr + n, mask=nm, other=0.0)
+        lse = tl.load(lse_ptr + n, mask=nm, other=0.0)
+        dy = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0)
+        r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0)
+        return s, inv, lse, dy, r
+
+    @triton.jit
     def _row_sums2(a, b):
         """Row sums of two [BN, BD] tiles in one reduction (one exchange between warps instead of two)."""
         return tl.split(tl.sum(tl.join(a, b), axis=1))
@@ -354,11 +364,7 @@ if HAS_TRITON:
         nm = n < N
         m2 = nm[:, None] & dm[None, :]
         # the first block's operands, as stored (converted where they are used)
-        s = tl.load(s_ptr + n, mask=nm, other=0.0)
-        inv = tl.load(inv_ptr + n, mask=nm, other=0.0)
-        lse = tl.load(lse_ptr + n, mask=nm, other=0.0)
-        dy = tl.load(dout_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0)
-        r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0)
+        s, inv, lse, dy, r = _row_operands(s_ptr, inv_ptr, lse_ptr, dout_ptr, r_ptr, n, nm, d, m2, D)
         if DIRECT:
             p0, v0 = _src_rows(v_ptr, pp_ptr, 0, n, nm, d, m2, N, D, S)
             p1, v1 = _src_rows(v_ptr, pp_ptr, 1, n, nm, d, m2, N, D, S)
@@ -370,11 +376,9 @@ if HAS_TRITON:
             n1 = n + BN
             nm1 = (n1 < N) & (rb + 1 < RB)
             m21 = nm1[:, None] & dm[None, :]
-            s1 = tl.load(s_ptr + n1, mask=nm1, other=0.0)
-            inv1 = tl.load(inv_ptr + n1, mask=nm1, other=0.0)
-            lse1 = tl.load(lse_ptr + n1, mask=nm1, other=0.0)
-            dy1 = tl.load(dout_ptr + n1[:, None] * D + d[None, :], mask=m21, other=0.0)
-            r1 = tl.load(r_ptr + n1[:, None] * D + d[None, :], mask=m21, other=0.0)
+            s1, inv1, lse1, dy1, r1 = _row_operands(
+                s_ptr, inv_ptr, lse_ptr, dout_ptr, r_ptr, n1, nm1, d, m21, D
+            )
             if DIRECT:
                 q0, u0 = _src_rows(v_ptr, pp_ptr, 0, n1, nm1, d, m21, N, D, S)
                 q1, u1 = _src_rows(v_ptr, pp_ptr, 1, n1, nm1, d, m21, N, D, S)
