@@ -5,14 +5,16 @@ implementation loaded from a file (to compare versions in one process). Stored p
 
     python bench/diag_attnres_normed.py [--N 16384 --D 2048 --Q 4] [--other path/to/attnres.py]
                                         [--maxnreg "default;0"] [--direct-max 2] [--dot tf32x3]
-                                        [--rows 64] [--out diag.json]
+                                        [--rows 64] [--set "p2_bwd_norm=1x2048x8@p2_bwd_norm=0"]
+                                        [--out diag.json]
 
 ``--maxnreg``: semicolon-separated register caps for the normed backward (0: the compiler's choice; default: the
 reader's MAXNREG table), each timed as one variant of the current reader. ``--direct-max``: DIRECT_MAX values (sets
 of at most that many sources keep no partials), ``--dot``: the source-gradient kernel's dot precisions (ieee,
 tf32x3), ``--rows``: tokens per program of the one-pass normed backward; each value one variant. Column ``all``:
 every kernel of the walk (phase 1, its backward and the glue included) per read; ``p1_dv``: the source-gradient
-kernel of the walk's one sealed set.
+kernel of the walk's one sealed set. ``--set TILES[@MAXNREG]`` (repeatable): one variant with those launch tiles and
+register caps on top of the defaults.
 """
 
 import argparse
@@ -61,6 +63,11 @@ def main():
     ap.add_argument(
         "--rows", default="", help="comma-separated tokens per program of the one-pass normed backward"
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        help="one variant: TILES[@MAXNREG] in the OPENK3_ATTNRES_TILES / _MAXNREG formats (repeatable)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     N, D, Q = a.N, a.D, a.Q
@@ -88,18 +95,23 @@ def main():
         outs = [rd.read_normed(j, qs[j], nws[j], lives[j], norms[j]) for j in range(Q)]
         torch.autograd.backward(outs, douts)
 
-    # (name, module, {module attribute: value} set for the variant, register cap for every MAXNREG entry or None)
+    # (name, module, {module attribute: value} set for the variant, register cap for every MAXNREG entry or None,
+    # (TILES spec, MAXNREG spec) parsed on top of the defaults or None)
     variants = []
     for cap in (x for x in a.maxnreg.split(";") if x != ""):
-        variants.append((f"current, maxnreg {cap if cap != '0' else 'none'}", attnres, {}, cap))
+        variants.append((f"current, maxnreg {cap if cap != '0' else 'none'}", attnres, {}, cap, None))
     for dm in (int(x) for x in a.direct_max.split(",") if x != ""):
-        variants.append((f"current, DIRECT_MAX {dm}", attnres, {"DIRECT_MAX": dm}, None))
+        variants.append((f"current, DIRECT_MAX {dm}", attnres, {"DIRECT_MAX": dm}, None, None))
     for dot in (x for x in a.dot.split(",") if x != ""):
-        variants.append((f"current, dot {dot}", attnres, {"DV_DOT": dot}, None))
+        variants.append((f"current, dot {dot}", attnres, {"DV_DOT": dot}, None, None))
     for rows in (int(x) for x in a.rows.split(",") if x != ""):
-        variants.append((f"current, rows {rows}", attnres, {"P2_NORM_ROWS": rows}, None))
+        variants.append((f"current, rows {rows}", attnres, {"P2_NORM_ROWS": rows}, None, None))
+    for k, spec in enumerate(a.set or []):
+        tiles, _, regs = spec.partition("@")
+        variants.append((f"current, set {k}", attnres, {}, None, (tiles, regs)))
+        print(f"set {k}: tiles {tiles or '-'}; maxnreg {regs or '-'}")
     if a.other:
-        variants.append((f"other ({os.path.basename(a.other)})", load_module(a.other), {}, None))
+        variants.append((f"other ({os.path.basename(a.other)})", load_module(a.other), {}, None, None))
     # bytes phase 2's normed backward moves per element at least: dy, r (bf16), the numerator's operands (fp32
     # partials, or S bf16 sources), g and dr written (bf16)
     copy_tbs = None
@@ -119,9 +131,13 @@ def main():
     print(f"read_normed N{N} D{D} Q{Q} bf16, kernel ms per read (profiler); copy {copy_tbs:.2f} TB/s")
     head = f"{'variant':34s} {'mode':6s} {'p2_fwd':>8s} {'p2_bwd':>8s} {'floor':>7s} {'TB/s':>6s} {'all':>7s}"
     print(head + f" {'p1_dv':>7s}")
-    for name, mod, attrs, cap in variants:
+    for name, mod, attrs, cap, spec in variants:
         saved = dict(getattr(mod, "MAXNREG", {}))
+        saved_tiles = dict(mod.TILES)
         saved_attrs = {k: getattr(mod, k) for k in attrs}
+        if spec is not None:
+            mod._parse_tiles(spec[0])
+            mod._parse_maxnreg(spec[1])
         if cap not in (None, "default"):
             for k in list(mod.MAXNREG):
                 mod.MAXNREG[k] = int(cap)
@@ -146,6 +162,8 @@ def main():
             mod.MAXNREG.update(saved)
         for k, v in saved_attrs.items():
             setattr(mod, k, v)
+        mod.TILES.clear()
+        mod.TILES.update(saved_tiles)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(N=N, D=D, Q=Q, copy_tbs=copy_tbs, rows=rows), f, indent=1)

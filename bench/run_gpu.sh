@@ -13,7 +13,9 @@
 # pdl: the engine GPU tests of programmatic dependent launch, the kernel tests with OPENK3_PDL=1, bench/diag_pdl.py
 # -> diag_pdl.json, and the engine A/B --compare-flags pdl -> e2e_pdl.json; attnres_ab: the medium training step
 # with AttnRes and with a plain residual, 5 paired rounds of one profiled step each: AttnRes's overhead in kernel
-# time, also as a share of the decoder layers' own time (a plain model with half the layers) -> bench.json; overlap: the engine GPU tests of EngineConfig.overlap and its A/B -> e2e_overlap.json).
+# time, also as a share of the decoder layers' own time (a plain model with half the layers) -> bench.json; overlap: the engine GPU tests of EngineConfig.overlap and its A/B -> e2e_overlap.json;
+# attnres_tune: the fused read + norm GPU tests (every launch variant) and bench/diag_attnres_normed.py over the
+# prepared variants: tf32x3 dots, 64 rows per program, 8 warps per row -> diag_attnres_normed.json).
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -73,6 +75,16 @@ if has overlap; then
   echo "engine overlap tests: exit $? ($(tail -1 "$OUT_DIR/tests_overlap.log"))"
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1,16,64 --steps 24 \
     --wall-timing --compare-flags overlap --out "$OUT_DIR/e2e_overlap.json" 2>&1 | grep -v "^\[.*{'preset" | tail -20
+fi
+if has attnres_tune; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_fast_ops.py tests/gpu/test_fast_model.py \
+    -k "read_normed_grad or small_model" >"$OUT_DIR/tests_attnres.log" 2>&1
+  echo "attnres tests: exit $? ($(tail -1 "$OUT_DIR/tests_attnres.log"))"
+  W8="p2_bwd_norm=1x2048x8,p2_bwd_norm_direct=1x2048x8"
+  timeout "$T_DECODE" python3 bench/diag_attnres_normed.py --maxnreg default --dot tf32x3 --rows 64 \
+    --set "$W8@p2_bwd_norm=0,p2_bwd_norm_direct=128,p2_bwd_norm_direct.S3=128" \
+    --set "$W8@p2_bwd_norm=0,p2_bwd_norm_direct=0,p2_bwd_norm_direct.S3=0" \
+    --out "$OUT_DIR/diag_attnres_normed.json" 2>&1 | grep -v -i "warn" | tail -30
 fi
 if has attnres_ab; then
   BENCH_MODEL_KERNEL_AB=5 timeout "$T_TRAIN" python3 bench/run_all.py --sections ceil,model --out "$OUT_DIR" \

@@ -494,23 +494,38 @@ def test_attnres_read_normed(dtype, T, check):
                   AR_TOL[dtype])  # fmt: skip
 
 
+# launch variants of the reader: the defaults; tensor-core source-gradient dots with 64 tokens per program of the
+# one-pass backward; the one-pass backward at 8 warps per row with a 128-register cap
+READ_NORMED_VARIANTS = {
+    "default": {},
+    "tf32x3-rows64": {"DV_DOT": "tf32x3", "P2_NORM_ROWS": 64},
+    "w8": {
+        "TILES": {"p2_bwd_norm": (1, 2048, 8), "p2_bwd_norm_direct": (1, 2048, 8)},
+        "MAXNREG": {"p2_bwd_norm": 0, "p2_bwd_norm_direct": 128, "p2_bwd_norm_direct.S3": 128},
+    },
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("S,direct_max,T", [(3, None, 257), (3, 0, 257), (4, 4, 65), (2, None, 1)])
-@pytest.mark.parametrize("dot,rows", [("ieee", 16), ("tf32x3", 64)])
-def test_attnres_read_normed_grad(dtype, S, direct_max, T, dot, rows, check, monkeypatch):
+@pytest.mark.parametrize("variant", sorted(READ_NORMED_VARIANTS))
+def test_attnres_read_normed_grad(dtype, S, direct_max, T, variant, check, monkeypatch):
     """The fused read + RMSNorm with gradients (training: the read's output is recomputed in the backward, the
     norm's backward runs in phase 2's backward kernel) against the reference read followed by the reference norm:
     normed outputs and the gradients of the sources, the live sum, every query, key norm and gain; a second read of
-    a site takes the unfused path. ``direct_max``: sets of up to that many sources keep no partials. ``dot``: the
-    source-gradient kernel's dot precision; ``rows``: tokens per program of the one-pass normed backward."""
+    a site takes the unfused path. ``direct_max``: sets of up to that many sources keep no partials. ``variant``:
+    launch settings of the reader (``READ_NORMED_VARIANTS``)."""
     from openk3.fast import attnres
     from openk3.modules.norm import RMSNorm
     from openk3.ops.attnres import AttnResReader
 
     if direct_max is not None:
         monkeypatch.setattr(attnres, "DIRECT_MAX", direct_max)
-    monkeypatch.setattr(attnres, "DV_DOT", dot)
-    monkeypatch.setattr(attnres, "P2_NORM_ROWS", rows)
+    for name, val in READ_NORMED_VARIANTS[variant].items():
+        if isinstance(val, dict):  # table entries on top of the defaults
+            monkeypatch.setattr(attnres, name, {**getattr(attnres, name), **val})
+        else:
+            monkeypatch.setattr(attnres, name, val)
     g = _fresh()
     B, D, Q = 2, 2048, 4
     srcs = [_rand(B, T, D, dtype=dtype, scale=1 + i % 3, g=g) for i in range(S)]
@@ -540,7 +555,7 @@ def test_attnres_read_normed_grad(dtype, S, direct_max, T, dot, rows, check, mon
         loss.backward()
         res.append((outs, [t.grad for t in ins]))
     tol = AR_TOL[dtype]
-    tag = f"attnres_read_normed_grad.{str(dtype)[6:]}.S{S}.T{T}.dm{direct_max}.{dot}.rows{rows}"
+    tag = f"attnres_read_normed_grad.{str(dtype)[6:]}.S{S}.T{T}.dm{direct_max}.{variant}"
     for j, (a, b) in enumerate(zip(*[r[0] for r in res])):
         assert a.dtype == dtype
         check(f"{tag}.out{j}", a, b, tol)
