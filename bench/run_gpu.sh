@@ -85,6 +85,9 @@ if has attnres_tune; then
     --set "$W8@p2_bwd_norm=0,p2_bwd_norm_direct=128,p2_bwd_norm_direct.S3=128" \
     --set "$W8@p2_bwd_norm=0,p2_bwd_norm_direct=0,p2_bwd_norm_direct.S3=0" \
     --out "$OUT_DIR/diag_attnres_normed.json" 2>&1 | grep -v -i "warn" | tail -30
+  echo "the same, 64 tokens per program of the one-pass backward (OPENK3_ATTNRES_P2_ROWS=64):"
+  OPENK3_ATTNRES_P2_ROWS=64 timeout "$T_DECODE" python3 bench/diag_attnres_normed.py --maxnreg default \
+    --set "$W8@p2_bwd_norm=0,p2_bwd_norm_direct=128,p2_bwd_norm_direct.S3=128" 2>&1 | grep -v -i "warn" | tail -8
 fi
 if has attnres_ab; then
   BENCH_MODEL_KERNEL_AB=5 timeout "$T_TRAIN" python3 bench/run_all.py --sections ceil,model --out "$OUT_DIR" \
