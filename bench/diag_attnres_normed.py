@@ -48,6 +48,7 @@ def main():
     from diag_attnres import load_module
     from openk3.fast import attnres
     from openk3.modules.norm import RMSNorm
+    from run_all import copy_rate
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--N", type=int, default=16384)
@@ -112,21 +113,7 @@ def main():
         print(f"set {k}: tiles {tiles or '-'}; maxnreg {regs or '-'}")
     if a.other:
         variants.append((f"other ({os.path.basename(a.other)})", load_module(a.other), {}, None, None))
-    # bytes phase 2's normed backward moves per element at least: dy, r (bf16), the numerator's operands (fp32
-    # partials, or S bf16 sources), g and dr written (bf16)
-    copy_tbs = None
-    x = torch.empty(1 << 29, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(10):
-        y.copy_(x)
-    t1.record()
-    torch.cuda.synchronize()
-    copy_tbs = 2 * x.numel() * 10 / (t0.elapsed_time(t1) / 1e3) / 1e12
-    del x, y
+    copy_tbs = copy_rate()[0] / 1e12
     rows = []
     print(f"read_normed N{N} D{D} Q{Q} bf16, kernel ms per read (profiler); copy {copy_tbs:.2f} TB/s")
     head = f"{'variant':34s} {'mode':6s} {'p2_fwd':>8s} {'p2_bwd':>8s} {'floor':>7s} {'TB/s':>6s} {'all':>7s}"
@@ -149,6 +136,8 @@ def main():
             bwd = sum(v for k, v in kt.items() if k.startswith("_p2_bwd")) / Q
             dv = sum(v for k, v in kt.items() if k.startswith("_p1_bwd_dv"))  # per walk (one sealed set)
             allk = sum(kt.values()) / Q  # every kernel of the walk (phase 1 included), per read
+            # bytes phase 2's normed backward moves per element at least: dy, r (bf16), the numerator's operands
+            # (fp32 partials, or S bf16 sources), g and dr written (bf16)
             nbytes = N * D * (2 + 2 + (4 if S > mod.DIRECT_MAX else 2 * S) + 2 + 2)
             floor = nbytes / (copy_tbs * 1e12) * 1e3
             row = dict(variant=name, mode=mode, p2_fwd_ms=fwd, p2_bwd_ms=bwd, floor_ms=floor,

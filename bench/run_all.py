@@ -129,14 +129,18 @@ def free():
 # sections
 
 
-def sec_ceil():
-    n = 1 << 30  # 1 Gi bf16 elements = 2 GiB per buffer
-    a = torch.randn(n // 2, device="cuda", dtype=torch.float32).view(torch.bfloat16)
+def copy_rate(nbytes: int = 1 << 31) -> tuple[float, float]:
+    """(bytes read + written per second, seconds per copy) of one device copy of ``nbytes`` (bf16 buffers)."""
+    a = torch.randn(nbytes // 4, device="cuda", dtype=torch.float32).view(torch.bfloat16)
     b = torch.empty_like(a)
-    t_c = timeit(lambda: b.copy_(a), rep=20)
-    CEIL["bw"] = 2 * a.numel() * a.element_size() / t_c
+    t = timeit(lambda: b.copy_(a), rep=20)
     a = b = None
     free()
+    return 2 * nbytes / t, t
+
+
+def sec_ceil():
+    CEIL["bw"], t_c = copy_rate()  # 2 GiB per buffer
     N = 8192
     x = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)

@@ -63,6 +63,9 @@ _rows = os.environ.get("OPENK3_ATTNRES_P2_ROWS", "16")
 if not _rows.isdigit() or int(_rows) < 1:
     raise ValueError(f"OPENK3_ATTNRES_P2_ROWS={_rows!r}: expected a positive token count")
 P2_NORM_ROWS = int(_rows)
+# the one-pass normed backward holds the rows of at most this many sources in registers (direct sets with more take
+# the column-tiled form)
+ONE_PASS_MAX_SOURCES = 3
 # Phase 1 of at most FEW_TOKENS tokens (a decode step) scores them in one [tokens, columns] tile of at most
 # FEW_TILE_VALUES values per source: with the training tile (32 x 64) a batch-1 seal walked a 2048-wide row in 32
 # dependent steps (21.5 us per seal on an H200, 4 seals per `medium` step).
@@ -287,6 +290,7 @@ if HAS_TRITON:
         dl_ptr, dwp_ptr, N, gn_ptr, dgp_ptr, neps,
         D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, RB: tl.constexpr,
         S: tl.constexpr, SP: tl.constexpr, DIRECT: tl.constexpr, NORM: tl.constexpr = False,
+        ONE_PASS: tl.constexpr = False,
     ):  # fmt: skip
         """RB blocks of BN tokens per program; the query-gradient partial of the program's tokens goes to one row
         of dwp (accumulated there across the blocks: the program owns that row). DIRECT: the numerator is mixed
@@ -296,8 +300,7 @@ if HAS_TRITON:
         read's output is recomputed, the norm's backward gives the output gradient (rounded to the output dtype, as
         a stored gradient would be) and the gain-gradient partial of the program's tokens goes to one row of dgp."""
         pid = tl.program_id(0)
-        # whole rows in registers, the next block's loads ahead
-        if NORM and BD >= D and (not DIRECT or S <= 3):
+        if ONE_PASS:  # NORM, whole rows in registers, the next block's loads ahead (see _p2_backward)
             _p2_bwd_norm_rows(
                 dout_ptr, r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, dps_ptr, lse_ptr, s_ptr, inv_ptr, dr_ptr, g_ptr,
                 lam_ptr, dl_ptr, dwp_ptr, N, pid, gn_ptr, dgp_ptr, neps, D, BN, BD, RB, S, SP, DIRECT,
@@ -945,7 +948,8 @@ def _p2_backward(block, qi, dout, r, w, lse_all, s, inv, norm=None):
     kname = "p2_bwd" + ("_norm" if norm is not None else "") + ("_direct" if block.direct else "")
     bn, bd, nw = TILES[kname]
     bd = min(bd, _pow2(D, 16))
-    one_pass = norm is not None and bd >= D and (not block.direct or _nsrc(block) <= 3)  # as _p2_bwd decides
+    S = _nsrc(block)
+    one_pass = norm is not None and bd >= D and (not block.direct or S <= ONE_PASS_MAX_SOURCES)
     rb = max(1, (P2_NORM_ROWS if one_pass else 16) // bn)  # at least 16 tokens per query-gradient partial
     nprog = triton.cdiv(N, bn * rb)
     dwp = torch.empty(nprog, D, dtype=torch.float32, device=r.device)
@@ -954,8 +958,8 @@ def _p2_backward(block, qi, dout, r, w, lse_all, s, inv, norm=None):
     _p2_bwd[(nprog,)](
         dout.contiguous().view(-1, D), rf, w, pn, V, pp, dps, lse_all[qi], s, inv, dr, block.g[qi],
         block.lam[qi], dlse[qi], dwp, N, gain, dgp, float(neps),
-        D=D, BN=bn, BD=bd, RB=rb, S=_nsrc(block), SP=_pow2(_nsrc(block)), DIRECT=block.direct,
-        NORM=norm is not None, num_warps=nw, **_regs(kname, _nsrc(block)),
+        D=D, BN=bn, BD=bd, RB=rb, S=S, SP=_pow2(S), DIRECT=block.direct, NORM=norm is not None,
+        ONE_PASS=one_pass, num_warps=nw, **_regs(kname, S),
     )  # fmt: skip
     block.written.add(qi)
     return dr.view_as(r), dwp.sum(0), dlse, (dgp.sum(0) if norm is not None else None)
