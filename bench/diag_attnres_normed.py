@@ -5,13 +5,14 @@ implementation loaded from a file (to compare versions in one process). Stored p
 
     python bench/diag_attnres_normed.py [--N 16384 --D 2048 --Q 4] [--other path/to/attnres.py]
                                         [--maxnreg "default;0"] [--direct-max 2] [--dot tf32x3]
-                                        [--rows 64] [--set "p2_bwd_norm=1x2048x8@p2_bwd_norm=0"]
+                                        [--rows 64] [--dv fma:2,ieee:1] [--set "p2_bwd_norm=1x2048x8@p2_bwd_norm=0"]
                                         [--out diag.json]
 
 ``--maxnreg``: semicolon-separated register caps for the normed backward (0: the compiler's choice; default: the
 reader's MAXNREG table), each timed as one variant of the current reader. ``--direct-max``: DIRECT_MAX values (sets
 of at most that many sources keep no partials), ``--dot``: the source-gradient kernel's dot precisions (ieee,
-tf32x3), ``--rows``: tokens per program of the one-pass normed backward; each value one variant. Column ``all``:
+tf32x3, fma), ``--dv``: DOT:STAGES pairs (dot precision, site-loop stages of the source-gradient kernel; 0 unrolls
+it), ``--rows``: tokens per program of the one-pass normed backward; each value one variant. Column ``all``:
 every kernel of the walk (phase 1, its backward and the glue included) per read; ``p1_dv``: the source-gradient
 kernel of the walk's one sealed set. ``--set TILES[@MAXNREG]`` (repeatable): one variant with those launch tiles and
 register caps on top of the defaults.
@@ -60,7 +61,14 @@ def main():
     ap.add_argument(
         "--direct-max", default="", help="comma-separated DIRECT_MAX values, each timed once (current reader)"
     )
-    ap.add_argument("--dot", default="", help="comma-separated source-gradient dot precisions (ieee, tf32x3)")
+    ap.add_argument(
+        "--dot", default="", help="comma-separated source-gradient dot precisions (ieee, tf32x3, fma)"
+    )
+    ap.add_argument(
+        "--dv",
+        default="",
+        help="comma-separated DOT:STAGES of the source-gradient kernel (its W-term and its site loop, 0: unrolled)",
+    )
     ap.add_argument(
         "--rows", default="", help="comma-separated tokens per program of the one-pass normed backward"
     )
@@ -105,6 +113,11 @@ def main():
         variants.append((f"current, DIRECT_MAX {dm}", attnres, {"DIRECT_MAX": dm}, None, None))
     for dot in (x for x in a.dot.split(",") if x != ""):
         variants.append((f"current, dot {dot}", attnres, {"DV_DOT": dot}, None, None))
+    for spec in (x for x in a.dv.split(",") if x != ""):
+        dot, _, stages = spec.partition(":")
+        variants.append(
+            (f"current, dv {spec}", attnres, {"DV_DOT": dot, "DV_STAGES": int(stages or 0)}, None, None)
+        )
     for rows in (int(x) for x in a.rows.split(",") if x != ""):
         variants.append((f"current, rows {rows}", attnres, {"P2_NORM_ROWS": rows}, None, None))
     for k, spec in enumerate(a.set or []):

@@ -313,9 +313,10 @@ def test_env_command_reports_every_op_and_decode_step(capsys):
     if ak is not None:
         from openk3.fast import attnres
 
-        assert (ak["direct_max"], ak["dot"], ak["p2_rows"]) == (
+        assert (ak["direct_max"], ak["dot"], ak["dv_stages"], ak["p2_rows"]) == (
             attnres.DIRECT_MAX,
             attnres.DV_DOT,
+            attnres.DV_STAGES,
             attnres.P2_NORM_ROWS,
         )
         assert ak["maxnreg"] == attnres.MAXNREG and set(ak["tiles"]) == set(attnres.TILES)
@@ -399,6 +400,7 @@ def test_attnres_kernel_knobs_reject_bad_values(monkeypatch):
     assert A._regs("p2_bwd_norm", 2) == {}
     for var, val in [
         ("OPENK3_ATTNRES_DOT", "fp64"),
+        ("OPENK3_ATTNRES_DV_STAGES", "-1"),
         ("OPENK3_ATTNRES_P2_ROWS", "0"),
         ("OPENK3_ATTNRES_DIRECT_MAX", "three"),
         ("OPENK3_ATTNRES_MAXNREG", "p2_bwd_norm=lots"),

@@ -136,7 +136,7 @@ def cmd_env(args) -> int:
         caps = ", ".join(f"{k}={v}" for k, v in ak["maxnreg"].items()) or "none"
         print(
             f"attnres kernels (OPENK3_ATTNRES_*): direct_max {ak['direct_max']}, dot {ak['dot']}, "
-            f"p2_rows {ak['p2_rows']}, maxnreg {caps}"
+            f"dv_stages {ak['dv_stages']}, p2_rows {ak['p2_rows']}, maxnreg {caps}"
         )
     return 0
 
@@ -150,6 +150,7 @@ def _attnres_knobs() -> dict | None:
     return {
         "direct_max": attnres.DIRECT_MAX,
         "dot": attnres.DV_DOT,
+        "dv_stages": attnres.DV_STAGES,
         "p2_rows": attnres.P2_NORM_ROWS,
         "maxnreg": dict(attnres.MAXNREG),
         "tiles": {k: list(v) for k, v in attnres.TILES.items()},

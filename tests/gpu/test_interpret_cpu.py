@@ -183,11 +183,16 @@ READ_NORMED_SCRIPT = textwrap.dedent(
     row_tiles = dict(attnres.TILES)
     looped = dict(p2_bwd_norm=(2, 64, 4), p2_bwd_norm_direct=(1, 64, 4))  # rows wider than the column tile
     rows2 = dict(p2_bwd_norm=(2, 256, 4), p2_bwd_norm_direct=(2, 256, 4))  # one pass, two rows per block
-    cases = [(37, 0, {}, 16), (37, 3, {}, 16), (37, 2, {}, 16), (3, 3, {}, 16), (37, 2, looped, 16),
-             (37, 2, rows2, 16), (37, 0, {}, 5), (37, 3, {}, 5)]  # fmt: skip
-    for N, direct_max, tiles, rows in cases:  # rows: tokens per program of the one-pass backward
+    dv = dict(DV_DOT=attnres.DV_DOT, DV_STAGES=attnres.DV_STAGES)
+    fma, dot = dict(DV_DOT="fma", DV_STAGES=2), dict(DV_DOT="ieee", DV_STAGES=0)
+    cases = [(37, 0, {}, 16, dv), (37, 3, {}, 16, dv), (37, 2, {}, 16, dv), (3, 3, {}, 16, dv),
+             (37, 2, looped, 16, dv), (37, 2, rows2, 16, dv), (37, 0, {}, 5, dv), (37, 3, {}, 5, dv),
+             (37, 0, {}, 16, fma), (37, 3, {}, 16, dot)]  # fmt: skip
+    for N, direct_max, tiles, rows, dv_opts in cases:  # rows: tokens per program of the one-pass backward
         attnres.DIRECT_MAX = direct_max
         attnres.P2_NORM_ROWS = rows
+        for k, val in dv_opts.items():  # the source-gradient kernel: W-term as a dot or outer products; site loop
+            setattr(attnres, k, val)
         attnres.TILES.update(row_tiles)
         attnres.TILES.update(tiles)
         blocks = [torch.randn(1, N, D) * (1 + i % 3) for i in range(3)]
@@ -219,6 +224,8 @@ READ_NORMED_SCRIPT = textwrap.dedent(
     attnres._Phase2Normed.apply = p2n
     attnres.TILES.update(row_tiles)
     attnres.P2_NORM_ROWS = 16
+    for k, val in dv.items():
+        setattr(attnres, k, val)
 
     # the tiny model (8 layers, AttnRes blocks of 3): loss and every parameter gradient with the Triton reader, read
     # and norm fused (the default) and not, against the reference reader; with gradient checkpointing too

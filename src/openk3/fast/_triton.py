@@ -96,3 +96,19 @@ if HAS_TRITON:
         """With ``PDL``: let the next kernel in the stream launch now (it waits for this one in its pdl_wait)."""
         if PDL:
             gdc_launch_dependents()
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); 4 for a CPU tensor (the interpreter: a few programs,
+    so that code splitting work over the SMs still runs more than one)."""
+    import torch
+
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]

@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from openk3.fast._triton import HAS_TRITON, INTERPRET, pdl_launch, pdl_on, tl, triton, triton_ok
+from openk3.fast._triton import HAS_TRITON, INTERPRET, pdl_launch, pdl_on, sm_count, tl, triton, triton_ok
 from openk3.ops.attnres.reference import attnres_read
 
 PARTIAL_DTYPE = torch.float32
@@ -51,14 +51,26 @@ if not _dmax.isdigit():
     )
 DIRECT_MAX = int(_dmax)
 NBG = 16  # token blocks per program in the source-gradient kernel (query gradients are reduced over these groups)
-# the source-gradient kernel's two small fp32 dots ([tokens, sites] x [sites, columns] and its transpose): "ieee"
-# (fp32 FMAs) or "tf32x3" (tensor cores, three TF32 products per fp32 product: about fp32's rounding error)
-# (OPENK3_ATTNRES_DOT)
-DV_DOT = os.environ.get("OPENK3_ATTNRES_DOT", "ieee")
-if DV_DOT not in ("ieee", "tf32x3"):
-    raise ValueError(f"OPENK3_ATTNRES_DOT={DV_DOT!r}: expected 'ieee' or 'tf32x3'")
+# the source-gradient kernel's two small fp32 products ([tokens, sites] x [sites, columns] and its transpose):
+# "fma" (the first as one outer product per site instead of a dot over sites padded to 16, the second an fp32 FMA
+# dot), "ieee" (both fp32 FMA dots) or "tf32x3" (tensor cores, three TF32 products per fp32 product: about fp32's
+# rounding error). With the site loop below, "fma" 1.12 ms per 6-source set against 1.24 ("ieee"; 1.36 unrolled)
+# at N=16384 D=2048 Q=8 on an H200, bench/NOTES.md v12 (OPENK3_ATTNRES_DOT)
+DV_DOT = os.environ.get("OPENK3_ATTNRES_DOT", "fma")
+if DV_DOT not in ("ieee", "tf32x3", "fma"):
+    raise ValueError(f"OPENK3_ATTNRES_DOT={DV_DOT!r}: expected 'ieee', 'tf32x3' or 'fma'")
+# the source-gradient kernel's loop over the sites of a token tile: 0 unrolls it (every site's tile load issued
+# together: ~250 registers, two programs per SM), n >= 1 a loop with n tiles in flight (1: 96 registers, five
+# programs per SM) (OPENK3_ATTNRES_DV_STAGES)
+_dvs = os.environ.get("OPENK3_ATTNRES_DV_STAGES", "1")
+if not _dvs.isdigit():
+    raise ValueError(f"OPENK3_ATTNRES_DV_STAGES={_dvs!r}: expected 0 (unrolled) or a stage count")
+DV_STAGES = int(_dvs)
 # tokens per program of the one-pass normed phase-2 backward (its gain- and query-gradient partials are summed over
-# them in registers; fewer programs, fewer partial rows to reduce afterwards) (OPENK3_ATTNRES_P2_ROWS)
+# them in registers; fewer programs, fewer partial rows to reduce afterwards), halved while that leaves fewer than
+# two programs per SM. 16: the two [N/16, D] column sums of each read take 0.69 ms of a medium step; at 64 (halved
+# to 32 there) torch's column sums of the [N/32, D] partials took 0.42 ms more, bench/NOTES.md v12
+# (OPENK3_ATTNRES_P2_ROWS)
 _rows = os.environ.get("OPENK3_ATTNRES_P2_ROWS", "16")
 if not _rows.isdigit() or int(_rows) < 1:
     raise ValueError(f"OPENK3_ATTNRES_P2_ROWS={_rows!r}: expected a positive token count")
@@ -556,10 +568,24 @@ if HAS_TRITON:
         tl.store(inv_ptr + cols[None, :] * N + n[:, None], inv, mask=pm & (q == 0))
 
     @triton.jit
+    def _dv_site(acc, q, lam_ptr, pc_ptr, g_ptr, dc_ptr, w_ptr, i, n0, nl, nm, loc, m2, d, dm,
+                 N, S: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+        """Site q's terms of a source-gradient tile: pc[q,i] lam_q g_q, and with PREC "fma" dc[q,i] w_q."""
+        lam = tl.load(lam_ptr + (q * N + n0) + nl, mask=nm, other=0.0)
+        pcq = tl.load(pc_ptr + ((q * S + i) * N + n0) + nl, mask=nm, other=0.0)
+        gq = tl.load(g_ptr + (q * N + n0) * D + loc, mask=m2, other=0.0)
+        acc += (pcq * lam)[:, None] * gq.to(tl.float32)
+        if PREC == "fma":
+            dcq = tl.load(dc_ptr + ((q * S + i) * N + n0) + nl, mask=nm, other=0.0)
+            wq = tl.load(w_ptr + q * D + d, mask=dm, other=0.0)
+            acc += dcq[:, None] * wq[None, :]
+        return acc
+
+    @triton.jit
     def _p1_bwd_dv(
         v_ptr, w_ptr, g_ptr, lam_ptr, pc_ptr, dc_ptr, ac_ptr, inv_ptr, dv_ptr, dwp_ptr, N,
         S: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr, D: tl.constexpr,
-        BN: tl.constexpr, BD: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr = "ieee",
+        BN: tl.constexpr, BD: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr = "ieee", QSTAGES: tl.constexpr = 0,
     ):  # fmt: skip
         """Gradient of source i over NB token tiles x BD columns (grid [S, groups, D/BD], sources fastest so the S
         programs of a tile share the site gradients in L2):
@@ -573,29 +599,36 @@ if HAS_TRITON:
         qm = qs < Q
         wt = tl.load(w_ptr + qs[:, None] * D + d[None, :], mask=qm[:, None] & dm[None, :], other=0.0)
         dw = tl.zeros([QP, BD], dtype=tl.float32)
+        nl = tl.arange(0, BN)
+        loc = nl[:, None] * D + d[None, :]  # int32 offsets within a tile; the tile's base is an int64 scalar
         for tb in tl.range(0, NB):
-            n = ((grp * NB + tb) * BN + tl.arange(0, BN)).to(tl.int64)
-            nm = n < N
+            n0 = ((grp * NB + tb) * BN).to(tl.int64)
+            nm = nl < N - n0
             m2 = nm[:, None] & dm[None, :]
-            v = tl.load(v_ptr + i * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-            inv = tl.load(inv_ptr + i * N + n, mask=nm, other=0.0)
+            v = tl.load(v_ptr + (i * N + n0) * D + loc, mask=m2, other=0.0).to(tl.float32)
+            inv = tl.load(inv_ptr + i * N + n0 + nl, mask=nm, other=0.0)
             cm = nm[:, None] & qm[None, :]
-            off = qs[None, :] * S * N + i * N + n[:, None]  # [BN, QP]
-            dc = tl.load(dc_ptr + off, mask=cm, other=0.0)
-            asum = tl.sum(tl.load(ac_ptr + off, mask=cm, other=0.0), axis=1)
-            acc = tl.dot(dc, wt, input_precision=PREC)  # [BN, BD]
-            for q in tl.static_range(Q):  # unrolled: the Q tile loads are issued together
-                lam = tl.load(lam_ptr + q * N + n, mask=nm, other=0.0)
-                pcq = tl.load(pc_ptr + q * S * N + i * N + n, mask=nm, other=0.0)
-                gq = tl.load(g_ptr + q * N * D + n[:, None] * D + d[None, :], mask=m2, other=0.0)
-                acc += pcq[:, None] * (gq.to(tl.float32) * lam[:, None])
+            off = qs[None, :] * (S * N) + nl[:, None]  # [BN, QP] from the tile's base i * N + n0
+            dc = tl.load(dc_ptr + (i * N + n0) + off, mask=cm, other=0.0)
+            asum = tl.sum(tl.load(ac_ptr + (i * N + n0) + off, mask=cm, other=0.0), axis=1)
+            if PREC == "fma":  # the W-term as Q outer products (the dot pads the sites to QP)
+                acc = tl.zeros([BN, BD], dtype=tl.float32)
+            else:
+                acc = tl.dot(dc, wt, input_precision=PREC)  # [BN, BD]
+            # QSTAGES 0 unrolls the sites (their tile loads issued together: more registers, fewer programs)
+            if QSTAGES == 0:
+                for q in tl.static_range(Q):
+                    acc = _dv_site(acc, q, lam_ptr, pc_ptr, g_ptr, dc_ptr, w_ptr, i, n0, nl, nm, loc, m2, d, dm,
+                                   N, S, D, PREC)  # fmt: skip
+            else:  # a loop over the sites with QSTAGES tiles in flight
+                for q in tl.range(0, Q, num_stages=QSTAGES):
+                    acc = _dv_site(acc, q, lam_ptr, pc_ptr, g_ptr, dc_ptr, w_ptr, i, n0, nl, nm, loc, m2, d, dm,
+                                   N, S, D, PREC)  # fmt: skip
             acc -= (asum * inv * inv / D)[:, None] * v
-            tl.store(
-                dv_ptr + i * N * D + n[:, None] * D + d[None, :], acc.to(dv_ptr.dtype.element_ty), mask=m2
-            )
-            dw += tl.dot(tl.trans(dc), v, input_precision=PREC)
+            tl.store(dv_ptr + (i * N + n0) * D + loc, acc.to(dv_ptr.dtype.element_ty), mask=m2)
+            dw += tl.dot(tl.trans(dc), v, input_precision="ieee" if PREC == "fma" else PREC)
         tl.store(
-            dwp_ptr + (grp * S + i) * QP * D + qs[:, None] * D + d[None, :],
+            dwp_ptr + (grp * S + i).to(tl.int64) * QP * D + qs[:, None] * D + d[None, :],
             dw,
             mask=qm[:, None] & dm[None, :],
         )
@@ -625,10 +658,11 @@ TILES = {
     "p2_fwd_direct": (1, 2048, 4),  # phase 2 of sets without partials (reads the sources)
     "p2_bwd_direct": (1, 2048, 8),
     # phase 2's backward with the RMSNorm's (read_normed with gradients): rows that fit the columns take the one-pass
-    # kernel (every operand loaded once); wider rows loop over column tiles in three passes. 16 warps: medium step
-    # AttnRes overhead 2.66 % against 3.32 % with 8 (bench/NOTES.md v10)
+    # kernel (every operand loaded once); wider rows loop over column tiles in three passes. Stored partials at 16
+    # warps (0.126 against 0.138 ms per read at 8); direct sets at 8 warps with 128 registers (fewer instructions per
+    # row: 0.193 against 0.241 ms with 3 sources, 0.150 against 0.198 with 2; bench/NOTES.md v12)
     "p2_bwd_norm": (1, 2048, 16),
-    "p2_bwd_norm_direct": (1, 2048, 16),
+    "p2_bwd_norm_direct": (1, 2048, 8),
 }
 
 
@@ -652,10 +686,11 @@ _parse_tiles(os.environ.get("OPENK3_ATTNRES_TILES", ""))
 # register cap per thread (ptxas maxnreg) of a kernel's launch, by TILES name, optionally for one source count
 # ("name.S3"); 0 or absent: the compiler's choice. The one-pass normed backward loads the next block of rows ahead,
 # which takes it past 64 registers at 16 warps (sm_90) and so from two programs per SM to one; at 64 it keeps two
-# (stored partials: no spills; direct with 2 sources: 16 bytes spilled, 0.184 against 0.227 ms per read at N=16384
-# D=2048; with 3 sources the cap spills more and is slower, 0.266 against 0.225: bench/NOTES.md v11).
+# (stored partials: no spills, 0.123 against 0.166 ms per read at N=16384 D=2048: bench/NOTES.md v11). Direct sets
+# run 8 warps, where 128 registers keep two programs per SM (139 and 195 uncapped with 2 and 3 sources; uncapped
+# with 2 sources: 0.253 against 0.150 ms per read: bench/NOTES.md v12).
 # OPENK3_ATTNRES_MAXNREG="p2_bwd_norm=0,p2_bwd_norm_direct.S3=64,..." overrides
-MAXNREG = {"p2_bwd_norm": 64, "p2_bwd_norm_direct": 64, "p2_bwd_norm_direct.S3": 0}
+MAXNREG = {"p2_bwd_norm": 64, "p2_bwd_norm_direct": 128}
 
 
 def _parse_maxnreg(spec: str) -> None:
@@ -689,6 +724,10 @@ class _Block:
         self.index = {sid: j for j, (sid, _, _) in enumerate(sites)}
         self.sites = sites
         self.eps = eps
+        self.W = None  # [Q, D] fp32 folded queries of the sites (detached), set at the seal
+        self.dW2 = (
+            None  # [Q, D] fp32 folded-query gradients of the reads that took W[qi], summed into phase 1's
+        )
         self.direct = False  # no partials: phase 2 mixes from the sources (see DIRECT_MAX)
         self.pn = None  # [Q, N, D] PARTIAL_DTYPE (stored mode)
         self.V = self.p = None  # direct mode: [S, N, D] sources and [Q, S, N] fp32 phase-1 weights
@@ -745,9 +784,11 @@ def _fold(query: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
 
 
 def _fold_stack(pairs) -> torch.Tensor:
-    """``[Q, D]`` fp32 folded queries of ``pairs`` (cached while gradients are off)."""
+    """``[Q, D]`` fp32 folded queries of ``pairs`` (cached while gradients are off); with gradients one product
+    of the stacked weights and queries (the same values as folding each pair, in five kernels instead of 3Q)."""
     if torch.is_grad_enabled():
-        return torch.stack([_fold_plain(q, nw) for q, nw in pairs])
+        nws = torch.stack([nw.reshape(-1) for _, nw in pairs]).float()
+        return nws * torch.stack([q.reshape(-1) for q, _ in pairs]).float()
     return _FOLDS.get(tuple(pairs))
 
 
@@ -845,11 +886,14 @@ class _Phase1(torch.autograd.Function):
         dwp = torch.empty(G, S, QP16, D, dtype=torch.float32, device=V.device)
         _p1_bwd_dv[(S, G, triton.cdiv(D, bd))](
             V, W, block.g, block.lam, pc, dc, ac, inv, dv, dwp, N,
-            S=S, Q=Q, QP=QP16, D=D, BN=bn, BD=bd, NB=NBG, PREC=DV_DOT, num_warps=nw,
+            S=S, Q=Q, QP=QP16, D=D, BN=bn, BD=bd, NB=NBG, PREC=DV_DOT, QSTAGES=DV_STAGES, num_warps=nw,
         )  # fmt: skip
         block.g = block.lam = block.dps = None
         block.written = set()
         dW = dwp.sum((0, 1))[:Q]
+        if block.dW2 is not None:  # the reads' folded-query gradients (they ran first: they use lse)
+            dW = dW + block.dW2
+            block.dW2 = None
         return (None, dW, None, *[dv[j].view_as(sealed[j]) for j in range(S)])
 
 
@@ -892,8 +936,14 @@ def _p2_forward(
 
 
 class _Phase2(torch.autograd.Function):
+    """One phase-2 read. ``w``: the site's folded query; None takes the block's ``W[qi]`` (the seal's folded queries),
+    whose gradient phase 1's backward returns (summed into ``block.dW2``), so that a read costs no fold kernels of
+    its own."""
+
     @staticmethod
     def forward(ctx, block, qi, r, w, lse_all):
+        ctx.shared = w is None
+        w = block.W[qi] if w is None else w
         out, s, inv, _ = _p2_forward(block, qi, r.reshape(-1, r.shape[-1]), w, lse_all[qi])
         ctx.block, ctx.qi = block, qi
         ctx.save_for_backward(r, w, lse_all, s, inv)
@@ -902,17 +952,19 @@ class _Phase2(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         r, w, lse_all, s, inv = ctx.saved_tensors
-        dr, dw, dlse, _ = _p2_backward(ctx.block, ctx.qi, dout, r, w, lse_all, s, inv)
+        dr, dw, dlse, _ = _p2_backward(ctx.block, ctx.qi, dout, r, w, lse_all, s, inv, shared=ctx.shared)
         return None, None, dr, dw, dlse
 
 
 class _Phase2Normed(torch.autograd.Function):
     """``rms_norm(read, gain, eps)`` of one phase-2 read, with gradients: the forward writes only the normed rows
     (the read's output is not stored), the backward recomputes the output and runs the norm's backward in the same
-    kernel as phase 2's."""
+    kernel as phase 2's. ``w``: as in :class:`_Phase2`."""
 
     @staticmethod
     def forward(ctx, block, qi, r, w, lse_all, gain, eps):
+        ctx.shared = w is None
+        w = block.W[qi] if w is None else w
         _, s, inv, x = _p2_forward(
             block, qi, r.reshape(-1, r.shape[-1]), w, lse_all[qi], (gain, eps), store_out=False
         )
@@ -923,14 +975,17 @@ class _Phase2Normed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dx):
         r, w, lse_all, s, inv, gain = ctx.saved_tensors
-        dr, dw, dlse, dgain = _p2_backward(ctx.block, ctx.qi, dx, r, w, lse_all, s, inv, (gain, ctx.eps))
+        dr, dw, dlse, dgain = _p2_backward(
+            ctx.block, ctx.qi, dx, r, w, lse_all, s, inv, (gain, ctx.eps), shared=ctx.shared
+        )
         return None, None, dr, dw, dlse, dgain.to(gain.dtype), None
 
 
-def _p2_backward(block, qi, dout, r, w, lse_all, s, inv, norm=None):
+def _p2_backward(block, qi, dout, r, w, lse_all, s, inv, norm=None, shared=False):
     """Phase 2's backward of site ``qi``: (d r, d folded query, d lse of every site, d gain or None). ``dout``: the
     output's gradient, or with ``norm`` = (gain, eps) the gradient of the normed output. Fills the block's
-    gradient buffers for phase 1's backward."""
+    gradient buffers for phase 1's backward; ``shared``: ``w`` is the block's ``W[qi]``, whose gradient goes to
+    ``block.dW2[qi]`` (None returned)."""
     D = r.shape[-1]
     rf = r.reshape(-1, D)
     N = rf.shape[0]
@@ -951,6 +1006,8 @@ def _p2_backward(block, qi, dout, r, w, lse_all, s, inv, norm=None):
     S = _nsrc(block)
     one_pass = norm is not None and bd >= D and (not block.direct or S <= ONE_PASS_MAX_SOURCES)
     rb = max(1, (P2_NORM_ROWS if one_pass else 16) // bn)  # at least 16 tokens per query-gradient partial
+    while rb * bn > 16 and triton.cdiv(N, bn * rb) < 2 * sm_count(r.device):  # two programs per SM at least
+        rb //= 2
     nprog = triton.cdiv(N, bn * rb)
     dwp = torch.empty(nprog, D, dtype=torch.float32, device=r.device)
     gain, neps = norm if norm is not None else (w, 0.0)
@@ -962,7 +1019,14 @@ def _p2_backward(block, qi, dout, r, w, lse_all, s, inv, norm=None):
         ONE_PASS=one_pass, num_warps=nw, **_regs(kname, S),
     )  # fmt: skip
     block.written.add(qi)
-    return dr.view_as(r), dwp.sum(0), dlse, (dgp.sum(0) if norm is not None else None)
+    if shared:
+        if block.dW2 is None:
+            block.dW2 = torch.zeros(Q, D, dtype=torch.float32, device=r.device)
+        torch.sum(dwp, 0, out=block.dW2[qi])
+        dw = None
+    else:
+        dw = dwp.sum(0)
+    return dr.view_as(r), dw, dlse, (dgp.sum(0) if norm is not None else None)
 
 
 class TritonAttnResReader:
@@ -1039,8 +1103,14 @@ class TritonAttnResReader:
             return
         block = _Block(list(sites), self.eps)
         W = _fold_stack([(q, nw) for _, q, nw in block.sites])  # [Q, D] fp32
+        block.W = W.detach()
         self._lse = _Phase1.apply(block, W, self._stage(), *self.sealed)
         self._block = block
+
+    def _w(self, qi: int, query: torch.Tensor, norm_weight: torch.Tensor):
+        """Phase 2's folded-query operand: None (the seal's ``W[qi]``) for the announced tensors, else their fold."""
+        _, q0, nw0 = self._block.sites[qi]
+        return None if (query is q0 and norm_weight is nw0) else _fold(query, norm_weight)
 
     def _site(self, site_id: int, r: torch.Tensor) -> int | None:
         """The phase-1 index of ``site_id`` when its read of ``r`` takes the two-phase kernels (announced at the
@@ -1064,7 +1134,7 @@ class TritonAttnResReader:
         qi = self._site(site_id, r)
         if qi is None:
             return attnres_read([*self.sealed, r], query, norm_weight, self.eps)
-        return _Phase2.apply(self._block, qi, r.contiguous(), _fold(query, norm_weight), self._lse)
+        return _Phase2.apply(self._block, qi, r.contiguous(), self._w(qi, query, norm_weight), self._lse)
 
     def read_normed(
         self, site_id: int, query: torch.Tensor, norm_weight: torch.Tensor, r: torch.Tensor, norm
@@ -1081,10 +1151,11 @@ class TritonAttnResReader:
         qi = self._site(site_id, r)
         if qi is None:
             return norm(attnres_read([*self.sealed, r], query, norm_weight, self.eps))
-        w, eps = _fold(query, norm_weight), float(norm.eps)
+        w, eps = self._w(qi, query, norm_weight), float(norm.eps)
         if torch.is_grad_enabled():
             return _Phase2Normed.apply(self._block, qi, r.contiguous(), w, self._lse, gain, eps)
         rf = r.contiguous().view(-1, r.shape[-1])
+        w = self._block.W[qi] if w is None else w
         return _p2_forward(self._block, qi, rf, w, self._lse[qi], (gain, eps))[3].view_as(r)
 
 

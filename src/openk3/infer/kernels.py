@@ -50,6 +50,7 @@ import os
 import torch
 
 from openk3.fast._triton import pdl_launch, pdl_on
+from openk3.fast._triton import sm_count as _sm_count
 from openk3.infer.decode import FAST_KDA_DECODE, FAST_MLA_DECODE
 
 try:
@@ -755,18 +756,6 @@ def kda_lowrank_ok(layer, act: torch.Tensor | None, proj: str = "f_b_proj") -> t
             f"{proj} {tuple(w.shape)} does not produce {layer.num_heads} x {layer.head_dim} channels",
         )
     return True, ""
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: a few splits, to exercise the reduce
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def mla_num_splits(
