@@ -214,7 +214,9 @@ READ_NORMED_SCRIPT = textwrap.dedent(
                     norm = RMSNorm(D, eps=1e-6)
                     del norm.weight
                     norm.weight = gn[j]
-                    outs.append(rd.read_normed(j, qq[j], nw[j], lv * (1 + 0.1 * j), norm))
+                    # set 1 reads with a query equal to but not the announced tensor (folded again for the read)
+                    q_read = qq[j] * 1 if b == 1 else qq[j]
+                    outs.append(rd.read_normed(j, q_read, nw[j], lv * (1 + 0.1 * j), norm))
             gen = torch.Generator().manual_seed(1)
             sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs).backward()
             res.append(outs + [t.grad for t in L])
