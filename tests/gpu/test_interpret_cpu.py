@@ -187,7 +187,7 @@ READ_NORMED_SCRIPT = textwrap.dedent(
     fma, dot = dict(DV_DOT="fma", DV_STAGES=2), dict(DV_DOT="ieee", DV_STAGES=0)
     cases = [(37, 0, {}, 16, dv), (37, 3, {}, 16, dv), (37, 2, {}, 16, dv), (3, 3, {}, 16, dv),
              (37, 2, looped, 16, dv), (37, 2, rows2, 16, dv), (37, 0, {}, 5, dv), (37, 3, {}, 5, dv),
-             (37, 0, {}, 16, fma), (37, 3, {}, 16, dot)]  # fmt: skip
+             (17, 0, {}, 16, fma), (17, 3, {}, 16, dot)]  # fmt: skip
     for N, direct_max, tiles, rows, dv_opts in cases:  # rows: tokens per program of the one-pass backward
         attnres.DIRECT_MAX = direct_max
         attnres.P2_NORM_ROWS = rows
