@@ -725,9 +725,8 @@ class _Block:
         self.sites = sites
         self.eps = eps
         self.W = None  # [Q, D] fp32 folded queries of the sites (detached), set at the seal
-        self.dW2 = (
-            None  # [Q, D] fp32 folded-query gradients of the reads that took W[qi], summed into phase 1's
-        )
+        # [Q, D] fp32 folded-query gradients of the reads that took W[qi], added to phase 1's in its backward
+        self.dW2 = None
         self.direct = False  # no partials: phase 2 mixes from the sources (see DIRECT_MAX)
         self.pn = None  # [Q, N, D] PARTIAL_DTYPE (stored mode)
         self.V = self.p = None  # direct mode: [S, N, D] sources and [Q, S, N] fp32 phase-1 weights
