@@ -516,7 +516,7 @@ READ_NORMED_VARIANTS = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("S,direct_max,T", [(3, None, 257), (3, 0, 257), (4, 4, 65), (2, None, 1)])
 @pytest.mark.parametrize("variant", sorted(READ_NORMED_VARIANTS))
-def test_attnres_read_normed_grad(dtype, S, direct_max, T, variant, check, monkeypatch):
+def test_attnres_read_normed_grad(dtype, S, direct_max, T, variant, check, rel, monkeypatch):
     """The fused read + RMSNorm with gradients (training: the read's output is recomputed in the backward, the
     norm's backward runs in phase 2's backward kernel) against the reference read followed by the reference norm:
     normed outputs and the gradients of the sources, the live sum, every query, key norm and gain; a second read of
@@ -577,7 +577,6 @@ def test_attnres_read_normed_grad(dtype, S, direct_max, T, variant, check, monke
     names = (
         [f"src{i}" for i in range(S)] + ["live"] + [f"{k}{j}" for k in ("q", "nw", "gain") for j in range(Q)]
     )
-    rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))  # noqa: E731
     for j, (n, a, b) in enumerate(zip(names, res[0][1], res[1][1])):
         own = rel(res[2][1][j], b) if len(res) > 2 else 0.0
         check(f"{tag}.d{n}", a, b, max(3 * tol, 2 * own))

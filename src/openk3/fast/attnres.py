@@ -935,14 +935,13 @@ def _p2_forward(
 
 
 class _Phase2(torch.autograd.Function):
-    """One phase-2 read. ``w``: the site's folded query; None takes the block's ``W[qi]`` (the seal's folded queries),
-    whose gradient phase 1's backward returns (summed into ``block.dW2``), so that a read costs no fold kernels of
-    its own."""
+    """One phase-2 read. ``w``: the site's folded query; ``shared``: it is the block's ``W[qi]`` (the seal's folded
+    queries), whose gradient phase 1's backward returns (summed into ``block.dW2``), so that a read costs no fold
+    kernels of its own."""
 
     @staticmethod
-    def forward(ctx, block, qi, r, w, lse_all):
-        ctx.shared = w is None
-        w = block.W[qi] if w is None else w
+    def forward(ctx, block, qi, r, w, lse_all, shared):
+        ctx.shared = shared
         out, s, inv, _ = _p2_forward(block, qi, r.reshape(-1, r.shape[-1]), w, lse_all[qi])
         ctx.block, ctx.qi = block, qi
         ctx.save_for_backward(r, w, lse_all, s, inv)
@@ -952,18 +951,17 @@ class _Phase2(torch.autograd.Function):
     def backward(ctx, dout):
         r, w, lse_all, s, inv = ctx.saved_tensors
         dr, dw, dlse, _ = _p2_backward(ctx.block, ctx.qi, dout, r, w, lse_all, s, inv, shared=ctx.shared)
-        return None, None, dr, dw, dlse
+        return None, None, dr, dw, dlse, None
 
 
 class _Phase2Normed(torch.autograd.Function):
     """``rms_norm(read, gain, eps)`` of one phase-2 read, with gradients: the forward writes only the normed rows
     (the read's output is not stored), the backward recomputes the output and runs the norm's backward in the same
-    kernel as phase 2's. ``w``: as in :class:`_Phase2`."""
+    kernel as phase 2's. ``w``, ``shared``: as in :class:`_Phase2`."""
 
     @staticmethod
-    def forward(ctx, block, qi, r, w, lse_all, gain, eps):
-        ctx.shared = w is None
-        w = block.W[qi] if w is None else w
+    def forward(ctx, block, qi, r, w, lse_all, gain, eps, shared):
+        ctx.shared = shared
         _, s, inv, x = _p2_forward(
             block, qi, r.reshape(-1, r.shape[-1]), w, lse_all[qi], (gain, eps), store_out=False
         )
@@ -977,7 +975,7 @@ class _Phase2Normed(torch.autograd.Function):
         dr, dw, dlse, dgain = _p2_backward(
             ctx.block, ctx.qi, dx, r, w, lse_all, s, inv, (gain, ctx.eps), shared=ctx.shared
         )
-        return None, None, dr, dw, dlse, dgain.to(gain.dtype), None
+        return None, None, dr, dw, dlse, dgain.to(gain.dtype), None, None
 
 
 def _p2_backward(block, qi, dout, r, w, lse_all, s, inv, norm=None, shared=False):
@@ -1106,10 +1104,13 @@ class TritonAttnResReader:
         self._lse = _Phase1.apply(block, W, self._stage(), *self.sealed)
         self._block = block
 
-    def _w(self, qi: int, query: torch.Tensor, norm_weight: torch.Tensor):
-        """Phase 2's folded-query operand: None (the seal's ``W[qi]``) for the announced tensors, else their fold."""
+    def _w(self, qi: int, query: torch.Tensor, norm_weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Phase 2's folded-query operand and whether it is the seal's ``W[qi]`` (the announced tensors: shared),
+        else the read's own fold."""
         _, q0, nw0 = self._block.sites[qi]
-        return None if (query is q0 and norm_weight is nw0) else _fold(query, norm_weight)
+        if query is q0 and norm_weight is nw0:
+            return self._block.W[qi], True
+        return _fold(query, norm_weight), False
 
     def _site(self, site_id: int, r: torch.Tensor) -> int | None:
         """The phase-1 index of ``site_id`` when its read of ``r`` takes the two-phase kernels (announced at the
@@ -1133,7 +1134,8 @@ class TritonAttnResReader:
         qi = self._site(site_id, r)
         if qi is None:
             return attnres_read([*self.sealed, r], query, norm_weight, self.eps)
-        return _Phase2.apply(self._block, qi, r.contiguous(), self._w(qi, query, norm_weight), self._lse)
+        w, shared = self._w(qi, query, norm_weight)
+        return _Phase2.apply(self._block, qi, r.contiguous(), w, self._lse, shared)
 
     def read_normed(
         self, site_id: int, query: torch.Tensor, norm_weight: torch.Tensor, r: torch.Tensor, norm
@@ -1150,11 +1152,10 @@ class TritonAttnResReader:
         qi = self._site(site_id, r)
         if qi is None:
             return norm(attnres_read([*self.sealed, r], query, norm_weight, self.eps))
-        w, eps = self._w(qi, query, norm_weight), float(norm.eps)
+        (w, shared), eps = self._w(qi, query, norm_weight), float(norm.eps)
         if torch.is_grad_enabled():
-            return _Phase2Normed.apply(self._block, qi, r.contiguous(), w, self._lse, gain, eps)
+            return _Phase2Normed.apply(self._block, qi, r.contiguous(), w, self._lse, gain, eps, shared)
         rf = r.contiguous().view(-1, r.shape[-1])
-        w = self._block.W[qi] if w is None else w
         return _p2_forward(self._block, qi, rf, w, self._lse[qi], (gain, eps))[3].view_as(r)
 
 
