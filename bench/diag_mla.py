@@ -21,6 +21,9 @@ CONFIGS = {
     "old": dict(block_n=64, num_stages=2, prefetch=False),
     "n32s3": dict(block_n=32, num_stages=3, prefetch=2),
     "n64s2p2": dict(block_n=64, num_stages=2, prefetch=2),
+    # two stages: 72 KB of rows per program, so three programs share an SM instead of two
+    "n32s2": dict(block_n=32, num_stages=2, prefetch=2),
+    "n32s2w8": dict(block_n=32, num_stages=2, prefetch=2, num_warps=8),
 }
 
 

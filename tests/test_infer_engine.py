@@ -807,3 +807,47 @@ def test_overlap_continuous_batching_and_abort(tiny):
     assert c.finish_reason == "abort" and c.output_ids == want["c"][: len(c.output_ids)] and c.output_ids
     s = eng.stats()
     assert s["pages_free"] == s["pages_total"] and s["slots_free"] == 4
+
+
+@pytest.mark.parametrize(
+    "variant", ["tiny", "no AttnRes, plain MoE", "no AttnRes, latent MoE without shared experts"]
+)
+@pytest.mark.parametrize("fuse_ffn", [True, False])
+def test_parallel_ffn_and_add_norm_match(tiny, variant, fuse_ffn, monkeypatch):
+    """parallel_ffn (MoE branches on a second stream; on CPU the same branch structure in place) and fuse_add_norm
+    (residual add + the next RMSNorm in one call, models without AttnRes) give the decode logits of the engine
+    without them, bit for bit on CPU (same ops, same order), and of a full re-forward. fuse_add_norm leaves an
+    AttnRes model's walk alone."""
+    import openk3.infer.engine as E
+
+    model = tiny
+    if variant != "tiny":
+        torch.manual_seed(5)
+        over = dict(attn_res_block_size=None)
+        if "plain" in variant:
+            over["routed_expert_hidden_size"] = None
+        else:
+            over.update(num_shared_experts=0)
+        model = K3ForCausalLM(get_preset("tiny").replace(**over)).eval()
+        assert not model.config.use_attn_res
+    calls = []
+    real = E.add_rms_norm
+    monkeypatch.setattr(E, "add_rms_norm", lambda *a: calls.append(len(a[1])) or real(*a))
+    prompts = _prompts(25, [6, 27, 13], model.config.vocab_size)
+    runs = []
+    for on in (False, True):
+        calls.clear()
+        eng = Engine(model, None, max_seqs=4, max_tokens=512, record_logits=True, fuse_ffn_projections=fuse_ffn,
+                     parallel_ffn=on, fuse_add_norm=on)  # fmt: skip
+        reqs = eng.generate(prompts, GREEDY)
+        _check_against_full_forward(model, reqs)
+        runs.append(reqs)
+        fused_walk = on and not model.config.use_attn_res
+        # per decode step: one call per layer half plus the final norm; the first one adds nothing
+        L = len(model.model.layers)
+        assert (len(calls) > 0) == fused_walk
+        if fused_walk:
+            assert len(calls) % (2 * L + 1) == 0 and calls[: 2 * L + 1].count(0) == 1
+    for a, b in zip(*runs):
+        assert a.output_ids == b.output_ids
+        assert torch.equal(torch.stack(a.logits_log), torch.stack(b.logits_log))

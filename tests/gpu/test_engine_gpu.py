@@ -232,6 +232,38 @@ def test_engine_fuse_kda_lowrank(graphs, fuse):
     assert err < 1e-3, err
 
 
+@pytest.mark.parametrize("attnres", [True, False], ids=["attnres-latent", "plain-moe"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_parallel_ffn_add_norm_l2(graphs, attnres, monkeypatch):
+    """parallel_ffn (MoE branches on a second stream captured into the same graph), fuse_add_norm (the residual add
+    and the next RMSNorm in one Triton launch; models without AttnRes) and l2_prefetch (weights requested into L2 from
+    the second stream) on CUDA: fp32 decode logits against a full forward, tightly, for the `small` preset (AttnRes,
+    latent MoE with shared experts) and the same without AttnRes and with a plain MoE (the Kimi Linear layout)."""
+    import openk3.infer.engine as E
+
+    calls = []
+    real = E.add_rms_norm
+    monkeypatch.setattr(E, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    over = {} if attnres else dict(attn_res_block_size=None, routed_expert_hidden_size=None)
+    model = K3ForCausalLM(get_preset("small").replace(attn_res_init="normal", **over))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.attn_type == "kda":
+                layer.self_attn.dt_bias.uniform_(-6.0, -1.0)
+    model = model.to(DEV).eval()
+    eng = Engine(
+        model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, prefix_cache=False,
+        use_cuda_graphs=graphs, parallel_ffn=True, fuse_add_norm=True, l2_prefetch=True,
+    )  # fmt: skip
+    assert eng._side is not None and eng._l2_next
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (18, 9, 14)]
+    reqs = eng.generate(_prompts(9, [9, 77, 150], model.config.vocab_size), params)
+    assert bool(calls) == (not attnres)
+    err = _full_forward_err(model, reqs)
+    assert err < 1e-3, err
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_engine_kda_launch_above_few_rows(graphs, monkeypatch):
     """The KDA step's launch above the few-row regime (state requested into L2, heads-fastest grid) in the engine, at

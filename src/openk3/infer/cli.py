@@ -115,6 +115,26 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "the one before drains); default off (within run-to-run noise on an H200)",
     )
     g.add_argument(
+        "--parallel-ffn",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode, MoE layers on CUDA: independent branches (router, shared experts) on a second stream of the "
+        "same CUDA graph; default off",
+    )
+    g.add_argument(
+        "--fuse-add-norm",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode, models without AttnRes: each residual add and the RMSNorm after it in one launch; default off",
+    )
+    g.add_argument(
+        "--l2-prefetch",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode on CUDA, up to 16 rows: request the next GEMMs' weights into L2 from a second stream while the "
+        "attention kernel runs; default off",
+    )
+    g.add_argument(
         "--backend",
         action="append",
         default=[],
@@ -185,6 +205,9 @@ def _load(args):
         fuse_kda_lowrank=args.fuse_kda_lowrank,
         pdl=args.pdl,
         overlap=args.overlap,
+        parallel_ffn=args.parallel_ffn,
+        fuse_add_norm=args.fuse_add_norm,
+        l2_prefetch=args.l2_prefetch,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     if args.moe_small_tokens is not None:

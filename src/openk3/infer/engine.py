@@ -21,6 +21,7 @@ thread; :class:`~openk3.infer.server` streams from it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from openk3.fast._triton import pdl_scope
 from openk3.infer.cache import PagedHybridCache, PrefixCache, plan_pool
 from openk3.infer.decode import resolve_kda_decode, resolve_mla_decode
+from openk3.infer.glue import add_rms_norm, l2_prefetch
 from openk3.infer.sampling import SamplingParams, find_stop, sample, sample_keys, stop_holdback
 from openk3.ops import backend as _backend
 from openk3.ops.attnres import make_reader
@@ -110,6 +112,22 @@ class EngineConfig:
     # without it; a row that stops at step t has step t+1 computed for nothing. On: on an H200 it took 0.06-0.34 ms
     # off a `medium` step and 0.17-0.93 ms off a 48B-shape step at batch 1-64 (bench/NOTES.md v10)
     overlap: bool = True
+    # decode step, MoE layers on CUDA: independent branches on a second stream (captured into the same CUDA graph),
+    # so that their fixed per-kernel latencies overlap: the router beside the FFN input GEMM and the shared experts'
+    # activation beside the routed experts (latent MoE), or the whole shared-expert chain beside the router and the
+    # routed experts (plain MoE). Same values as without it
+    parallel_ffn: bool = False
+    # decode step, models without AttnRes: each residual add (attention output; the FFN output's parts) and the
+    # RMSNorm that reads the result in one launch (`openk3.infer.glue.add_rms_norm`, same roundings)
+    fuse_add_norm: bool = False
+    # decode step on CUDA, at most L2_PREFETCH_MAX_ROWS rows: while a latency-bound attention kernel runs (the KDA
+    # step; the MLA glue and attention), a second stream asks for the weights of the GEMMs that follow (the output
+    # projection, the FFN's input projections and router) to be brought into L2. Changes no value
+    l2_prefetch: bool = False
+
+
+# l2_prefetch: at most this many rows (above them the GEMMs are no longer latency-bound)
+L2_PREFETCH_MAX_ROWS = 16
 
 
 # above this many rows every KDA program would re-read its head's f_b_proj rows (from L2): the GEMV is kept
@@ -354,6 +372,22 @@ class Engine:
             else:
                 log.info("fuse_kda_lowrank: the decode step is not the Triton kernel here; the GEMV is kept")
         self._mla_step = resolve_mla_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
+        # the decode step's second stream (parallel_ffn branches, l2_prefetch requests); None: every op in place
+        on_cuda = self.device.type == "cuda"
+        self._side = (
+            torch.cuda.Stream(self.device) if on_cuda and (cfg.parallel_ffn or cfg.l2_prefetch) else None
+        )
+        # l2_prefetch: per layer, the weights read after its attention kernel (output projection, the MLA absorbed
+        # weights, the FFN's input projections and router), requested while the attention kernel runs
+        self._l2_next: dict[int, list[torch.Tensor]] = {}
+        if cfg.l2_prefetch:
+            for i, layer in enumerate(inner.layers):
+                ws = [layer.self_attn.o_proj.weight, *self._absorbed.get(i, ())]
+                f = self._fused_ffn.get(i)
+                ws += [f[0]] if f is not None else [m.weight for m in layer.ffn_input_projections()]
+                if layer.is_moe:
+                    ws.append(layer.block_sparse_moe.gate.weight)
+                self._l2_next[i] = ws
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
         if self.graphs_enabled and any(layer.is_moe for layer in inner.layers):
@@ -1058,7 +1092,73 @@ class Engine:
     def _decode_forward(self, ids, slots, table, lengths, rows) -> torch.Tensor:
         """One token per row: ids/slots/lengths/rows [B], table [B, W]. Pure device work (graph-capturable)."""
         with pdl_scope(self.cfg.pdl):
-            return self._decode_forward_body(ids, slots, table, lengths, rows)
+            out = self._decode_forward_body(ids, slots, table, lengths, rows)
+        self._join()  # every side-stream branch rejoins before the step ends (a captured graph needs it)
+        return out
+
+    @contextlib.contextmanager
+    def _branch(self):
+        """Work issued inside runs on the side stream, after everything issued so far on the current stream (in
+        place when there is no side stream). Tensors it reads must stay referenced until :meth:`_join`."""
+        side = self._side
+        if side is None:
+            yield
+            return
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            yield
+
+    def _join(self) -> None:
+        """The current stream waits for the side stream's work so far."""
+        if self._side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+
+    def _prefetch(self, weights: list, B: int) -> None:
+        """l2_prefetch: ask for ``weights`` to be brought into L2 from the side stream (never waited for)."""
+        if self.cfg.l2_prefetch and self._side is not None and B <= L2_PREFETCH_MAX_ROWS:
+            with self._branch():
+                l2_prefetch(weights)
+
+    def _ffn_parts(self, i: int, layer, x: torch.Tensor) -> list[torch.Tensor]:
+        """The FFN output of the normed input ``x [B, 1, D]`` as a list of ``[B, 1, D]`` parts whose left-to-right
+        sum (rounded after each add, as the model sums them) is the output; MoE branches on two streams with
+        ``parallel_ffn``."""
+        xf = x[:, 0]
+        fused = self._fused_ffn.get(i)
+        out = self._fused_ffn_out.get(i)
+        if not layer.is_moe or not self.cfg.parallel_ffn:
+            proj = None if fused is None else list(F.linear(xf, fused[0]).split(fused[1], dim=-1))
+            pre = layer.ffn_pre_output(x, proj)
+            if out is not None:
+                return [F.linear(torch.cat(pre, dim=-1), out)[:, None]]
+            return [(p if m is None else m(p))[:, None] for m, p in zip(layer.ffn_output_projections(), pre)]
+        moe = layer.block_sparse_moe
+        shared = moe.shared_experts
+        if moe.latent:  # router beside the input GEMM; the shared activation beside the routed experts
+            with self._branch():
+                routing = moe.route(xf)
+            proj = None if fused is None else list(F.linear(xf, fused[0]).split(fused[1], dim=-1))
+            h = proj.pop(0) if proj is not None else moe.routed_expert_down_proj(xf)
+            self._join()
+            s = None
+            if shared is not None:
+                with self._branch():
+                    s = shared.pre_output(xf, proj)
+            u = moe.routed(h, routing)
+            self._join()
+            pre = [u] if s is None else [u, s]
+            if out is not None:
+                return [F.linear(torch.cat(pre, dim=-1), out)[:, None]]
+            return [(p if m is None else m(p))[:, None] for m, p in zip(moe.output_projections(), pre)]
+        # plain MoE: the shared experts' whole chain beside the router and the routed experts
+        sd = None
+        if shared is not None:
+            with self._branch():
+                proj = None if fused is None else list(F.linear(xf, fused[0]).split(fused[1], dim=-1))
+                sd = shared.down_proj(shared.pre_output(xf, proj))
+        u = moe.routed(xf, moe.route(xf))
+        self._join()
+        return [u[:, None]] if sd is None else [u[:, None], sd[:, None]]
 
     def _decode_forward_body(self, ids, slots, table, lengths, rows) -> torch.Tensor:
         pool, lay = self.pool, self.pool.layout
@@ -1077,6 +1177,8 @@ class Engine:
             fused = self._fused.get(i)
             if fused is not None:  # one GEMM for every projection of the layer input
                 parts = F.linear(xx, fused[0]).split(fused[1], dim=-1)
+            if i in self._l2_next:  # the next GEMMs' weights into L2 while the attention kernel runs
+                self._prefetch(self._l2_next[i], B)
             if layer.attn_type == "kda":
                 if fused is not None:
                     q, k, v, fa, bl, ga = parts
@@ -1117,6 +1219,12 @@ class Engine:
             return out_proj(m.o_proj.weight, o, res)
 
         def ffn(i, layer, x, res=None):
+            if self.cfg.parallel_ffn and layer.is_moe:
+                parts = self._ffn_parts(i, layer, x)
+                y = parts[0]
+                for p in parts[1:]:
+                    y = y + p
+                return y if res is None else res + y
             fused = self._fused_ffn.get(i)
             proj = None if fused is None else list(F.linear(x[:, 0], fused[0]).split(fused[1], dim=-1))
             out = self._fused_ffn_out.get(i)
@@ -1128,14 +1236,30 @@ class Engine:
             y = layer.ffn(x, proj)
             return y if res is None else res + y
 
-        h = self._walk(
-            self.model.model.embed_tokens(ids)[:, None],
-            attn,
-            ffn,
-            residual=self.cfg.fuse_residual,
-            read_norm=self.cfg.fuse_read_norm,
-        )
+        r = self.model.model.embed_tokens(ids)[:, None]
+        if self.cfg.fuse_add_norm and not self.mcfg.use_attn_res:
+            h = self._walk_add_norm(r, attn)
+        else:
+            h = self._walk(r, attn, ffn, residual=self.cfg.fuse_residual, read_norm=self.cfg.fuse_read_norm)
         return F.linear(h[:, 0], self.model.output_weight).float()
+
+    def _walk_add_norm(self, r: torch.Tensor, attn: Callable) -> torch.Tensor:
+        """The decode walk of a model without AttnRes with each residual add and the RMSNorm after it in one launch
+        (fuse_add_norm): r [B, 1, D] embeddings -> final-normed hidden. ``attn(i, layer, x)``: the attention output
+        of the normed ``x``; the FFN through :meth:`_ffn_parts`."""
+        inner = self.model.model
+
+        def add_norm(r, parts, norm):
+            x, r = add_rms_norm(r[:, 0], [p[:, 0] for p in parts], norm.weight, norm.eps)
+            return x[:, None], r[:, None]
+
+        pending: list[torch.Tensor] = []
+        for i, layer in enumerate(inner.layers):
+            x, r = add_norm(r, pending, layer.input_layernorm)
+            pending = [attn(i, layer, x)]
+            x, r = add_norm(r, pending, layer.post_attention_layernorm)
+            pending = self._ffn_parts(i, layer, x)
+        return add_norm(r, pending, inner.norm)[0]
 
     def _graph_decode(self, bucket, meta, lengths, table, B: int, ids_from=None) -> torch.Tensor:
         if bucket not in self._graphs:

@@ -178,7 +178,20 @@ class SparseMoE(nn.Module):
         latent MoE) and the shared experts' activation."""
         xf = x.reshape(-1, x.shape[-1])
         pre = list(projections) if projections is not None else None
-        be = _backend.resolve("moe", x.is_cuda, self.backend)
+        routing = self.route(xf)
+        if self.latent:
+            h = pre.pop(0) if pre is not None else self.routed_expert_down_proj(xf)
+        else:
+            h = xf
+        parts = [self.routed(h, routing)]
+        if self.shared_experts is not None:
+            parts.append(self.shared_experts.pre_output(xf, pre))
+        return parts
+
+    def route(self, xf: torch.Tensor) -> tuple:
+        """Routing of the tokens ``xf [N, D]``: ``(topk_idx, weights, experts_fn)`` for :meth:`routed` (the few-token
+        path's router and experts where it applies). Records the router output when ``record_router`` is set."""
+        be = _backend.resolve("moe", xf.is_cuda, self.backend)
         fn = experts_reference if be == "reference" else FAST_EXPERTS[be]
         small = FAST_SMALL.get(be)
         if (
@@ -195,10 +208,12 @@ class SparseMoE(nn.Module):
             idx, w, scores = self.gate(xf)
         if self.record_router:
             self.last_router = (scores.detach(), idx.detach())
-        if self.latent:
-            h = pre.pop(0) if pre is not None else self.routed_expert_down_proj(xf)
-        else:
-            h = xf
+        return idx, w, fn
+
+    def routed(self, h: torch.Tensor, routing: tuple) -> torch.Tensor:
+        """The routed experts' mixture of ``h`` (the tokens, or their latent for a latent MoE) under ``routing``
+        (:meth:`route`), normed for a latent MoE with the norm."""
+        idx, w, fn = routing
         u = fn(
             h,
             idx,
@@ -212,7 +227,4 @@ class SparseMoE(nn.Module):
         )
         if self.latent and self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)
-        parts = [u]
-        if self.shared_experts is not None:
-            parts.append(self.shared_experts.pre_output(xf, pre))
-        return parts
+        return u
