@@ -234,10 +234,9 @@ def test_engine_fuse_kda_lowrank(graphs, fuse):
 
 @pytest.mark.parametrize("attnres", [True, False], ids=["attnres-latent", "plain-moe"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_engine_parallel_ffn_add_norm_l2(graphs, attnres, monkeypatch):
-    """parallel_ffn (MoE branches on a second stream captured into the same graph), fuse_add_norm (the residual add
-    and the next RMSNorm in one Triton launch; models without AttnRes) and l2_prefetch (weights requested into L2 from
-    the second stream) on CUDA: fp32 decode logits against a full forward, tightly, for the `small` preset (AttnRes,
+def test_engine_parallel_ffn_add_norm(graphs, attnres, monkeypatch):
+    """parallel_ffn (MoE branches on a second stream captured into the same graph) and fuse_add_norm (the residual
+    add and the next RMSNorm in one Triton launch; models without AttnRes) on CUDA: fp32 decode logits against a full forward, tightly, for the `small` preset (AttnRes,
     latent MoE with shared experts) and the same without AttnRes and with a plain MoE (the Kimi Linear layout)."""
     import openk3.infer.engine as E
 
@@ -254,9 +253,9 @@ def test_engine_parallel_ffn_add_norm_l2(graphs, attnres, monkeypatch):
     model = model.to(DEV).eval()
     eng = Engine(
         model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, prefix_cache=False,
-        use_cuda_graphs=graphs, parallel_ffn=True, fuse_add_norm=True, l2_prefetch=True,
+        use_cuda_graphs=graphs, parallel_ffn=True, fuse_add_norm=True,
     )  # fmt: skip
-    assert eng._side is not None and eng._l2_next
+    assert eng._side is not None
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (18, 9, 14)]
     reqs = eng.generate(_prompts(9, [9, 77, 150], model.config.vocab_size), params)
     assert bool(calls) == (not attnres)

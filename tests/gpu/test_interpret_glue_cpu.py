@@ -1,12 +1,10 @@
-"""The decode step's small fused pieces (``openk3.infer.glue``): the residual add + RMSNorm kernel under
-TRITON_INTERPRET=1 on CPU (a subprocess: the interpreter must be chosen before Triton kernels are defined) and,
-compiled, on a GPU; the L2 request kernel on a GPU (it must change nothing, also inside a CUDA graph)."""
+"""The decode step's residual add + RMSNorm kernel (``openk3.infer.glue``) under TRITON_INTERPRET=1 on CPU (a
+subprocess: the interpreter must be chosen before Triton kernels are defined) and, compiled, on a GPU."""
 
 import importlib.util
 import textwrap
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -66,22 +64,3 @@ def test_add_rms_norm_gpu():
     ns: dict = {}
     exec(textwrap.dedent(CASES), ns)
     assert ns["cases"]("cuda", (2048, 2304, 7168)) < 2e-6
-
-
-@pytest.mark.gpu
-def test_l2_prefetch_changes_nothing():
-    from openk3.infer.glue import l2_prefetch
-
-    ws = [torch.randn(n, 2048, device="cuda", dtype=torch.bfloat16) for n in (1, 777, 4096)]
-    ws.append(torch.randn(3, device="cuda"))
-    before = [w.clone() for w in ws]
-    assert l2_prefetch(ws) == sum(w.numel() * w.element_size() for w in ws)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(g):
-        l2_prefetch(ws)
-    g.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(ws, before))
-    assert l2_prefetch([torch.randn(4, 4)]) == 0  # CPU tensors: nothing to do

@@ -117,22 +117,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--parallel-ffn",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="decode, MoE layers on CUDA: independent branches (router, shared experts) on a second stream of the "
-        "same CUDA graph; default off",
+        "same CUDA graph; default on",
     )
     g.add_argument(
         "--fuse-add-norm",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="decode, models without AttnRes: each residual add and the RMSNorm after it in one launch; default off",
-    )
-    g.add_argument(
-        "--l2-prefetch",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="decode on CUDA, up to 16 rows: request the next GEMMs' weights into L2 from a second stream while the "
-        "attention kernel runs; default off",
+        default=True,
+        help="decode, models without AttnRes: each residual add and the RMSNorm after it in one launch; default on",
     )
     g.add_argument(
         "--backend",
@@ -207,7 +200,6 @@ def _load(args):
         overlap=args.overlap,
         parallel_ffn=args.parallel_ffn,
         fuse_add_norm=args.fuse_add_norm,
-        l2_prefetch=args.l2_prefetch,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     if args.moe_small_tokens is not None:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from openk3.fast._triton import pdl_scope
 from openk3.infer.cache import PagedHybridCache, PrefixCache, plan_pool
 from openk3.infer.decode import resolve_kda_decode, resolve_mla_decode
-from openk3.infer.glue import add_rms_norm, l2_prefetch
+from openk3.infer.glue import add_rms_norm
 from openk3.infer.sampling import SamplingParams, find_stop, sample, sample_keys, stop_holdback
 from openk3.ops import backend as _backend
 from openk3.ops.attnres import make_reader
@@ -115,19 +115,13 @@ class EngineConfig:
     # decode step, MoE layers on CUDA: independent branches on a second stream (captured into the same CUDA graph),
     # so that their fixed per-kernel latencies overlap: the router beside the FFN input GEMM and the shared experts'
     # activation beside the routed experts (latent MoE), or the whole shared-expert chain beside the router and the
-    # routed experts (plain MoE). Same values as without it
-    parallel_ffn: bool = False
+    # routed experts (plain MoE). Same values as without it. H200, batch 1: medium 1.56 -> 1.50 ms per step, 48B shape
+    # 3.25 -> 3.01 ms (bench/NOTES.md v13)
+    parallel_ffn: bool = True
     # decode step, models without AttnRes: each residual add (attention output; the FFN output's parts) and the
-    # RMSNorm that reads the result in one launch (`openk3.infer.glue.add_rms_norm`, same roundings)
-    fuse_add_norm: bool = False
-    # decode step on CUDA, at most L2_PREFETCH_MAX_ROWS rows: while a latency-bound attention kernel runs (the KDA
-    # step; the MLA glue and attention), a second stream asks for the weights of the GEMMs that follow (the output
-    # projection, the FFN's input projections and router) to be brought into L2. Changes no value
-    l2_prefetch: bool = False
-
-
-# l2_prefetch: at most this many rows (above them the GEMMs are no longer latency-bound)
-L2_PREFETCH_MAX_ROWS = 16
+    # RMSNorm that reads the result in one launch (`openk3.infer.glue.add_rms_norm`, same roundings). H200, 48B
+    # shape: 3.25 -> 3.14 ms per step at batch 1, 12.30 -> 12.20 at batch 16 (bench/NOTES.md v13)
+    fuse_add_norm: bool = True
 
 
 # above this many rows every KDA program would re-read its head's f_b_proj rows (from L2): the GEMV is kept
@@ -372,22 +366,10 @@ class Engine:
             else:
                 log.info("fuse_kda_lowrank: the decode step is not the Triton kernel here; the GEMV is kept")
         self._mla_step = resolve_mla_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
-        # the decode step's second stream (parallel_ffn branches, l2_prefetch requests); None: every op in place
-        on_cuda = self.device.type == "cuda"
+        # the decode step's second stream (parallel_ffn branches); None: every op in place
         self._side = (
-            torch.cuda.Stream(self.device) if on_cuda and (cfg.parallel_ffn or cfg.l2_prefetch) else None
+            torch.cuda.Stream(self.device) if self.device.type == "cuda" and cfg.parallel_ffn else None
         )
-        # l2_prefetch: per layer, the weights read after its attention kernel (output projection, the MLA absorbed
-        # weights, the FFN's input projections and router), requested while the attention kernel runs
-        self._l2_next: dict[int, list[torch.Tensor]] = {}
-        if cfg.l2_prefetch:
-            for i, layer in enumerate(inner.layers):
-                ws = [layer.self_attn.o_proj.weight, *self._absorbed.get(i, ())]
-                f = self._fused_ffn.get(i)
-                ws += [f[0]] if f is not None else [m.weight for m in layer.ffn_input_projections()]
-                if layer.is_moe:
-                    ws.append(layer.block_sparse_moe.gate.weight)
-                self._l2_next[i] = ws
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
         if self.graphs_enabled and any(layer.is_moe for layer in inner.layers):
@@ -1113,12 +1095,6 @@ class Engine:
         if self._side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
 
-    def _prefetch(self, weights: list, B: int) -> None:
-        """l2_prefetch: ask for ``weights`` to be brought into L2 from the side stream (never waited for)."""
-        if self.cfg.l2_prefetch and self._side is not None and B <= L2_PREFETCH_MAX_ROWS:
-            with self._branch():
-                l2_prefetch(weights)
-
     def _ffn_parts(self, i: int, layer, x: torch.Tensor) -> list[torch.Tensor]:
         """The FFN output of the normed input ``x [B, 1, D]`` as a list of ``[B, 1, D]`` parts whose left-to-right
         sum (rounded after each add, as the model sums them) is the output; MoE branches on two streams with
@@ -1177,8 +1153,6 @@ class Engine:
             fused = self._fused.get(i)
             if fused is not None:  # one GEMM for every projection of the layer input
                 parts = F.linear(xx, fused[0]).split(fused[1], dim=-1)
-            if i in self._l2_next:  # the next GEMMs' weights into L2 while the attention kernel runs
-                self._prefetch(self._l2_next[i], B)
             if layer.attn_type == "kda":
                 if fused is not None:
                     q, k, v, fa, bl, ga = parts

@@ -1,11 +1,8 @@
-"""Small fused pieces of the inference engine's decode step, with PyTorch references of the same signatures.
+"""A small fused piece of the inference engine's decode step, with a PyTorch reference of the same signature.
 
-* :func:`add_rms_norm`: the residual stream's pending adds and the RMSNorm that reads the result, in one launch on
+:func:`add_rms_norm`: the residual stream's pending adds and the RMSNorm that reads the result, in one launch on
   CUDA (models without AttnRes: every layer half ends in ``r = r + y`` and the next half starts with ``norm(r)``).
   Same roundings as the unfused ops: each add rounded to the dtype, then :func:`openk3.ops.norm.rms_norm`.
-* :func:`l2_prefetch`: asks for a set of weight tensors to be brought into L2 (``prefetch.global.L2``, nothing waits
-  for the lines and no register holds them). The engine issues it on a side stream while a latency-bound kernel runs
-  (the KDA step, the MLA glue), for the GEMVs that follow; it changes no value.
 """
 
 from __future__ import annotations
@@ -15,9 +12,9 @@ import torch
 from openk3.fast._triton import HAS_TRITON, INTERPRET, tl, triton
 from openk3.ops.norm import rms_norm
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "l2_prefetch", "triton_add_norm_ok"]
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "triton_add_norm_ok"]
 
-# rows per launch above which the add + norm keeps the separate ops (one program per row; any width up to this)
+# the widest row the add + norm kernel takes (one program holds a whole row); wider rows take the separate ops
 ADD_NORM_MAX_WIDTH = 16384
 
 
@@ -68,15 +65,6 @@ if HAS_TRITON:
         y = _rnd(x * (1.0 / tl.sqrt(tl.sum(x * x) / D + eps)), dtype)
         tl.store(out_ptr + b * s_o + c, _rnd(_rnd(w, dtype) * y, dtype).to(dtype), mask=m)
 
-    @triton.jit
-    def _l2_prefetch_kernel(ptr, n_lines, LINES: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * LINES + tl.arange(0, LINES)
-        i = tl.minimum(i, n_lines - 1)  # never a line past the tensor
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr + i * 128], dtype=tl.int32, is_pure=False,
-            pack=1,
-        )  # fmt: skip
-
 
 def triton_add_norm_ok(r: torch.Tensor) -> bool:
     """Whether :func:`add_rms_norm` runs the Triton kernel for ``r`` (CUDA or the interpreter, 2-D rows of width
@@ -110,30 +98,3 @@ def add_rms_norm(
             D, float(eps), NP=len(parts), BD=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
         )  # fmt: skip
     return out, rout
-
-
-# lines (128 bytes) per program of the prefetch kernel
-PREFETCH_LINES = 1024
-
-
-def l2_prefetch(tensors) -> int:
-    """Request every (contiguous) tensor of ``tensors`` into L2; compiled kernels on CUDA only (a no-op elsewhere).
-    Returns the number of bytes requested."""
-    total = 0
-    for t in tensors:
-        if (
-            t is None
-            or not t.is_cuda
-            or INTERPRET
-            or not HAS_TRITON
-            or not t.is_contiguous()
-            or not t.numel()
-        ):
-            continue
-        nbytes = t.numel() * t.element_size()
-        lines = triton.cdiv(nbytes, 128)
-        _l2_prefetch_kernel[(triton.cdiv(lines, PREFETCH_LINES),)](
-            t.view(-1).view(torch.uint8), lines, LINES=PREFETCH_LINES, num_warps=4
-        )
-        total += nbytes
-    return total
