@@ -117,9 +117,11 @@ SCRIPT = textwrap.dedent(
     launches = []
     p2 = attnres._p2_fwd
 
+    ones = []  # whether each launch took the one-tile form (decode-sized token counts)
+
     class Spy:  # records whether each phase-2 launch normed its output
         def __getitem__(self, grid):
-            return lambda *a, **k: launches.append(k["NORM"]) or p2[grid](*a, **k)
+            return lambda *a, **k: launches.append(k["NORM"]) or ones.append(k["ONE"]) or p2[grid](*a, **k)
 
     attnres._p2_fwd = Spy()
     with torch.no_grad():
@@ -139,7 +141,9 @@ SCRIPT = textwrap.dedent(
                 worst = max(worst, rel(got, want))
                 assert got.shape == live.shape and got.dtype == live.dtype
             assert launches == [True] * len(sites), launches
+            assert ones == [N <= attnres.P2_ONE_TILE_TOKENS] * len(sites), (N, ones)
             launches.clear()
+            ones.clear()
             again = fast.read_normed(0, sites[0][1], sites[0][2], live, norm)  # second read: reference path
             worst = max(worst, rel(again, rms_norm(ref.read(0, sites[0][1], sites[0][2], live), norm.weight, 1e-6)))
             assert launches == [], launches

@@ -201,12 +201,43 @@ if HAS_TRITON:
         return h
 
     @triton.jit
+    def _p2_fwd_one(
+        r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, lse_ptr, out_ptr, s_ptr, inv_ptr, N, eps, g_ptr, x_ptr, neps, n, nm,
+        D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, S: tl.constexpr, DIRECT: tl.constexpr,
+        NORM: tl.constexpr, STORE_OUT: tl.constexpr,
+    ):  # fmt: skip
+        """:func:`_p2_fwd` with the whole row in one tile: the same values, every load issued before the math."""
+        d = tl.arange(0, BD)
+        dm = d < D
+        m2 = nm[:, None] & dm[None, :]
+        r = tl.load(r_ptr + n[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=dm, other=0.0)
+        pn = _pn_tile(v_ptr, pp_ptr, pn_ptr, n, d, m2, N, D, BN, BD, S, DIRECT)
+        lse = tl.load(lse_ptr + n, mask=nm, other=0.0)
+        inv = tl.rsqrt(tl.sum(r * r, axis=1) / D + eps)
+        s = tl.sum(r * w[None, :], axis=1) * inv
+        lam = tl.sigmoid(lse - s)
+        tl.store(s_ptr + n, s, mask=nm)
+        tl.store(inv_ptr + n, inv, mask=nm)
+        h = _h_tile(lam, pn, r, out_ptr)  # the output as stored
+        if STORE_OUT:
+            tl.store(out_ptr + n[:, None] * D + d[None, :], h.to(out_ptr.dtype.element_ty), mask=m2)
+        if NORM:
+            dt = x_ptr.dtype.element_ty
+            g = tl.load(g_ptr + d, mask=dm, other=0.0).to(dt).to(tl.float32)
+            hinv = tl.rsqrt(tl.sum(h * h, axis=1) / D + neps)
+            y = (h * hinv[:, None]).to(dt).to(tl.float32)
+            tl.store(x_ptr + n[:, None] * D + d[None, :], (g[None, :] * y).to(dt), mask=m2)
+
+    @triton.jit
     def _p2_fwd(
         r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, lse_ptr, out_ptr, s_ptr, inv_ptr, N, eps, g_ptr, x_ptr, neps,
         D: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, S: tl.constexpr, DIRECT: tl.constexpr,
-        NORM: tl.constexpr, PDL: tl.constexpr, STORE_OUT: tl.constexpr = True,
+        NORM: tl.constexpr, PDL: tl.constexpr, STORE_OUT: tl.constexpr = True, ONE: tl.constexpr = False,
     ):  # fmt: skip
-        """Phase 2 of one read for BN tokens. ``NORM``: also the RMSNorm of the output (gain ``g``, eps ``neps``) into
+        """Phase 2 of one read for BN tokens. ``ONE`` (decode: few tokens, ``BD >= D``): the whole row is one tile,
+        every operand is requested up front and the output and its norm are formed in registers (one memory
+        latency instead of one per pass over the row). ``NORM``: also the RMSNorm of the output (gain ``g``, eps ``neps``) into
         ``x``, as ``openk3.ops.norm.rms_norm`` computes it from the stored output (fp32 mean of squares, the
         normalised value rounded to the output dtype before the gain, the product rounded again). ``NORM`` without
         ``STORE_OUT`` (training): the output is not stored; the norm is taken of the output recomputed in registers,
@@ -215,6 +246,12 @@ if HAS_TRITON:
         pdl_trigger(PDL)
         n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
         nm = n < N
+        if ONE:
+            _p2_fwd_one(
+                r_ptr, w_ptr, pn_ptr, v_ptr, pp_ptr, lse_ptr, out_ptr, s_ptr, inv_ptr, N, eps, g_ptr, x_ptr, neps,
+                n, nm, D, BN, BD, S, DIRECT, NORM, STORE_OUT,
+            )  # fmt: skip
+            return
         dot = tl.zeros([BN], dtype=tl.float32)
         sq = tl.zeros([BN], dtype=tl.float32)
         for d0 in tl.range(0, D, BD):
@@ -647,6 +684,10 @@ def _tiles(SP: int) -> tuple[int, int]:
     return 8, 32
 
 
+# phase 2's forward for at most this many tokens (decode) and rows at most this wide: one program per token with
+# the whole row in one tile (every operand requested up front; the passes over the row become one)
+P2_ONE_TILE_TOKENS = 16
+P2_ONE_TILE_WIDTH = 8192
 # (tokens, columns, warps) per program of each kernel; OPENK3_ATTNRES_TILES="p2_bwd=32x64x8,..." overrides
 # (measured on an H200 at N=16384 D=2048, bench/diag_attnres.py --sweep; columns are capped at D's power of 2)
 TILES = {
@@ -923,13 +964,17 @@ def _p2_forward(
     inv = torch.empty_like(s)
     bn, bd, nw = TILES["p2_fwd_direct" if block.direct else "p2_fwd"]
     bd = min(bd, _pow2(D, 16))
+    one = N <= P2_ONE_TILE_TOKENS and _pow2(D, 16) <= P2_ONE_TILE_WIDTH
+    if one:  # decode: one token per program, the whole row in one tile (up to 16 values per thread)
+        bn, bd = 1, _pow2(D, 16)
+        nw = max(nw, min(16, bd // 512))
     pn, V, pp = _p2_operands(block, qi)
     g, neps = (norm[0], float(norm[1])) if norm is not None else (w, 0.0)
     pdl = pdl_on(rf) and not torch.is_grad_enabled()
     _p2_fwd[(triton.cdiv(N, bn),)](
         rf, w, pn, V, pp, lse, x if out is None else out, s, inv, N, block.eps, g, x, neps,
         D=D, BN=bn, BD=bd, S=_nsrc(block), DIRECT=block.direct, NORM=norm is not None, PDL=pdl,
-        STORE_OUT=out is not None, num_warps=nw, **pdl_launch(pdl),
+        STORE_OUT=out is not None, ONE=one, num_warps=nw, **pdl_launch(pdl),
     )  # fmt: skip
     return out, s, inv, (x if norm is not None else None)
 
