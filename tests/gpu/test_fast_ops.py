@@ -360,6 +360,31 @@ def test_moe_small_experts(dtype, N, E, K, W, I, act, check):
 
 
 @pytest.mark.parametrize(
+    "N,E,K,D,I", [(1, 256, 8, 2304, 1024), (16, 64, 8, 1024, 640), (3, 896, 16, 512, 64)]
+)
+def test_moe_small_fused_select(N, E, K, D, I):
+    """The routing selection formed inside the experts' gate/up kernel (``route_logits_small`` + ``experts_small``
+    with the pending route) against the separate selection kernel: the same ids, weights and scores bit for bit,
+    and the same expert output, bf16, compiled."""
+    from openk3.fast import moe_small
+
+    g = _fresh()
+    x = _rand(N, D, dtype=torch.bfloat16, g=g)
+    wr = _rand(E, D, dtype=torch.bfloat16, scale=D**-0.5, g=g)
+    bias = _rand(E, scale=0.05, g=g)
+    w13 = _rand(E, 2 * I, D, dtype=torch.bfloat16, scale=D**-0.5, g=g)
+    w2 = _rand(E, D, I, dtype=torch.bfloat16, scale=I**-0.5, g=g)
+    kw = dict(top_k=K, activation="sigmoid", renormalize=True, scaling=2.5)
+    with torch.no_grad():
+        i0, w0, s0 = moe_small.route_small(x, wr, bias, **kw)
+        y0 = moe_small.experts_small(x, i0, w0, w13[:, :I], w2, w13[:, I:], act="silu")
+        pr = moe_small.route_logits_small(x, wr, bias, **kw)
+        y1 = moe_small.experts_small(x, pr, None, w13[:, :I], w2, w13[:, I:], act="silu")
+    assert torch.equal(pr.idx, i0) and torch.equal(pr.weights, w0) and torch.equal(pr.scores, s0)
+    assert torch.equal(y1, y0)
+
+
+@pytest.mark.parametrize(
     "up,down", [((16, 256, 1), (32, 128, 1)), ((8, 512, 4), (16, 256, 4)), ((32, 128, 3), (64, 64, 2))]
 )
 def test_moe_small_experts_tiles(up, down, check, monkeypatch):

@@ -48,6 +48,30 @@ SCRIPT = textwrap.dedent(
     i1, _, _ = moe_small.route_small(x, w, None, top_k=3)
     i0, _, _ = route(x, w, None, top_k=3)
     assert int(i1[0, 0]) == 4 == int(i0[0, 0]) and len(set(i1[0].tolist())) == 3, (i1, i0)
+    # the selection formed inside the experts' gate/up kernel (a PendingRoute): the same routing, bit for bit, and
+    # the same output as the separate selection kernel
+    for E, K, D, I, N in [(20, 3, 40, 24, 3), (64, 8, 32, 16, 1), (9, 9, 16, 8, 2)]:
+        for act in ("sigmoid", "softmax"):
+            for bias in (None, torch.randn(E) * 0.1):
+                x = torch.randn(N, D)
+                wr = torch.randn(E, D) / D**0.5
+                if E == 9:
+                    wr[4] = float("nan")  # a NaN logit is chosen first here too
+                w1, w3 = torch.randn(E, I, D) / D**0.5, torch.randn(E, I, D) / D**0.5
+                w2 = torch.randn(E, D, I) / I**0.5
+                kw = dict(top_k=K, activation=act, renormalize=True, scaling=2.0)
+                i0, w0, s0 = moe_small.route_small(x, wr, bias, **kw)
+                y0 = moe_small.experts_small(x, i0, w0, w1, w2, w3)
+                pr = moe_small.route_logits_small(x, wr, bias, **kw)
+                y1 = moe_small.experts_small(x, pr, None, w1, w2, w3)
+                same = lambda a, b: torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+                assert torch.equal(pr.idx, i0), (E, K, act, pr.idx, i0)
+                assert same(pr.weights, w0) and same(pr.scores, s0) and same(y1, y0), (E, K, act)
+    try:
+        moe_small.experts_small(torch.randn(2, 8), moe_small.route_logits_small(torch.randn(3, 8), torch.randn(4, 8), None, top_k=2), None, torch.randn(4, 6, 8), torch.randn(4, 8, 6), torch.randn(4, 6, 8))
+        raise AssertionError("router logits of another token count accepted")
+    except ValueError:
+        pass
     # experts: packed (two halves of one buffer, as openk3.modules.moe.Experts stores them) and separate gate/up
     for E, I, W, N, K in [(10, 40, 200, 1, 3), (6, 17, 33, 4, 2), (4, 64, 256, 2, 4), (3, 8, 16, 2, 1)]:
         for act in ("situ", "silu"):
@@ -133,8 +157,9 @@ SCRIPT = textwrap.dedent(
 
     resolve = backend.resolve
     calls = []
-    route0, experts0 = moe_small.route_small, moe_small.experts_small
+    route0, experts0, logits0 = moe_small.route_small, moe_small.experts_small, moe_small.route_logits_small
     moe_small.route_small = lambda *a, **k: calls.append("route") or route0(*a, **k)
+    moe_small.route_logits_small = lambda *a, **k: calls.append("route") or logits0(*a, **k)
     moe_small.experts_small = lambda *a, **k: calls.append("experts") or experts0(*a, **k)
     for groups in (1, 2):
         cfg = get_preset("tiny").replace(num_expert_group=groups, topk_group=1)

@@ -27,6 +27,7 @@ expert.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +45,12 @@ def _env_tokens(name: str, default: int) -> int:
 
 
 SMALL_N = _env_tokens("OPENK3_MOE_SMALL_N", 16)
+# the routing selection formed inside the experts' gate/up kernel (route_logits_small + experts_small with a
+# PendingRoute) instead of its own launch; OPENK3_MOE_FUSE_SELECT=0 keeps the separate selection kernel
+_fs = os.environ.get("OPENK3_MOE_FUSE_SELECT", "1").strip()
+if _fs not in ("0", "1"):
+    raise ValueError(f"OPENK3_MOE_FUSE_SELECT must be 0 or 1, got {_fs!r}")
+FUSE_SELECT = _fs == "1"
 PAIRS_PER_EXPERT = (
     2  # the path is taken for N tokens of top-k routing only while N * k <= PAIRS_PER_EXPERT * experts
 )
@@ -122,11 +129,25 @@ if HAS_TRITON:
         RENORM: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """Scores, top-k of scores + bias (NaN counts as the largest, as in torch.topk; ties: lowest index), mixture
-        weights from the unbiased scores, renormalised (+1e-20) and scaled."""
+        """The routing of token ``program_id(0)`` (:func:`_select`) stored: expert ids, scaled weights, scores."""
         pdl_wait(PDL)
         pdl_trigger(PDL)
         n = tl.program_id(0).to(tl.int64)
+        _select(
+            logit_ptr, bias_ptr, idx_ptr, wt_ptr, score_ptr, n, E, scaling, True,
+            K, KP, EP, SOFTMAX, HAS_BIAS, RENORM,
+        )  # fmt: skip
+
+    @triton.jit
+    def _select(
+        logit_ptr, bias_ptr, idx_ptr, wt_ptr, score_ptr, n, E, scaling, STORE,
+        K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+        RENORM: tl.constexpr,
+    ):  # fmt: skip
+        """Token ``n``'s routing from its fp32 logits: scores, top-k of scores + bias (NaN counts as the largest, as
+        in torch.topk; ties: lowest index), mixture weights from the unbiased scores, renormalised (+1e-20) and
+        scaled. Returns the ``[KP]`` expert ids (int32; slots past K are 0); where ``STORE``, also stores the
+        ids, the scaled weights and the scores."""
         es = tl.arange(0, EP)
         em = es < E
         lg = tl.load(logit_ptr + n * E + es, mask=em, other=float("-inf"))
@@ -136,7 +157,6 @@ if HAS_TRITON:
             s = p / tl.sum(p, 0)
         else:
             s = tl.where(em, tl.sigmoid(lg), 0.0)
-        tl.store(score_ptr + n * E + es, s, mask=em)
         choice = s
         if HAS_BIAS:
             choice = s + tl.load(bias_ptr + es, mask=em, other=0.0).to(tl.float32)
@@ -155,9 +175,12 @@ if HAS_TRITON:
             avail = avail & (es != i)
         if RENORM:
             sel_w = sel_w / (tl.sum(sel_w, 0) + 1e-20)
-        km = ks < K
-        tl.store(idx_ptr + n * K + ks, sel_i.to(tl.int64), mask=km)
-        tl.store(wt_ptr + n * K + ks, sel_w * scaling, mask=km)
+        if STORE:
+            km = ks < K
+            tl.store(score_ptr + n * E + es, s, mask=em)
+            tl.store(idx_ptr + n * K + ks, sel_i.to(tl.int64), mask=km)
+            tl.store(wt_ptr + n * K + ks, sel_w * scaling, mask=km)
+        return sel_i
 
     @triton.jit
     def _experts_up_kernel(
@@ -185,14 +208,36 @@ if HAS_TRITON:
         NW: tl.constexpr,
         STAGES: tl.constexpr,
         PDL: tl.constexpr,
+        logit_ptr=None,
+        bias_ptr=None,
+        wt_ptr=None,
+        score_ptr=None,
+        scaling=1.0,
+        SELECT: tl.constexpr = False,
+        KP: tl.constexpr = 1,
+        EP: tl.constexpr = 1,
+        SOFTMAX: tl.constexpr = False,
+        HAS_BIAS: tl.constexpr = False,
+        RENORM: tl.constexpr = False,
     ):
         """a[p, i] = act(round(x[p // K] . w1[e_p, i]), round(x[p // K] . w3[e_p, i])) for pair p, expert e_p (NaN
-        for an expert id outside [0, E): no out-of-bounds read, and the bad id shows in the output)."""
+        for an expert id outside [0, E): no out-of-bounds read, and the bad id shows in the output). ``SELECT``: the
+        routing is formed here from the router logits (:func:`_select`, every program its own token's), and the
+        first program of each token stores it (ids, scaled weights, scores) for the down projection and combine."""
         pdl_wait(PDL)
         pdl_trigger(PDL)
         p = tl.program_id(0).to(tl.int64)
         n = p // K
-        e = tl.load(idx_ptr + p).to(tl.int64)
+        if SELECT:
+            j = p - n * K
+            first = (tl.program_id(1) == 0) & (j == 0)
+            sel = _select(
+                logit_ptr, bias_ptr, idx_ptr, wt_ptr, score_ptr, n, E, scaling, first,
+                K, KP, EP, SOFTMAX, HAS_BIAS, RENORM,
+            )  # fmt: skip
+            e = tl.sum(tl.where(tl.arange(0, KP) == j, sel, 0), 0).to(tl.int64)
+        else:
+            e = tl.load(idx_ptr + p).to(tl.int64)
         ok = (e >= 0) & (e < E)
         e = tl.where(ok, e, 0)
         ii = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -272,7 +317,23 @@ def _check_2d(name: str, t: torch.Tensor, cols: int | None = None) -> None:
         )
 
 
-def route_small(
+@dataclass
+class PendingRoute:
+    """Router logits whose selection :func:`experts_small` forms inside its first kernel (:func:`route_logits_small`).
+    ``idx`` / ``weights`` / ``scores`` are filled by that call."""
+
+    logits: torch.Tensor  # [N, E] fp32
+    bias: torch.Tensor | None
+    top_k: int
+    activation: str
+    renormalize: bool
+    scaling: float
+    idx: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+
+
+def route_logits_small(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -281,9 +342,9 @@ def route_small(
     activation: str = "sigmoid",
     renormalize: bool = True,
     scaling: float = 1.0,
-):
-    """``openk3.ops.moe.route`` for ``n_group == 1`` in two kernels. x: [N, D]; weight: [E, D]; bias: [E] or None.
-    Returns (topk_idx [N, k] int64, topk_weight [N, k] fp32, scores [N, E] fp32)."""
+) -> PendingRoute:
+    """The router logits of :func:`route_small` (one kernel); the selection is left to :func:`experts_small`, which
+    forms it in its gate/up kernel (one launch fewer on the path from the router to the experts)."""
     if activation not in ("sigmoid", "softmax"):
         raise ValueError(f"unknown router activation {activation!r}")
     E, D = weight.shape
@@ -316,24 +377,54 @@ def route_small(
         PDL=pdl,
         **pdl_launch(pdl),
     )
-    idx = torch.empty(N, top_k, dtype=torch.long, device=dev)
-    w = torch.empty(N, top_k, dtype=torch.float32, device=dev)
-    scores = torch.empty(N, E, dtype=torch.float32, device=dev)
-    _router_select_kernel[(N,)](
-        logits,
-        bias if bias is not None else logits,
+    return PendingRoute(logits, bias, top_k, activation, bool(renormalize), float(scaling))
+
+
+def _routing_args(pr: PendingRoute) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """Fresh (idx, weights, scores) outputs for the pending route and the selection's compile-time constants."""
+    N, E = pr.logits.shape
+    dev = pr.logits.device
+    pr.idx = torch.empty(N, pr.top_k, dtype=torch.long, device=dev)
+    pr.weights = torch.empty(N, pr.top_k, dtype=torch.float32, device=dev)
+    pr.scores = torch.empty(N, E, dtype=torch.float32, device=dev)
+    consts = dict(
+        KP=triton.next_power_of_2(pr.top_k),
+        EP=triton.next_power_of_2(E),
+        SOFTMAX=pr.activation == "softmax",
+        HAS_BIAS=pr.bias is not None,
+        RENORM=pr.renormalize,
+    )
+    return pr.idx, pr.weights, pr.scores, consts
+
+
+def route_small(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    activation: str = "sigmoid",
+    renormalize: bool = True,
+    scaling: float = 1.0,
+):
+    """``openk3.ops.moe.route`` for ``n_group == 1`` in two kernels. x: [N, D]; weight: [E, D]; bias: [E] or None.
+    Returns (topk_idx [N, k] int64, topk_weight [N, k] fp32, scores [N, E] fp32)."""
+    pr = route_logits_small(
+        x, weight, bias, top_k=top_k, activation=activation, renormalize=renormalize, scaling=scaling
+    )
+    idx, w, scores, consts = _routing_args(pr)
+    pdl = pdl_on(x)
+    _router_select_kernel[(x.shape[0],)](
+        pr.logits,
+        bias if bias is not None else pr.logits,
         idx,
         w,
         scores,
-        E,
-        float(scaling),
+        pr.logits.shape[1],
+        pr.scaling,
         K=top_k,
-        KP=triton.next_power_of_2(top_k),
-        EP=triton.next_power_of_2(E),
-        SOFTMAX=activation == "softmax",
-        HAS_BIAS=bias is not None,
-        RENORM=bool(renormalize),
         PDL=pdl,
+        **consts,
         **pdl_launch(pdl),
     )
     return idx, w, scores
@@ -343,12 +434,29 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
     """``openk3.ops.moe.experts_reference`` for a few tokens (no autograd). x: [N, W]; idx, weights: [N, k];
     w1, w3: [E, I, W]; w2: [E, W, I] (unit stride along the last dimension). Returns [N, W] in x.dtype. A token
     routed to an expert id outside [0, E) gets NaN (checked in the kernels: no host synchronisation, no
-    out-of-bounds read)."""
+    out-of-bounds read). ``idx`` may instead be a :class:`PendingRoute` (``weights`` None): the selection is then
+    formed in the gate/up kernel and left in the route's ``idx`` / ``weights`` / ``scores``."""
     if act not in ("situ", "silu", "swiglu"):
         raise ValueError(f"unknown activation {act!r}; expected 'situ' or 'silu'")
     E, I, W = w1.shape
     _check_2d("expert input", x, W)
     N = x.shape[0]
+    pending = idx if isinstance(idx, PendingRoute) else None
+    if pending is not None:
+        if pending.logits.shape != (N, E):
+            raise ValueError(f"router logits {tuple(pending.logits.shape)} do not match [{N}, {E}]")
+        idx, weights, scores, sel = _routing_args(pending)
+        sel = dict(
+            logit_ptr=pending.logits,
+            bias_ptr=pending.bias if pending.bias is not None else pending.logits,
+            wt_ptr=weights,
+            score_ptr=scores,
+            scaling=pending.scaling,
+            SELECT=True,
+            **sel,
+        )
+    else:
+        sel = {}
     if idx.shape != weights.shape or idx.dim() != 2 or idx.shape[0] != N:
         raise ValueError(f"idx {tuple(idx.shape)} and weights {tuple(weights.shape)} must both be [{N}, k]")
     if w3.shape != w1.shape or w2.shape != (E, W, I):
@@ -388,6 +496,7 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
         NW=triton.cdiv(W, bw),
         STAGES=ups,
         PDL=pdl,
+        **sel,
         **pdl_launch(pdl),
     )
     y = torch.empty(N * K, W, dtype=x.dtype, device=dev)

@@ -190,7 +190,8 @@ class SparseMoE(nn.Module):
 
     def route(self, xf: torch.Tensor) -> tuple:
         """Routing of the tokens ``xf [N, D]``: ``(topk_idx, weights, experts_fn)`` for :meth:`routed` (the few-token
-        path's router and experts where it applies). Records the router output when ``record_router`` is set."""
+        path's router and experts where it applies; with its selection fused into the experts' first kernel,
+        ``(PendingRoute, None, experts_fn)``). Records the router output when ``record_router`` is set."""
         be = _backend.resolve("moe", xf.is_cuda, self.backend)
         fn = experts_reference if be == "reference" else FAST_EXPERTS[be]
         small = FAST_SMALL.get(be)
@@ -200,10 +201,16 @@ class SparseMoE(nn.Module):
             and small.enabled(xf, self.gate.top_k, self.gate.weight.shape[0])
         ):
             gate = self.gate
+            fn = small.experts_small
+            if getattr(small, "FUSE_SELECT", False) and not self.record_router:
+                # the selection is formed inside the experts' first kernel
+                pending = small.route_logits_small(
+                    xf, gate.weight, gate.e_score_correction_bias, **gate.options()
+                )
+                return pending, None, fn
             idx, w, scores = small.route_small(
                 xf, gate.weight, gate.e_score_correction_bias, **gate.options()
             )
-            fn = small.experts_small
         else:
             idx, w, scores = self.gate(xf)
         if self.record_router:
