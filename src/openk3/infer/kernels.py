@@ -216,11 +216,21 @@ if HAS_TRITON:
         """Request the lines holding ``ptrs`` into L1 (``LEVEL`` 1) or L2 (2); compiled kernels only."""
         if LEVEL == 1:
             tl.inline_asm_elementwise(
-                "prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+                "prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;",
+                "=r,l",
+                [ptrs],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
             )
         else:
             tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+                "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+                "=r,l",
+                [ptrs],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
             )
 
     @triton.jit
