@@ -605,6 +605,93 @@ def test_kda_decode_gpu_launch_flags(dtype, bv, num_warps, extra):
         )
 
 
+# (H, decay rank, gate rank, decay gate) of the model shapes: Kimi-Linear-48B (low-rank decay and gate, softplus)
+# and the medium preset (low-rank decay, full-rank gate, lower-bounded decay)
+KDA_MODEL_SHAPES = {"48b": (32, 128, 128, "softplus"), "medium": (16, 128, 0, "lowerbound")}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", sorted(KDA_MODEL_SHAPES))
+@pytest.mark.parametrize(
+    "nv,num_warps,prefetch",
+    [(2, 8, 2), (4, 8, 2), (8, 8, 2), (4, 4, 2), (8, 4, 2), (16, 4, 2), (4, 8, 1), (8, 8, 1), (4, 8, 0)],
+)
+def test_kda_decode_split_gpu(dtype, shape, nv, num_warps, prefetch, K=128, S=12):
+    """The split form compiled, at model shapes: one row, four rows, five rows plus two padded rows on the
+    scratch slot; the arrival counters are back at zero after each call."""
+    H, rank, gate_rank, gate_kind = KDA_MODEL_SHAPES[shape]
+    for B in (1, 4, 7):
+        seed = seed_of(str(dtype), "split gpu", shape, nv, num_warps, prefetch, B)
+        run_kda_case(
+            B, H, K, 4, S, dtype, gate_kind, None, seed, *KDA_TOL[dtype], num_warps=num_warps, lowrank=rank,
+            gate_rank=gate_rank, split_v=nv, split_prefetch=prefetch,
+        )  # fmt: skip
+        assert KN.KDA_LAST_LAUNCH["split_v"] == nv and KN.KDA_LAST_LAUNCH["num_warps"] == num_warps
+        assert split_counters_zero()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nv", [2, 4, 8])
+@pytest.mark.parametrize("counters", ["kept", "in_capture"])
+def test_kda_decode_split_cuda_graph(nv, counters, H=32, K=128, rank=128):
+    """The split form in a CUDA graph, replayed several times on new inputs against the reference: with the
+    long-lived counters (allocated by an eager call before the capture), and with counters first asked for during
+    the capture (a fresh zeroed buffer that the graph clears before each replay's launch, not kept)."""
+    gen = torch.Generator().manual_seed(seed_of("split graph", nv, counters))
+    B, W, S = 5, 4, 8
+    layer = make_kda_layer(H, K, W, "softplus", gen)
+    HK = H * K
+    for proj in ("f_b_proj", "g_b_proj"):
+        w = 2 * rank**-0.5 * torch.randn(HK, rank, generator=gen)
+        setattr(layer, proj, types.SimpleNamespace(weight=w.bfloat16().to(DEV)))
+    conv = torch.randn(S + 1, 3, HK, W - 1, generator=gen).to(DEV)
+    state = (0.3 * torch.randn(S + 1, H, K, K, generator=gen)).to(DEV)
+    slots = torch.tensor([3, S, 0, S, 6], device=DEV)  # two padded rows on the scratch slot
+    real = slots != S
+    q, k, v = (torch.randn(B, HK, generator=gen).bfloat16().to(DEV) for _ in range(3))
+    fa, ga = (torch.randn(B, rank, generator=gen).bfloat16().to(DEV) for _ in range(2))
+    bl = torch.randn(B, H, generator=gen).bfloat16().to(DEV)
+
+    def step():
+        return KN.kda_decode_triton(
+            layer, q, k, v, None, bl, None, conv, state, slots, split_v=nv, z_lowrank=fa, gate_lowrank=ga
+        )
+
+    # compile outside the capture (and, for "in_capture", at another batch size, whose counters are dropped)
+    warm = 2 if counters == "in_capture" else B
+    c0, s0 = conv.clone(), state.clone()
+    KN.kda_decode_triton(
+        layer, q[:warm], k[:warm], v[:warm], None, bl[:warm], None, c0, s0, slots[:warm], split_v=nv,
+        z_lowrank=fa[:warm], gate_lowrank=ga[:warm],
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    key = (q.device.type, q.device.index, B * H)
+    if counters == "in_capture":  # (no graph of an earlier test that used this buffer is replayed again)
+        KN._KDA_COUNTERS.pop(key, None)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o_g = step()
+    torch.cuda.synchronize()
+    assert (key in KN._KDA_COUNTERS) == (counters == "kept")
+    for rep in range(4):
+        for t in (q, k, v, fa, ga, bl):
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        c2, s2 = conv.clone(), state.clone()
+        g.replay()
+        torch.cuda.synchronize()
+        z = torch.nn.functional.linear(fa, layer.f_b_proj.weight)
+        gate = torch.nn.functional.linear(ga, layer.g_b_proj.weight)
+        o_r = kda_decode_reference(layer, q, k, v, z, bl, gate, c2, s2, slots)
+        assert torch.isfinite(o_g).all()
+        tol_o, tol_s = KDA_TOL[torch.bfloat16]
+        check(f"split graph nv={nv} {counters} replay {rep} o", o_g[real], o_r[real], tol_o)
+        rs = slots[real]
+        check(f"split graph replay {rep} state", state[rs], s2[rs], tol_s)
+        assert torch.equal(conv[rs], c2[rs]), f"replay {rep}: conv history differs"
+        assert split_counters_zero()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("H", [16, 96])
