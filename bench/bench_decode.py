@@ -75,18 +75,21 @@ KDA_SWEEP = [
 # name -> (H, K = V, decay rank, gate rank (0: full-rank gate), decay gate); conv 4, bf16
 KDA_FEW_SHAPES = {"48b": (32, 128, 128, 128, "softplus"), "medium": (16, 128, 128, 0, "lowerbound")}
 KDA_FEW_BATCHES = (1, 4)
-# split-form launches timed there beside the per-head few-row launch: (split_v, num_warps, split_prefetch); the
-# first always, the rest with the sweep
+# split-form launches timed there beside the per-head few-row launch: (split_v, num_warps, split_prefetch,
+# split_maxnreg); the first always, the rest with the sweep
 KDA_SPLIT_SWEEP = [
-    (4, 8, 2),
-    (8, 8, 2),
-    (2, 8, 2),
-    (8, 4, 2),
-    (4, 4, 2),
-    (16, 4, 2),
-    (4, 8, 1),
-    (8, 8, 1),
-    (4, 8, 0),
+    (4, 8, 2, 0),
+    (8, 8, 2, 0),
+    (2, 8, 2, 0),
+    (2, 4, 2, 0),
+    (8, 4, 2, 0),
+    (4, 4, 2, 0),
+    (16, 4, 2, 0),
+    (4, 8, 1, 0),
+    (8, 8, 1, 0),
+    (4, 8, 0, 0),
+    (4, 8, 2, 128),
+    (8, 4, 2, 128),
 ]
 KDA_SPLIT_CONFIG = 8  # also timed: KDA_CONFIG["few"]["split_v"] set to this (halved as rows are added)
 MLA_DIMS = dict(DC=512, DR=64, page_size=16)
@@ -442,8 +445,13 @@ def kda_few_rows(sweep: bool):
                 print(f"  kda few {shape} failed: {ex}", flush=True)
                 continue
             configs = KDA_SPLIT_SWEEP if sweep else KDA_SPLIT_SWEEP[:1]
-            runs = [(f"kda split [NV={nv},w={nw},pf={pf}]", dict(split_v=nv, num_warps=nw, split_prefetch=pf))
-                    for nv, nw, pf in configs]  # fmt: skip
+            runs = [
+                (
+                    f"kda split [NV={nv},w={nw},pf={pf}{f',r{mr}' if mr else ''}]",
+                    dict(split_v=nv, num_warps=nw, split_prefetch=pf, split_maxnreg=mr),
+                )
+                for nv, nw, pf, mr in configs
+            ]
             runs.append((f"kda split [config {KDA_SPLIT_CONFIG}]", None))
             for tag, kw in runs:
                 if time.time() - T0 > BUDGET:

@@ -2,7 +2,7 @@
 configuration's registers per thread, spills and shared memory (from the cubin, through the ``cuobjdump`` that
 ships with Triton), so launch parameters can be checked before a GPU run.
 
-    python3 bench/diag_kda_compile.py [--split 2,4,8] [--warps 4,8] [--prefetch 2] [--out PATH]
+    python3 bench/diag_kda_compile.py [--split 2,4,8] [--warps 4,8] [--prefetch 2] [--maxnreg 0] [--out PATH]
 
 Shapes: the Kimi-Linear-48B layer (H=32, K=128, W=4, bf16, low-rank decay and low-rank output gate of rank 128)
 and the ``medium`` preset's (H=16, K=128, full-rank gate, low-rank decay of rank 128). Run without
@@ -62,7 +62,7 @@ def _types(fn, dtype: str) -> dict:
     return sig
 
 
-def compile_one(fn, consts: dict, num_warps: int, dtype: str = "bf16") -> dict:
+def compile_one(fn, consts: dict, num_warps: int, dtype: str = "bf16", maxnreg: int = 0) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -77,8 +77,9 @@ def compile_one(fn, consts: dict, num_warps: int, dtype: str = "bf16") -> dict:
         if sig[n].startswith("*") or n.startswith("s_")
     }
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    res = {"num_warps": num_warps, "shared": c.metadata.shared}
+    opts = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    res = {"num_warps": num_warps, "maxnreg": maxnreg, "shared": c.metadata.shared}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])
@@ -103,6 +104,7 @@ def main():
     ap.add_argument("--split", default="2,4,8", help="split_v values (programs per (row, head))")
     ap.add_argument("--warps", default="4,8", help="num_warps values of the split form")
     ap.add_argument("--prefetch", type=int, default=2, help="split_prefetch: 0 none, 1 L1, 2 L2")
+    ap.add_argument("--maxnreg", type=int, default=0, help="split_maxnreg: register cap (0: none)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     import openk3.infer.kernels as KN
@@ -115,7 +117,7 @@ def main():
         split = dict(common, PF=args.prefetch)
         for nv in (int(x) for x in args.split.split(",") if x):
             for nw in (int(x) for x in args.warps.split(",") if x):
-                r = compile_one(KN._kda_decode_split_kernel, {**split, "NV": nv}, nw)
+                r = compile_one(KN._kda_decode_split_kernel, {**split, "NV": nv}, nw, maxnreg=args.maxnreg)
                 rows.append({"shape": name, "form": f"split_v={nv}", **r})
                 print(json.dumps(rows[-1]), flush=True)
         # the one-program-per-(row, head) form in the few-row configuration, for comparison

@@ -614,18 +614,19 @@ KDA_MODEL_SHAPES = {"48b": (32, 128, 128, "softplus"), "medium": (16, 128, 0, "l
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", sorted(KDA_MODEL_SHAPES))
 @pytest.mark.parametrize(
-    "nv,num_warps,prefetch",
-    [(2, 8, 2), (4, 8, 2), (8, 8, 2), (4, 4, 2), (8, 4, 2), (16, 4, 2), (4, 8, 1), (8, 8, 1), (4, 8, 0)],
+    "nv,num_warps,prefetch,maxnreg",
+    [(2, 8, 2, 0), (4, 8, 2, 0), (8, 8, 2, 0), (2, 4, 2, 0), (4, 4, 2, 0), (8, 4, 2, 0), (16, 4, 2, 0)]
+    + [(4, 8, 1, 0), (8, 8, 1, 0), (4, 8, 0, 0), (4, 8, 2, 128), (8, 4, 2, 128)],
 )
-def test_kda_decode_split_gpu(dtype, shape, nv, num_warps, prefetch, K=128, S=12):
+def test_kda_decode_split_gpu(dtype, shape, nv, num_warps, prefetch, maxnreg, K=128, S=12):
     """The split form compiled, at model shapes: one row, four rows, five rows plus two padded rows on the
     scratch slot; the arrival counters are back at zero after each call."""
     H, rank, gate_rank, gate_kind = KDA_MODEL_SHAPES[shape]
     for B in (1, 4, 7):
-        seed = seed_of(str(dtype), "split gpu", shape, nv, num_warps, prefetch, B)
+        seed = seed_of(str(dtype), "split gpu", shape, nv, num_warps, prefetch, maxnreg, B)
         run_kda_case(
             B, H, K, 4, S, dtype, gate_kind, None, seed, *KDA_TOL[dtype], num_warps=num_warps, lowrank=rank,
-            gate_rank=gate_rank, split_v=nv, split_prefetch=prefetch,
+            gate_rank=gate_rank, split_v=nv, split_prefetch=prefetch, split_maxnreg=maxnreg,
         )  # fmt: skip
         assert KN.KDA_LAST_LAUNCH["split_v"] == nv and KN.KDA_LAST_LAUNCH["num_warps"] == num_warps
         assert split_counters_zero()

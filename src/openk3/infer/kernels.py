@@ -113,7 +113,9 @@ __all__ = [
 # until measured on a GPU. As configured here NV is the split at one row: it halves while B * H * NV exceeds
 # split_programs_per_sm programs per SM (0: no limit), and the per-head form runs once it would reach 1 (the
 # kda_decode_triton keyword split_v is taken as given). split_num_warps: warps per program; split_prefetch: the
-# state tile is first requested into L1 (1) or L2 (2) by a prefetch instruction (0: not).
+# state tile is first requested into L1 (1) or L2 (2) by a prefetch instruction (0: not); split_maxnreg: a cap on
+# registers per thread (0: none; ptxas otherwise keeps many loads in flight, 160-250 registers at 8 warps for the
+# 48B shape, one program per SM; at 128 two fit, with a few spills: bench/diag_kda_compile.py).
 KDA_CONFIG = {
     "BV": 32,
     "num_warps": 4,
@@ -123,6 +125,7 @@ KDA_CONFIG = {
     "split_v": 0,
     "split_num_warps": 8,
     "split_prefetch": 2,
+    "split_maxnreg": 0,
     "split_programs_per_sm": 1,
     "few": {"l2_prefetch": False, "heads_fast": False, "split_v": 0},
     "few_max_batch": 16,
@@ -854,13 +857,15 @@ def kda_decode_triton(
     gate_lowrank: torch.Tensor | None = None,
     split_v: int | None = None,
     split_prefetch: int | None = None,
+    split_maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Fused single-token KDA step (signature and layouts: :mod:`openk3.infer.decode`). ``BV`` (state columns per
     tile, a power of two; 0: the whole head), ``num_warps``, ``stages`` (0, or >= 2: the loop form),
     ``l2_prefetch``, ``heads_fast`` and ``split_v`` (see :data:`KDA_CONFIG`) override :data:`KDA_CONFIG`.
     ``split_v`` NV > 0: the split form, NV programs per (row, head) with ``K // NV`` state columns each (a power of
-    two at most K; ``BV``, ``stages``, ``l2_prefetch`` and ``heads_fast`` do not apply; ``num_warps`` and
-    ``split_prefetch`` default to ``KDA_CONFIG["split_num_warps"]`` / ``["split_prefetch"]``). ``z_lowrank``: the
+    two at most K; ``BV``, ``stages``, ``l2_prefetch`` and ``heads_fast`` do not apply; ``num_warps``,
+    ``split_prefetch`` and ``split_maxnreg`` default to ``KDA_CONFIG["split_num_warps"]``, ``["split_prefetch"]``
+    and ``["split_maxnreg"]``). ``z_lowrank``: the
     low-rank decay activation ``f_a_proj(x)`` ``[B, R]``; the kernel then forms ``z = f_b_proj(z_lowrank)`` itself
     (products and sums in fp32, rounded to the model dtype like the GEMM output) and ``z`` must be None (see
     :func:`kda_lowrank_ok`); ``gate_lowrank``: the same for the output gate, ``g_b_proj(gate_lowrank)`` with
@@ -914,10 +919,11 @@ def kda_decode_triton(
         if spf not in (0, 1, 2):
             raise ValueError(f"kda_decode_triton: split_prefetch must be 0, 1 (L1) or 2 (L2), got {spf}")
         spf = 0 if INTERPRET else spf
+        mr = int(cfg.get("split_maxnreg", 0) if split_maxnreg is None else split_maxnreg)
         KDA_LAST_LAUNCH.clear()
         KDA_LAST_LAUNCH.update(
             BV=K // nv, num_warps=nw, stages=0, l2_prefetch=False, heads_fast=False, lowrank=zr, gate_lowrank=gr,
-            pdl=pdl, split_v=nv, split_prefetch=spf,
+            pdl=pdl, split_v=nv, split_prefetch=spf, split_maxnreg=mr,
         )  # fmt: skip
         # per (row, head): the sigmoid of the output gate [K], then (after all rows) the NV blocks' sums of squares
         part = torch.empty(B * H * (K + nv), dtype=torch.float32, device=q.device)
@@ -930,6 +936,7 @@ def kda_decode_triton(
             float(layer.lower_bound) if lb_gate else 0.0, float(layer.eps), K**-0.5,
             H=H, K=K, W=W, NV=nv, LB_GATE=lb_gate, fa_ptr=fa, fb_ptr=fb, s_fa=fa.stride(0), ZR=zr,
             ga_ptr=ga, gb_ptr=gb, s_ga=ga.stride(0), GR=gr, PDL=pdl, PF=spf, num_warps=nw, **pdl_launch(pdl),
+            **({"maxnreg": mr} if mr and not INTERPRET else {}),
         )  # fmt: skip
         return o
     nw = cfg["num_warps"] if num_warps is None else num_warps
