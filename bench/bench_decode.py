@@ -4,7 +4,10 @@
     python3 bench/bench_decode.py [--out PATH] [--budget-s 210] [--no-sweep]
 
 * ceilings, measured first: device-to-device copy bandwidth (bytes read + written) and a bf16 matmul rate;
-* KDA decode step (conv, gates, L2 norms, delta update of the fp32 state in place, gated RMSNorm), B in
+* KDA decode step (conv, gates, L2 norms, delta update of the fp32 state in place, gated RMSNorm). First the
+  few-row regime at the model shapes (Kimi-Linear-48B: H=32, low-rank decay and gate; medium: H=16, low-rank decay,
+  full-rank gate; B in {1, 4}; the low-rank up projections applied in the kernel): the per-head few-row launch and
+  the split form (``split_v`` programs per (row, head), a few launch parameters with the sweep). Then B in
   {1, 16, 64, 256}, H=32, K=V=128, bf16 inputs: ours vs fla-core ``fused_recurrent_kda`` (the recurrence only, in
   place through ``ssm_state_indices``; import guarded, e.g. ``PYTHONPATH=$PWD/.gpu-site``) and vs the PyTorch
   reference ``kda_decode_reference``; bytes = fp32 state read + written, conv history read + written, inputs and
@@ -68,6 +71,27 @@ KDA_SWEEP = [
     (64, 4, 0, dict(l2_prefetch=True, heads_fast=True)),
     (0, 8, 0, dict(l2_prefetch=True, heads_fast=True)),
 ]
+# few rows as the engine runs them there, the low-rank projections applied in the kernel (z_lowrank / gate_lowrank):
+# name -> (H, K = V, decay rank, gate rank (0: full-rank gate), decay gate); conv 4, bf16
+KDA_FEW_SHAPES = {"48b": (32, 128, 128, 128, "softplus"), "medium": (16, 128, 128, 0, "lowerbound")}
+KDA_FEW_BATCHES = (1, 4)
+# split-form launches timed there beside the per-head few-row launch: (split_v, num_warps, split_prefetch,
+# split_maxnreg); the first always, the rest with the sweep
+KDA_SPLIT_SWEEP = [
+    (4, 8, 2, 0),
+    (8, 8, 2, 0),
+    (2, 8, 2, 0),
+    (2, 4, 2, 0),
+    (8, 4, 2, 0),
+    (4, 4, 2, 0),
+    (16, 4, 2, 0),
+    (4, 8, 1, 0),
+    (8, 8, 1, 0),
+    (4, 8, 0, 0),
+    (4, 8, 2, 128),
+    (8, 4, 2, 128),
+]
+KDA_SPLIT_CONFIG = 8  # also timed: KDA_CONFIG["few"]["split_v"] set to this (halved as rows are added)
 MLA_DIMS = dict(DC=512, DR=64, page_size=16)
 MLA_TARGETS = [(64, 16, 8192), (64, 96, 8192)]  # (B, H, L): swept
 MLA_COMBOS = [(B, H, L) for L in (4096, 16384, 65536) for H in (16, 96) for B in (1, 16, 64, 256)]
@@ -270,6 +294,7 @@ def kda_section(sweep: bool):
     layer = kda_layer(H, K, W)
     fla_fwd, fla_name = fla_peer()
     INFO["kda_config"] = dict(KDA_CONFIG)
+    kda_few_rows(sweep)
     configs = KDA_SWEEP if sweep else []
     for B in KDA_BATCHES:
         if time.time() - T0 > BUDGET:
@@ -355,6 +380,97 @@ def kda_section(sweep: bool):
                 state_rmw_rows(state, slots, shape, state_bytes)
         q = k = v = z = gate = beta = conv = state = conv0 = state0 = c2 = s2 = o2 = None
         empty_cache()
+
+
+def kda_few_rows(sweep: bool):
+    """Batches of KDA_FEW_BATCHES rows at the KDA_FEW_SHAPES model shapes: the per-head few-row launch (the current
+    default) and the split form (split_v programs per (row, head)), each checked once against the reference."""
+    import torch.nn.functional as F
+
+    from openk3.infer.decode import kda_decode_reference
+    from openk3.infer.kernels import KDA_CONFIG, KDA_LAST_LAUNCH, kda_decode_triton
+
+    W, dt = 4, torch.bfloat16
+    for name, (H, K, zr, gr, gate_kind) in KDA_FEW_SHAPES.items():
+        HK = H * K
+        layer = kda_layer(H, K, W)
+        layer.gate_kind = gate_kind
+        layer.f_b_proj = types.SimpleNamespace(weight=(zr**-0.5 * torch.randn(HK, zr, device=DEV)).to(dt))
+        if gr:
+            layer.g_b_proj = types.SimpleNamespace(weight=(gr**-0.5 * torch.randn(HK, gr, device=DEV)).to(dt))
+        for B in KDA_FEW_BATCHES:
+            if time.time() - T0 > BUDGET:
+                INFO["skipped"].append(f"kda few {name} B={B}: time budget")
+                continue
+            S = 4 * B
+            q, k, v = (torch.randn(B, HK, device=DEV, dtype=dt) for _ in range(3))
+            fa = torch.randn(B, zr, device=DEV, dtype=dt)
+            ga = torch.randn(B, gr, device=DEV, dtype=dt) if gr else None
+            gate = None if gr else torch.randn(B, HK, device=DEV, dtype=dt)
+            beta = torch.randn(B, H, device=DEV, dtype=dt)
+            conv = torch.randn(S + 1, 3, HK, W - 1, device=DEV)
+            state = 0.1 * torch.randn(S + 1, H, K, K, device=DEV)
+            slots = torch.randperm(S, device=DEV)[:B]
+            lr = dict(z_lowrank=fa, gate_lowrank=ga) if gr else dict(z_lowrank=fa)
+            shape = f"{name} B={B} H={H} K=V={K}"
+            conv0, state0 = conv.clone(), state.clone()
+            c2, s2 = conv.clone(), state.clone()
+            z_full = F.linear(fa, layer.f_b_proj.weight)
+            gate_full = F.linear(ga, layer.g_b_proj.weight) if gr else gate
+            o2 = kda_decode_reference(layer, q, k, v, z_full, beta, gate_full, c2, s2, slots)
+            state_bytes = 2 * B * H * K * K * 4
+            # state, conv history, f_b / g_b, the inputs (q, k, v, beta, the low-rank activations or the full
+            # gate) and the output
+            nbytes = state_bytes + 2 * B * 3 * HK * (W - 1) * 4 + HK * (zr + gr) * 2
+            nbytes += B * (3 * HK + H + zr + (gr or HK) + HK) * 2
+            flops = B * H * 7 * K * K + 2 * B * HK * (zr + gr)
+
+            def call(**kw):
+                return lambda: kda_decode_triton(
+                    layer, q, k, v, None, beta, gate, conv, state, slots, **lr, **kw
+                )
+
+            def err(**kw):
+                c1, s1 = conv0.clone(), state0.clone()
+                o1 = kda_decode_triton(layer, q, k, v, None, beta, gate, c1, s1, slots, **lr, **kw)
+                return max(rel(o1, o2), rel(s1[slots], s2[slots]))
+
+            try:
+                e = err(split_v=0)
+                INFO["checks"][f"kda few {shape}"] = e
+                t_few = bench(call(split_v=0))
+                row("kda few (per-head)", shape, t_few, None, None, nbytes, flops, f"err {e:.1e}")
+            except Exception as ex:
+                INFO["errors"].append(f"kda few {shape}: {type(ex).__name__}: {ex}")
+                print(f"  kda few {shape} failed: {ex}", flush=True)
+                continue
+            configs = KDA_SPLIT_SWEEP if sweep else KDA_SPLIT_SWEEP[:1]
+            runs = [
+                (
+                    f"kda split [NV={nv},w={nw},pf={pf}{f',r{mr}' if mr else ''}]",
+                    dict(split_v=nv, num_warps=nw, split_prefetch=pf, split_maxnreg=mr),
+                )
+                for nv, nw, pf, mr in configs
+            ]
+            runs.append((f"kda split [config {KDA_SPLIT_CONFIG}]", None))
+            for tag, kw in runs:
+                if time.time() - T0 > BUDGET:
+                    break
+                few = KDA_CONFIG["few"]
+                try:
+                    if kw is None:  # through the configuration, as the engine would launch it
+                        KDA_CONFIG["few"] = {**few, "split_v": KDA_SPLIT_CONFIG}
+                    e = err(**(kw or {}))
+                    got = KDA_LAST_LAUNCH.get("split_v")
+                    t = bench(call(**(kw or {})))
+                    row(tag, shape, t, t_few, "per-head few", nbytes, flops, f"split_v {got}; err {e:.1e}")
+                except Exception as ex:
+                    INFO["errors"].append(f"{tag} {shape}: {type(ex).__name__}: {ex}")
+                    print(f"  {tag} {shape} failed: {ex}", flush=True)
+                finally:
+                    KDA_CONFIG["few"] = few
+            q = k = v = fa = ga = gate = conv = state = conv0 = state0 = c2 = s2 = o2 = None
+            empty_cache()
 
 
 def state_rmw_rows(state, slots, shape, state_bytes):

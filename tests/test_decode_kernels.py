@@ -204,13 +204,14 @@ def test_kda_decode_few_rows_config(monkeypatch):
         "gate_lowrank": 0,
         "pdl": KN.pdl_on(torch.empty(0, device=DEV)),
     }
-    assert KN.KDA_LAST_LAUNCH == {"BV": 8, "num_warps": 2, "stages": 2, **flags}
+    assert KN.KDA_LAST_LAUNCH == {"BV": 8, "num_warps": 2, "stages": 2, "split_v": 0, **flags}
     run_kda_case(6, 2, 32, 4, 9, torch.float32, "lowerbound", None, 32, *KDA_TOL[torch.float32])
     default = KN.KDA_CONFIG
     assert KN.KDA_LAST_LAUNCH == {
         "BV": min(default["BV"] or 32, 32),
         "num_warps": default["num_warps"],
         "stages": default["stages"],
+        "split_v": 0,
         **flags,
     }
 
@@ -306,6 +307,102 @@ def test_kda_decode_two_steps():
         check(f"step {step} o", o1, o2, 1e-5)
     check("state", s1, s2, 1e-6)
     assert torch.equal(c1, c2)
+
+
+def split_counters_zero() -> bool:
+    """Every arrival counter of the split KDA form is back at zero."""
+    return all(int(c.abs().sum()) == 0 for c in KN._KDA_COUNTERS.values())
+
+
+@here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("nv", [2, 4])
+def test_kda_decode_split(dtype, nv):
+    """The split form (split_v programs per (row, head), the last to arrive normalises the head): one row; three
+    real rows plus two padded rows duplicated on the scratch slot; full-rank and low-rank decay and gate, both decay
+    gates. The arrival counters are back at zero after every call."""
+    cases = [
+        (1, "lowerbound", 0, 0),
+        (5, "softplus", 16, 64),
+        (5, "lowerbound", 64, 16),
+        (1, "softplus", 0, 16),
+    ]
+    for B, gate_kind, rank, gate_rank in cases:
+        seed = seed_of(str(dtype), "split", nv, B, gate_kind, rank, gate_rank)
+        run_kda_case(
+            B, 2, 32, 4, 7, dtype, gate_kind, None, seed, *KDA_TOL[dtype], lowrank=rank, gate_rank=gate_rank,
+            split_v=nv,
+        )  # fmt: skip
+        launch = KN.KDA_LAST_LAUNCH
+        assert (launch["split_v"], launch["BV"], launch["lowrank"], launch["gate_lowrank"]) == (
+            nv,
+            32 // nv,
+            rank,
+            gate_rank,
+        )
+        assert split_counters_zero()
+
+
+@here
+@pytest.mark.parametrize("nv", [2, 4])
+def test_kda_decode_split_two_steps(nv):
+    """The split form twice in a row on the same caches: the second step reads the conv history the first step's
+    last arrivers shifted (q, k) and every program shifted (its v channels), and starts from counters at zero.
+    Rows on distinct slots plus two padded rows sharing the scratch slot."""
+    gen = torch.Generator().manual_seed(seed_of("split two steps", nv))
+    B, H, K, W, S = 5, 2, 16, 4, 5
+    layer = make_kda_layer(H, K, W, "lowerbound", gen)
+    layer.f_b_proj = types.SimpleNamespace(weight=(0.5 * torch.randn(H * K, 16, generator=gen)).to(DEV))
+    conv_state = torch.randn(S + 1, 3, H * K, W - 1, generator=gen).to(DEV)
+    state = (0.3 * torch.randn(S + 1, H, K, K, generator=gen)).to(DEV)
+    slots = torch.tensor([2, S, 0, S, 4], device=DEV)
+    real = slots != S
+    c1, s1, c2, s2 = conv_state.clone(), state.clone(), conv_state.clone(), state.clone()
+    for step in range(2):
+        q, k, v, gate = (torch.randn(B, H * K, generator=gen).to(DEV) for _ in range(4))
+        fa = torch.randn(B, 16, generator=gen).to(DEV)
+        bl = torch.randn(B, H, generator=gen).to(DEV)
+        o1 = KN.kda_decode_triton(layer, q, k, v, None, bl, gate, c1, s1, slots, split_v=nv, z_lowrank=fa)
+        assert KN.KDA_LAST_LAUNCH["split_v"] == nv and split_counters_zero()
+        z = torch.nn.functional.linear(fa, layer.f_b_proj.weight)
+        o2 = kda_decode_reference(layer, q, k, v, z, bl, gate, c2, s2, slots)
+        check(f"split step {step} o", o1[real], o2[real], 1e-5)
+        assert torch.isfinite(o1).all()
+        rs = slots[real]
+        assert torch.equal(c1[rs], c2[rs]), f"step {step}: conv history differs"
+        check(f"split step {step} state", s1[rs], s2[rs], 1e-6)
+    assert torch.equal(c1[1], conv_state[1]) and torch.equal(s1[3], state[3])  # slots no row uses
+
+
+@here
+def test_kda_decode_split_config(monkeypatch):
+    """KDA_CONFIG["few"]["split_v"]: the split at one row, halved while B * H * NV exceeds split_programs_per_sm
+    programs per SM; the per-head form once it would reach one program per head. The keyword is taken as given."""
+    monkeypatch.setattr(KN, "_sm_count", lambda device: 4)
+    monkeypatch.setitem(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": 8})
+    monkeypatch.setitem(KN.KDA_CONFIG, "split_programs_per_sm", 4)  # 16 programs
+    monkeypatch.setitem(KN.KDA_CONFIG, "split_num_warps", 2)
+    tol = KDA_TOL[torch.float32]
+    for B, nv in ((1, 8), (2, 4), (3, 2), (5, 0)):
+        run_kda_case(B, 2, 32, 4, 7, torch.float32, "lowerbound", None, seed_of("split cfg", B), *tol)
+        assert KN.KDA_LAST_LAUNCH["split_v"] == nv, (B, KN.KDA_LAST_LAUNCH)
+        if nv:
+            assert KN.KDA_LAST_LAUNCH["num_warps"] == 2 and KN.KDA_LAST_LAUNCH["BV"] == 32 // nv
+    run_kda_case(5, 2, 32, 4, 7, torch.float32, "lowerbound", None, 3, *tol, split_v=8)
+    assert KN.KDA_LAST_LAUNCH["split_v"] == 8
+    assert split_counters_zero()
+
+
+def test_kda_decode_split_refusals():
+    layer = make_kda_layer(2, 16, 4, "lowerbound", torch.Generator().manual_seed(0))
+    z = torch.zeros(1, 32, device=DEV)
+    args = (layer, z, z, z, z, torch.zeros(1, 2, device=DEV), z, torch.zeros(2, 3, 32, 3, device=DEV),
+            torch.zeros(2, 2, 16, 16, device=DEV), torch.zeros(1, dtype=torch.long, device=DEV))  # fmt: skip
+    for bad in (3, -2, 32):
+        with pytest.raises(ValueError, match="split_v"):
+            KN.kda_decode_triton(*args, split_v=bad)
+    with pytest.raises(ValueError, match="split_prefetch"):
+        KN.kda_decode_triton(*args, split_v=2, split_prefetch=3)
 
 
 # ------------------------------------------------------------------------------------------------- sampling
@@ -506,6 +603,94 @@ def test_kda_decode_gpu_launch_flags(dtype, bv, num_warps, extra):
         assert KN.KDA_LAST_LAUNCH["l2_prefetch"] is bool(
             extra.get("l2_prefetch", KN.KDA_CONFIG["l2_prefetch"])
         )
+
+
+# (H, decay rank, gate rank, decay gate) of the model shapes: Kimi-Linear-48B (low-rank decay and gate, softplus)
+# and the medium preset (low-rank decay, full-rank gate, lower-bounded decay)
+KDA_MODEL_SHAPES = {"48b": (32, 128, 128, "softplus"), "medium": (16, 128, 0, "lowerbound")}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", sorted(KDA_MODEL_SHAPES))
+@pytest.mark.parametrize(
+    "nv,num_warps,prefetch,maxnreg",
+    [(2, 8, 2, 0), (4, 8, 2, 0), (8, 8, 2, 0), (2, 4, 2, 0), (4, 4, 2, 0), (8, 4, 2, 0), (16, 4, 2, 0)]
+    + [(4, 8, 1, 0), (8, 8, 1, 0), (4, 8, 0, 0), (4, 8, 2, 128), (8, 4, 2, 128)],
+)
+def test_kda_decode_split_gpu(dtype, shape, nv, num_warps, prefetch, maxnreg, K=128, S=12):
+    """The split form compiled, at model shapes: one row, four rows, five rows plus two padded rows on the
+    scratch slot; the arrival counters are back at zero after each call."""
+    H, rank, gate_rank, gate_kind = KDA_MODEL_SHAPES[shape]
+    for B in (1, 4, 7):
+        seed = seed_of(str(dtype), "split gpu", shape, nv, num_warps, prefetch, maxnreg, B)
+        run_kda_case(
+            B, H, K, 4, S, dtype, gate_kind, None, seed, *KDA_TOL[dtype], num_warps=num_warps, lowrank=rank,
+            gate_rank=gate_rank, split_v=nv, split_prefetch=prefetch, split_maxnreg=maxnreg,
+        )  # fmt: skip
+        assert KN.KDA_LAST_LAUNCH["split_v"] == nv and KN.KDA_LAST_LAUNCH["num_warps"] == num_warps
+        assert split_counters_zero()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nv", [2, 4, 8])
+@pytest.mark.parametrize("counters", ["kept", "in_capture"])
+def test_kda_decode_split_cuda_graph(nv, counters, H=32, K=128, rank=128):
+    """The split form in a CUDA graph, replayed several times on new inputs against the reference: with the
+    long-lived counters (allocated by an eager call before the capture), and with counters first asked for during
+    the capture (a fresh zeroed buffer that the graph clears before each replay's launch, not kept)."""
+    gen = torch.Generator().manual_seed(seed_of("split graph", nv, counters))
+    B, W, S = 5, 4, 8
+    layer = make_kda_layer(H, K, W, "softplus", gen)
+    HK = H * K
+    for proj in ("f_b_proj", "g_b_proj"):
+        w = 2 * rank**-0.5 * torch.randn(HK, rank, generator=gen)
+        setattr(layer, proj, types.SimpleNamespace(weight=w.bfloat16().to(DEV)))
+    conv = torch.randn(S + 1, 3, HK, W - 1, generator=gen).to(DEV)
+    state = (0.3 * torch.randn(S + 1, H, K, K, generator=gen)).to(DEV)
+    slots = torch.tensor([3, S, 0, S, 6], device=DEV)  # two padded rows on the scratch slot
+    real = slots != S
+    q, k, v = (torch.randn(B, HK, generator=gen).bfloat16().to(DEV) for _ in range(3))
+    fa, ga = (torch.randn(B, rank, generator=gen).bfloat16().to(DEV) for _ in range(2))
+    bl = torch.randn(B, H, generator=gen).bfloat16().to(DEV)
+
+    def step():
+        return KN.kda_decode_triton(
+            layer, q, k, v, None, bl, None, conv, state, slots, split_v=nv, z_lowrank=fa, gate_lowrank=ga
+        )
+
+    # compile outside the capture (and, for "in_capture", at another batch size, whose counters are dropped)
+    warm = 2 if counters == "in_capture" else B
+    c0, s0 = conv.clone(), state.clone()
+    KN.kda_decode_triton(
+        layer, q[:warm], k[:warm], v[:warm], None, bl[:warm], None, c0, s0, slots[:warm], split_v=nv,
+        z_lowrank=fa[:warm], gate_lowrank=ga[:warm],
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    key = (q.device.type, q.device.index, B * H)
+    if counters == "in_capture":  # (no graph of an earlier test that used this buffer is replayed again)
+        KN._KDA_COUNTERS.pop(key, None)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o_g = step()
+    torch.cuda.synchronize()
+    assert (key in KN._KDA_COUNTERS) == (counters == "kept")
+    for rep in range(4):
+        for t in (q, k, v, fa, ga, bl):
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        c2, s2 = conv.clone(), state.clone()
+        g.replay()
+        torch.cuda.synchronize()
+        z = torch.nn.functional.linear(fa, layer.f_b_proj.weight)
+        gate = torch.nn.functional.linear(ga, layer.g_b_proj.weight)
+        o_r = kda_decode_reference(layer, q, k, v, z, bl, gate, c2, s2, slots)
+        assert torch.isfinite(o_g).all()
+        tol_o, tol_s = KDA_TOL[torch.bfloat16]
+        check(f"split graph nv={nv} {counters} replay {rep} o", o_g[real], o_r[real], tol_o)
+        rs = slots[real]
+        check(f"split graph replay {rep} state", state[rs], s2[rs], tol_s)
+        assert torch.equal(conv[rs], c2[rs]), f"replay {rep}: conv history differs"
+        assert split_counters_zero()
 
 
 @pytest.mark.gpu

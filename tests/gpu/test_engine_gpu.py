@@ -277,6 +277,20 @@ def test_engine_kda_launch_above_few_rows(graphs, monkeypatch):
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_kda_split_few_rows(graphs, monkeypatch):
+    """The split KDA form (KDA_CONFIG["few"]["split_v"], no limit on programs per SM) for every few-row step of
+    the engine, CUDA graphs captured with it included: fp32 decode logits against a full forward, tightly."""
+    from openk3.infer import kernels as KN
+
+    monkeypatch.setitem(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": 4})
+    monkeypatch.setitem(KN.KDA_CONFIG, "split_programs_per_sm", 0)
+    err = _greedy_fp32_decode_err(graphs, seed=4, max_tokens=(20, 12, 16))
+    assert KN.KDA_LAST_LAUNCH["split_v"] == 4, KN.KDA_LAST_LAUNCH
+    assert all(int(c.abs().sum()) == 0 for c in KN._KDA_COUNTERS.values())
+    assert err < 1e-3, err
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_engine_moe_small_decode(graphs, monkeypatch):
     """The few-token MoE path (OPENK3_MOE_SMALL_N) in the engine: fp32 decode logits against a full forward of the
     same model, tightly, with batches above and below the threshold (both paths run)."""

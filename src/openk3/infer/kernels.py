@@ -22,6 +22,19 @@ gated RMSNorm ``rmsnorm(o) * o_norm.weight * sigmoid(gate)`` (o rounded to the m
 does; the raw tiles are staged in the output row and normalised by a second sweep of the same program). Minimal
 traffic: ``2 * B * H * K * V * 4`` bytes of state plus the conv history and the activations.
 
+KDA split form (``split_v`` NV, for few rows), one launch ``[NV, H, B]``: program ``(j, h, b)`` owns the state
+columns ``[j K / NV, (j + 1) K / NV)`` of one (row, head), so the NV programs of a head run side by side. Each issues
+every load it needs before waiting for any (the slot, then the conv weights and taps, the gate parameters, the norm
+weight, ``f_b``'s rows for the whole head and ``g_b``'s rows for its columns, its state tile, the conv history, then
+the activations), recomputes the head-wide terms (the conv of q and k, their L2 norms, the decay), updates its tile
+in place and writes its raw output (rounded) to the output row, the sigmoid of its output gate and its sum of
+squares to a scratch buffer, and shifts the history of its own v channels (no other program reads them). It then
+adds one to an arrival counter of its (row, head) (acquire-release, GPU scope, after a CTA barrier, so every thread's
+reads and writes precede it); the program that arrives last reads the head's staged output, gates and sums (through
+L2), writes the gated RMSNorm of the whole head, shifts the q and k history (every program of the head has read it
+by then) and sets the counter back to zero for the next launch or graph replay (the counters live for the process:
+:func:`kda_split_counters`). Same roundings as the per-head form; the work of the head-wide terms is repeated NV times.
+
 MLA (SPEC.md §2.4), FlashDecoding-style: program ``(head block, split, row)`` takes ``BLOCK_H`` heads of one row and
 one contiguous share of that row's context (``lengths[b]`` split in ``num_splits`` parts of whole ``BLOCK_N``-token
 blocks; the number of splits depends on shapes only, see :func:`mla_num_splits`). Per block it gathers the latent
@@ -72,6 +85,7 @@ __all__ = [
     "available",
     "gumbel_argmax_triton",
     "kda_decode_triton",
+    "kda_split_counters",
     "kda_supports",
     "mla_decode_triton",
     "mla_num_splits",
@@ -90,13 +104,30 @@ __all__ = [
 # not limited by the one tile per program that registers hold in flight; heads_fast: grid (H, B) instead of (B, H),
 # so the programs running together walk one contiguous stretch of state slots. Both on: B=256 H=32 K=128 0.381 ->
 # 0.350 ms on an H200 (3.07 TB/s of state traffic); at B <= 16 both cost 1-6 %, so the few-row regime leaves them off.
+# split_v NV >= 2 (a power of two at most K): the split form, for few rows, where one program per (row, head)
+# walking its tiles one after another leaves most SMs idle and the time is a chain of dependent loads and
+# reductions. NV programs per (row, head), each owning K / NV state columns; each issues all its loads up front
+# (state tile, conv history and weights, f_b's rows for the head, g_b's rows for its columns, ...) and recomputes the
+# head-wide terms (q / k conv, L2 norms, decay); the last of the head's programs to arrive (an atomic counter per
+# (row, head), left at zero for the next launch) applies the gated RMSNorm to the whole head. Off (0) by default
+# until measured on a GPU. As configured here NV is the split at one row: it halves while B * H * NV exceeds
+# split_programs_per_sm programs per SM (0: no limit), and the per-head form runs once it would reach 1 (the
+# kda_decode_triton keyword split_v is taken as given). split_num_warps: warps per program; split_prefetch: the
+# state tile is first requested into L1 (1) or L2 (2) by a prefetch instruction (0: not); split_maxnreg: a cap on
+# registers per thread (0: none; ptxas otherwise keeps many loads in flight, 160-250 registers at 8 warps for the
+# 48B shape, one program per SM; at 128 two fit, with a few spills: bench/diag_kda_compile.py).
 KDA_CONFIG = {
     "BV": 32,
     "num_warps": 4,
     "stages": 0,
     "l2_prefetch": True,
     "heads_fast": True,
-    "few": {"l2_prefetch": False, "heads_fast": False},
+    "split_v": 0,
+    "split_num_warps": 8,
+    "split_prefetch": 2,
+    "split_maxnreg": 0,
+    "split_programs_per_sm": 1,
+    "few": {"l2_prefetch": False, "heads_fast": False, "split_v": 0},
     "few_max_batch": 16,
 }
 KDA_LAST_LAUNCH: dict = {}  # the launch parameters of the latest kda_decode_triton call
@@ -182,6 +213,28 @@ if HAS_TRITON:
             is_pure=False,
             pack=1,
         )
+
+    @triton.jit
+    def _prefetch(ptrs, LEVEL: tl.constexpr):
+        """Request the lines holding ``ptrs`` into L1 (``LEVEL`` 1) or L2 (2); compiled kernels only."""
+        if LEVEL == 1:
+            tl.inline_asm_elementwise(
+                "prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;",
+                "=r,l",
+                [ptrs],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+        else:
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+                "=r,l",
+                [ptrs],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
 
     @triton.jit
     def _add2(a0, b0, a1, b1):
@@ -346,6 +399,151 @@ if HAS_TRITON:
                     _kda_gate(gate_ptr + b * s_gate, ga_ptr + b * s_ga, gb_ptr, h * K + cols, GR, GRC, dtype)
                 )
                 tl.store(obase + cols, _round(y, dtype).to(dtype))
+
+    @triton.jit
+    def _taps(ptr, ch, T: tl.constexpr, N: tl.constexpr):
+        """``T`` vectors ``[C]`` (fp32): tap ``t`` of the channels ``ch`` of a ``[*, N]`` row-major table (conv
+        weights, ``N = W``; history, ``N = W - 1``). Separate vectors rather than one ``[C, T]`` tile, so that the
+        conv's results take whatever layout their users want (a ``[C, T]`` tile's layout would spread to the
+        state tile, costing two passes of it through shared memory)."""
+        out = ()
+        for t in tl.static_range(T):
+            out = out + (tl.load(ptr + ch * N + t).to(tl.float32),)
+        return out
+
+    @triton.jit
+    def _conv_taps(x, hist, w, W: tl.constexpr, dtype: tl.constexpr):
+        """Depthwise causal conv of one token from :func:`_taps` vectors (history oldest first, then ``x``), SiLU,
+        rounded to ``dtype`` (as fp32)."""
+        y = x * w[W - 1]
+        for t in tl.static_range(W - 1):
+            y += hist[t] * w[t]
+        y = y * tl.sigmoid(y)
+        return _round(y, dtype)
+
+    @triton.jit
+    def _shift_taps(hist_ptr, x, hist, ch, W: tl.constexpr):
+        """New history (oldest first) = old taps 1.. then ``x``."""
+        for t in tl.static_range(W - 1):
+            if t + 1 < W - 1:
+                tl.store(hist_ptr + ch * (W - 1) + t, hist[t + 1])
+            else:
+                tl.store(hist_ptr + ch * (W - 1) + t, x)
+
+    @triton.jit
+    def _kda_decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, z_ptr, beta_ptr, gate_ptr, o_ptr,
+        s_q, s_k, s_v, s_z, s_beta, s_gate, s_o,
+        wq_ptr, wk_ptr, wv_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
+        conv_ptr, state_ptr, slots_ptr, s_conv, s_state,
+        cnt_ptr, sg_ptr, ss_ptr,
+        lower_bound, eps, q_scale,
+        H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, NV: tl.constexpr, LB_GATE: tl.constexpr,
+        fa_ptr, fb_ptr, s_fa, ZR: tl.constexpr, ga_ptr, gb_ptr, s_ga, GR: tl.constexpr, PDL: tl.constexpr,
+        PF: tl.constexpr,
+    ):  # fmt: skip
+        # program (j, h, b): state columns [j * BV, (j + 1) * BV) of head h of row b; the NV programs of one head
+        # are adjacent in launch order
+        j = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        dtype = o_ptr.dtype.element_ty
+        HK: tl.constexpr = H * K
+        BV: tl.constexpr = K // NV
+        ck = tl.arange(0, K)
+        cols = j * BV + tl.arange(0, BV)
+        ch = h * K + ck  # the head's q / k channels
+        chv = h * K + cols  # this program's v channels (= its state columns)
+        # 1. every load, issued before any of them is waited for. The slot comes first (the state and the conv
+        # history hang on it); then what hangs on nothing (the weights of the conv, the gates and the norm, the
+        # low-rank up projections' rows: f_b's for the whole head, g_b's for these columns only)
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        wq = _taps(wq_ptr, ch, W, W)
+        wk = _taps(wk_ptr, ch, W, W)
+        wv = _taps(wv_ptr, chv, W, W)
+        dtb = tl.load(dt_bias_ptr + ch).to(tl.float32)
+        a_log = tl.load(a_log_ptr + h).to(tl.float32)
+        norm_w = tl.load(norm_w_ptr + ck).to(tl.float32)
+        if ZR > 0:
+            fb = tl.load(fb_ptr + ch[:, None] * ZR + tl.arange(0, ZR)[None, :])
+        if GR > 0:
+            gb = tl.load(gb_ptr + chv[:, None] * GR + tl.arange(0, GR)[None, :])
+        # the slot's state tile and conv history (PDL: like the state, the history is written only by this layer's
+        # step, so both may be requested before the previous kernel has finished)
+        # PF: the tile's lines are first requested into L1 (1) or L2 (2) by a prefetch, which holds no register:
+        # ptxas places a register load of the tile just before its first use (after the decay's projection), so
+        # without it the tile's DRAM latency would follow that of the inputs instead of overlapping it
+        head = state_ptr + slot * s_state + h * (K * K)
+        if PF > 0:
+            _prefetch(head + ck * K + j * BV, PF)
+        sp = head + ck[:, None] * K + cols[None, :]
+        S = tl.load(sp)
+        conv = conv_ptr + slot * s_conv
+        hq = _taps(conv, ch, W - 1, W - 1)
+        hk = _taps(conv + HK * (W - 1), ch, W - 1, W - 1)
+        hv = _taps(conv + 2 * HK * (W - 1), chv, W - 1, W - 1)
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+        # the activations (outputs of the kernels before this one)
+        xq = tl.load(q_ptr + b * s_q + ch).to(tl.float32)
+        xk = tl.load(k_ptr + b * s_k + ch).to(tl.float32)
+        xv = tl.load(v_ptr + b * s_v + chv).to(tl.float32)
+        beta_logit = tl.load(beta_ptr + b * s_beta + h).to(tl.float32)
+        if ZR > 0:
+            fa = tl.load(fa_ptr + b * s_fa + tl.arange(0, ZR)).to(tl.float32)
+        else:
+            z = tl.load(z_ptr + b * s_z + ch).to(tl.float32)
+        if GR > 0:
+            ga = tl.load(ga_ptr + b * s_ga + tl.arange(0, GR)).to(tl.float32)
+        else:
+            g = tl.load(gate_ptr + b * s_gate + chv).to(tl.float32)
+        # 2. short conv + SiLU (q, k over the whole head: the norms need every channel; v over these columns),
+        # rounded to the model dtype; the low-rank projections (fp32 products and sums, rounded likewise)
+        q = _conv_taps(xq, hq, wq, W, dtype)
+        k = _conv_taps(xk, hk, wk, W, dtype)
+        v = _conv_taps(xv, hv, wv, W, dtype)
+        if ZR > 0:
+            z = _round(tl.sum(fb.to(tl.float32) * fa[None, :], axis=1), dtype)
+        if GR > 0:
+            g = _round(tl.sum(gb.to(tl.float32) * ga[None, :], axis=1), dtype)
+        # 3. gates, beta, L2 norms (the three sums over the head in one reduction), query scale
+        zz = z + dtb
+        a = tl.exp(a_log)
+        if LB_GATE:
+            dg = lower_bound * tl.sigmoid(a * zz)
+        else:
+            dg = -a * tl.where(zz > 20.0, zz, tl.log(1.0 + tl.exp(tl.minimum(zz, 20.0))))
+        decay = tl.exp(dg)
+        beta = tl.sigmoid(beta_logit)
+        sqq, skk, sqk = tl.reduce((q * q, k * k, q * k), 0, _add3)
+        rq = q_scale / tl.sqrt(sqq + 1e-6)
+        rk = 1.0 / tl.sqrt(skk + 1e-6)
+        # 4. delta-rule update of the tile (state written back), raw output (rounded) and its sum of squares
+        o, ss = _kda_tile(S, sp, v, q * rq, k * rk, decay, beta, sqk * (rq * rk), dtype, False)
+        # 5. stage the raw output (in the output row), the output gate and the sum of squares; shift this
+        # program's v history (no other program reads those channels)
+        orow = o_ptr + b * s_o + h * K
+        part = b * H + h
+        tl.store(orow + cols, o.to(dtype))
+        tl.store(sg_ptr + part * K + cols, tl.sigmoid(g))
+        tl.store(ss_ptr + part * NV + j, ss)
+        tl.debug_barrier()  # every thread has consumed the history it loaded
+        _shift_taps(conv + 2 * HK * (W - 1), xv, hv, chv, W)
+        # 6. the last of the head's programs to arrive normalises the whole head and shifts the q / k history
+        # (every program of the head has read it by then); it leaves the counter at zero for the next launch
+        tl.debug_barrier()  # this program's stores (all threads) before the release
+        arrived = tl.atomic_add(cnt_ptr + part, 1, sem="acq_rel", scope="gpu")
+        if arrived == NV - 1:
+            tl.debug_barrier()  # every thread's loads below after the acquire
+            o_head = tl.load(orow + ck, cache_modifier=".cg").to(tl.float32)
+            sg_head = tl.load(sg_ptr + part * K + ck, cache_modifier=".cg")
+            ss_head = tl.sum(tl.load(ss_ptr + part * NV + tl.arange(0, NV), cache_modifier=".cg"))
+            y = o_head * (1.0 / tl.sqrt(ss_head / K + eps)) * norm_w
+            y = y * sg_head
+            tl.store(orow + ck, _round(y, dtype).to(dtype))
+            _shift_taps(conv, xq, hq, ch, W)
+            _shift_taps(conv + HK * (W - 1), xk, hk, ch, W)
+            tl.store(cnt_ptr + part, 0)
 
     @triton.jit
     def _mla_pages(bt, n0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr):
@@ -657,10 +855,17 @@ def kda_decode_triton(
     heads_fast: bool | None = None,
     z_lowrank: torch.Tensor | None = None,
     gate_lowrank: torch.Tensor | None = None,
+    split_v: int | None = None,
+    split_prefetch: int | None = None,
+    split_maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Fused single-token KDA step (signature and layouts: :mod:`openk3.infer.decode`). ``BV`` (state columns per
     tile, a power of two; 0: the whole head), ``num_warps``, ``stages`` (0, or >= 2: the loop form),
-    ``l2_prefetch`` and ``heads_fast`` (see :data:`KDA_CONFIG`) override :data:`KDA_CONFIG`. ``z_lowrank``: the
+    ``l2_prefetch``, ``heads_fast`` and ``split_v`` (see :data:`KDA_CONFIG`) override :data:`KDA_CONFIG`.
+    ``split_v`` NV > 0: the split form, NV programs per (row, head) with ``K // NV`` state columns each (a power of
+    two at most K; ``BV``, ``stages``, ``l2_prefetch`` and ``heads_fast`` do not apply; ``num_warps``,
+    ``split_prefetch`` and ``split_maxnreg`` default to ``KDA_CONFIG["split_num_warps"]``, ``["split_prefetch"]``
+    and ``["split_maxnreg"]``). ``z_lowrank``: the
     low-rank decay activation ``f_a_proj(x)`` ``[B, R]``; the kernel then forms ``z = f_b_proj(z_lowrank)`` itself
     (products and sums in fp32, rounded to the model dtype like the GEMM output) and ``z`` must be None (see
     :func:`kda_lowrank_ok`); ``gate_lowrank``: the same for the output gate, ``g_b_proj(gate_lowrank)`` with
@@ -683,6 +888,14 @@ def kda_decode_triton(
     cfg = KDA_CONFIG
     if cfg.get("few") and B <= cfg.get("few_max_batch", 0):
         cfg = {**cfg, **cfg["few"]}
+    nv = int(cfg.get("split_v", 0) if split_v is None else split_v)
+    if nv < 0 or nv & (nv - 1) or nv > K:
+        raise ValueError(f"kda_decode_triton: split_v must be 0 or a power of two at most {K}, got {nv}")
+    if split_v is None and nv:  # the configured split shrinks as rows are added (see KDA_CONFIG)
+        cap = cfg.get("split_programs_per_sm", 0) * _sm_count(q.device)
+        while cap and nv > 1 and B * H * nv > cap:
+            nv //= 2
+        nv = nv if nv > 1 else 0
     bv = cfg["BV"] if BV is None else BV
     bv = K if not bv else min(bv, K)
     if bv & (bv - 1):
@@ -699,17 +912,44 @@ def kda_decode_triton(
     if B == 0:
         return o
     lb_gate = layer.gate_kind == "lowerbound"
+    pdl = pdl_on(q)
+    if nv:
+        nw = cfg.get("split_num_warps", cfg["num_warps"]) if num_warps is None else num_warps
+        spf = int(cfg.get("split_prefetch", 0) if split_prefetch is None else split_prefetch)
+        if spf not in (0, 1, 2):
+            raise ValueError(f"kda_decode_triton: split_prefetch must be 0, 1 (L1) or 2 (L2), got {spf}")
+        spf = 0 if INTERPRET else spf
+        mr = int(cfg.get("split_maxnreg", 0) if split_maxnreg is None else split_maxnreg)
+        KDA_LAST_LAUNCH.clear()
+        KDA_LAST_LAUNCH.update(
+            BV=K // nv, num_warps=nw, stages=0, l2_prefetch=False, heads_fast=False, lowrank=zr, gate_lowrank=gr,
+            pdl=pdl, split_v=nv, split_prefetch=spf, split_maxnreg=mr,
+        )  # fmt: skip
+        # per (row, head): the sigmoid of the output gate [K], then (after all rows) the NV blocks' sums of squares
+        part = torch.empty(B * H * (K + nv), dtype=torch.float32, device=q.device)
+        _kda_decode_split_kernel[(nv, H, B)](
+            q, k, v, z, beta_logits, gate, o,
+            q.stride(0), k.stride(0), v.stride(0), z.stride(0), beta_logits.stride(0), gate.stride(0), o.stride(0),
+            wq, wk, wv, a_log, dt_bias, norm_w,
+            conv_state, state, slots, conv_state.stride(0), state.stride(0),
+            kda_split_counters(q.device, B * H), part, part[B * H * K :],
+            float(layer.lower_bound) if lb_gate else 0.0, float(layer.eps), K**-0.5,
+            H=H, K=K, W=W, NV=nv, LB_GATE=lb_gate, fa_ptr=fa, fb_ptr=fb, s_fa=fa.stride(0), ZR=zr,
+            ga_ptr=ga, gb_ptr=gb, s_ga=ga.stride(0), GR=gr, PDL=pdl, PF=spf, num_warps=nw, **pdl_launch(pdl),
+            **({"maxnreg": mr} if mr and not INTERPRET else {}),
+        )  # fmt: skip
+        return o
     nw = cfg["num_warps"] if num_warps is None else num_warps
     st = cfg.get("stages", 0) if stages is None else stages
     if st == 1 or st < 0:
         raise ValueError(f"kda_decode_triton: stages must be 0 or >= 2, got {st}")
     pf = bool(cfg.get("l2_prefetch", False) if l2_prefetch is None else l2_prefetch) and not INTERPRET
     hf = bool(cfg.get("heads_fast", False) if heads_fast is None else heads_fast)
-    pdl = pdl_on(q)
     KDA_LAST_LAUNCH.clear()
     KDA_LAST_LAUNCH.update(
-        BV=bv, num_warps=nw, stages=st, l2_prefetch=pf, heads_fast=hf, lowrank=zr, gate_lowrank=gr, pdl=pdl
-    )
+        BV=bv, num_warps=nw, stages=st, l2_prefetch=pf, heads_fast=hf, lowrank=zr, gate_lowrank=gr, pdl=pdl,
+        split_v=0,
+    )  # fmt: skip
     _kda_decode_kernel[(H, B) if hf else (B, H)](
         q, k, v, z, beta_logits, gate, o,
         q.stride(0), k.stride(0), v.stride(0), z.stride(0), beta_logits.stride(0), gate.stride(0), o.stride(0),
@@ -722,6 +962,26 @@ def kda_decode_triton(
         num_warps=nw, **pdl_launch(pdl),
     )  # fmt: skip
     return o
+
+
+_KDA_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def kda_split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The arrival counters of the split KDA form for ``n`` (row, head) pairs: int32, zero between launches (the
+    last program of each head resets its counter), allocated once per device and size and kept for the life of the
+    process, so that CUDA graphs captured with it stay valid. Launches that share it must not overlap in time (one
+    stream, as in the engine's decode step). Asked for the first time while a CUDA graph is being captured, it
+    returns a fresh zeroed buffer that is not kept: the graph then zeroes it (a captured fill) before each replay's
+    launch, and the graph's memory pool owns it."""
+    key = (device.type, device.index, n)
+    buf = _KDA_COUNTERS.get(key)
+    if buf is None:
+        buf = torch.zeros(n, dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return buf
+        _KDA_COUNTERS[key] = buf
+    return buf
 
 
 def _lowrank_args(layer, full, act, names: tuple[str, str], proj: str, stand_in: torch.Tensor):
