@@ -58,6 +58,44 @@ def sync():
 _BUILT: dict = {}  # the latest preset's model, reused by the engines of its variants
 
 
+def _patch(obj, key, value):
+    """Set ``obj[key]`` (a dict) or ``obj.key`` to ``value``; returns the function that restores it."""
+    if isinstance(obj, dict):
+        old = obj[key]
+        obj[key] = value
+        return lambda: obj.__setitem__(key, old)
+    old = getattr(obj, key)
+    setattr(obj, key, value)
+    return lambda: setattr(obj, key, old)
+
+
+def _kda_split():
+    from openk3.infer import kernels as KN
+
+    return _patch(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": 8})
+
+
+def _kda_per_head():
+    from openk3.infer import kernels as KN
+
+    return _patch(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": 0})
+
+
+def _no_fuse_select():
+    from openk3.fast import moe_small
+
+    return _patch(moe_small, "FUSE_SELECT", False)
+
+
+# --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
+KERNEL_VARIANTS = {
+    "default": lambda: lambda: None,
+    "kda_split": _kda_split,
+    "kda_per_head": _kda_per_head,
+    "no_fuse_select": _no_fuse_select,
+}
+
+
 def build(preset: str):
     """Random-weight model of ``preset`` on the GPU in bf16 (SPEC §5.3 fp32 parameters and buffers in fp32),
     built directly on the device so that large presets need no host copy."""
@@ -95,9 +133,11 @@ def run_preset(
     fuse_ffn: bool | None = None,
     fuse_res: bool | None = None,
     flags: dict | None = None,
+    variant: str = "",
 ) -> None:
     """One engine per call; ``fuse_ffn`` / ``fuse_res`` / ``moe_small_n`` None: the engine's defaults; ``flags``:
-    further EngineConfig booleans (e.g. ``fuse_read_norm``)."""
+    further EngineConfig booleans (e.g. ``fuse_read_norm``); ``variant``: a name of :data:`KERNEL_VARIANTS`, set
+    around the engine's whole run."""
     from openk3.cost import predict_decode_time
     from openk3.fast import moe_small
     from openk3.infer.engine import Engine
@@ -113,7 +153,9 @@ def run_preset(
         + (" fused-residual" if fuse_res else "")
         + "".join(f" {k.removeprefix('fuse_')}={'on' if v else 'off'}" for k, v in (flags or {}).items())
         + ("" if moe_small_n is None else f" moe-small<={moe_small_n}")
+        + (f" [{variant}]" if variant else "")
     )
+    undo = KERNEL_VARIANTS[variant]() if variant else None
     t0 = time.time()
     if _BUILT.get("preset") != preset:  # one model per preset, shared by its variants' engines
         _BUILT.clear()
@@ -216,6 +258,8 @@ def run_preset(
             traceback.print_exc()
             empty_cache()
     moe_small.SMALL_N = small_before
+    if undo is not None:
+        undo()
     # the timing wrapper and the captured graphs form reference cycles through the engine: collect them, or each
     # variant keeps the previous model's weights and cache pool alive (the next, larger preset runs out of memory)
     if not WALL:
@@ -304,6 +348,12 @@ def main():
         help="time the steps back to back, synchronised only before and after them (step ms = the mean; no fwd "
         "column): needed to see EngineConfig.overlap, whose steps overlap the host's work with the GPU's",
     )
+    ap.add_argument(
+        "--kernel-variants",
+        default="",
+        metavar="NAMES",
+        help=f"A/B of module-level kernel choices, each a separate engine on the same model: {sorted(KERNEL_VARIANTS)}",
+    )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
     ap.add_argument(
         "--profile",
@@ -337,8 +387,14 @@ def main():
                     flag_sets = [off] + [{**off, n: True} for n in names]
                     if len(names) > 1:
                         flag_sets.append(dict.fromkeys(names, True))
-                for (ffn, res), small, fl in itertools.product(
-                    variants, (None,) if args.moe_small is None else (0, args.moe_small), flag_sets
+                kvs = [v for v in args.kernel_variants.split(",") if v] or [""]
+                for name in kvs:
+                    if name and name not in KERNEL_VARIANTS:
+                        raise SystemExit(
+                            f"unknown kernel variant {name!r}; expected one of {sorted(KERNEL_VARIANTS)}"
+                        )
+                for (ffn, res), small, fl, kv in itertools.product(
+                    variants, (None,) if args.moe_small is None else (0, args.moe_small), flag_sets, kvs
                 ):
                     run_preset(
                         preset,
@@ -351,6 +407,7 @@ def main():
                         ffn,
                         res,
                         fl,
+                        kv,
                     )
         except Exception as e:
             ERRORS.append(f"{preset}: {e!r}")

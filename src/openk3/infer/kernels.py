@@ -109,8 +109,10 @@ __all__ = [
 # reductions. NV programs per (row, head), each owning K / NV state columns; each issues all its loads up front
 # (state tile, conv history and weights, f_b's rows for the head, g_b's rows for its columns, ...) and recomputes the
 # head-wide terms (q / k conv, L2 norms, decay); the last of the head's programs to arrive (an atomic counter per
-# (row, head), left at zero for the next launch) applies the gated RMSNorm to the whole head. Off (0) by default
-# until measured on a GPU. As configured here NV is the split at one row: it halves while B * H * NV exceeds
+# (row, head), left at zero for the next launch) applies the gated RMSNorm to the whole head. On an H200 (per call,
+# L2 flushed, bench/NOTES.md v13) NV 4 at 4 warps took the 48B shape's step at one row from 17.5 to 11.1 us and
+# medium's from 15.7 to 9.9 us; at four rows NV 2 (48B: 19.0 -> 15.2 us, medium: 16.1 -> 11.7 us); eight warps and
+# register caps were slower. As configured here NV is the split at one row: it halves while B * H * NV exceeds
 # split_programs_per_sm programs per SM (0: no limit), and the per-head form runs once it would reach 1 (the
 # kda_decode_triton keyword split_v is taken as given). split_num_warps: warps per program; split_prefetch: the
 # state tile is first requested into L1 (1) or L2 (2) by a prefetch instruction (0: not); split_maxnreg: a cap on
@@ -123,11 +125,11 @@ KDA_CONFIG = {
     "l2_prefetch": True,
     "heads_fast": True,
     "split_v": 0,
-    "split_num_warps": 8,
+    "split_num_warps": 4,
     "split_prefetch": 2,
     "split_maxnreg": 0,
-    "split_programs_per_sm": 1,
-    "few": {"l2_prefetch": False, "heads_fast": False, "split_v": 0},
+    "split_programs_per_sm": 2,
+    "few": {"l2_prefetch": False, "heads_fast": False, "split_v": 4},
     "few_max_batch": 16,
 }
 KDA_LAST_LAUNCH: dict = {}  # the launch parameters of the latest kda_decode_triton call
@@ -865,7 +867,8 @@ def kda_decode_triton(
     ``split_v`` NV > 0: the split form, NV programs per (row, head) with ``K // NV`` state columns each (a power of
     two at most K; ``BV``, ``stages``, ``l2_prefetch`` and ``heads_fast`` do not apply; ``num_warps``,
     ``split_prefetch`` and ``split_maxnreg`` default to ``KDA_CONFIG["split_num_warps"]``, ``["split_prefetch"]``
-    and ``["split_maxnreg"]``). ``z_lowrank``: the
+    and ``["split_maxnreg"]``); with ``split_v`` None, a ``BV`` or ``stages`` given selects the per-head form).
+    ``z_lowrank``: the
     low-rank decay activation ``f_a_proj(x)`` ``[B, R]``; the kernel then forms ``z = f_b_proj(z_lowrank)`` itself
     (products and sums in fp32, rounded to the model dtype like the GEMM output) and ``z`` must be None (see
     :func:`kda_lowrank_ok`); ``gate_lowrank``: the same for the output gate, ``g_b_proj(gate_lowrank)`` with
@@ -888,7 +891,9 @@ def kda_decode_triton(
     cfg = KDA_CONFIG
     if cfg.get("few") and B <= cfg.get("few_max_batch", 0):
         cfg = {**cfg, **cfg["few"]}
-    nv = int(cfg.get("split_v", 0) if split_v is None else split_v)
+    # a caller naming the per-head form's tile (BV / stages) without split_v gets that form
+    per_head = split_v is None and (BV is not None or stages is not None)
+    nv = int(0 if per_head else cfg.get("split_v", 0) if split_v is None else split_v)
     if nv < 0 or nv & (nv - 1) or nv > K:
         raise ValueError(f"kda_decode_triton: split_v must be 0 or a power of two at most {K}, got {nv}")
     if split_v is None and nv:  # the configured split shrinks as rows are added (see KDA_CONFIG)
