@@ -33,17 +33,7 @@ def add_rms_norm_reference(
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _rnd(x, dtype: tl.constexpr):
-        """``x`` (fp32) rounded to ``dtype`` and back (bf16 by bit arithmetic: the interpreter's cast truncates)."""
-        if dtype == tl.bfloat16:
-            u = x.to(tl.uint32, bitcast=True)
-            u = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16) << 16
-            y = u.to(tl.float32, bitcast=True)
-        else:
-            y = x.to(dtype).to(tl.float32)
-        return y
+    from openk3.infer.kernels import _round
 
     @triton.jit
     def _add_norm_kernel(
@@ -58,12 +48,12 @@ if HAS_TRITON:
         if NP > 0:
             s = tl.load(p0_ptr + b * s_p0 + c, mask=m, other=0.0).to(tl.float32)
             if NP > 1:
-                s = _rnd(s + tl.load(p1_ptr + b * s_p1 + c, mask=m, other=0.0).to(tl.float32), dtype)
-            x = _rnd(x + s, dtype)
+                s = _round(s + tl.load(p1_ptr + b * s_p1 + c, mask=m, other=0.0).to(tl.float32), dtype)
+            x = _round(x + s, dtype)
             tl.store(rout_ptr + b * s_ro + c, x.to(dtype), mask=m)
         w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
-        y = _rnd(x * (1.0 / tl.sqrt(tl.sum(x * x) / D + eps)), dtype)
-        tl.store(out_ptr + b * s_o + c, _rnd(_rnd(w, dtype) * y, dtype).to(dtype), mask=m)
+        y = _round(x * (1.0 / tl.sqrt(tl.sum(x * x) / D + eps)), dtype)
+        tl.store(out_ptr + b * s_o + c, _round(_round(w, dtype) * y, dtype).to(dtype), mask=m)
 
 
 def triton_add_norm_ok(r: torch.Tensor) -> bool:

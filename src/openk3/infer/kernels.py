@@ -229,14 +229,7 @@ if HAS_TRITON:
                 pack=1,
             )
         else:
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-                "=r,l",
-                [ptrs],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
+            _prefetch_l2(ptrs)
 
     @triton.jit
     def _add2(a0, b0, a1, b1):
