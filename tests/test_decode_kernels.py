@@ -634,6 +634,51 @@ def test_mla_glue_refusals():
         )  # fmt: skip
 
 
+@here
+@pytest.mark.parametrize("q_lora", [True, False], ids=["qlora-gate", "plain-q-nogate"])
+def test_engine_mla_glue_triton_path(q_lora):
+    """The engine's fuse_mla_glue branch with the Triton steps (taken on CUDA), here on a tiny fp32 model whose shared
+    key fits the MLA kernel: the prep kernel gets the engine's strided projection slices and views of kv_b_proj, the
+    post step is folded into the MLA step (the gate a slice of the fused projection); the decode logits equal those
+    of the engine without the flag (same Triton MLA step) and of a full re-forward."""
+    from openk3.config import get_preset
+    from openk3.infer.engine import Engine
+    from openk3.infer.sampling import SamplingParams
+    from openk3.model import K3ForCausalLM
+
+    torch.manual_seed(4)
+    over = {} if q_lora else dict(q_lora_rank=None, mla_use_output_gate=False)
+    cfg = get_preset("tiny").replace(attn_res_init="normal", qk_rope_head_dim=16, **over)
+    model = K3ForCausalLM(cfg).to(DEV).eval()
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(5, cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 21)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 2)]
+    logs = []
+    for glue in (False, True):
+        eng = Engine(
+            model, None, max_seqs=4, max_tokens=256, page_size=8, record_logits=True, fuse_mla_glue=glue
+        )
+        eng._mla_step = KN.mla_decode_triton  # (what CUDA resolves to)
+        if glue:
+            eng._mla_glue = eng._plan_mla_glue()
+            assert eng._mla_glue[:2] == (KN.mla_prep_triton, None)
+        KN.MLA_GLUE_LAST_LAUNCH.clear()
+        reqs = eng.generate(prompts, params)
+        assert ("prep" in KN.MLA_GLUE_LAST_LAUNCH) == glue and (
+            KN.MLA_LAST_LAUNCH["post"] is not None
+        ) == glue
+        if glue:
+            assert KN.MLA_GLUE_LAST_LAUNCH["post"]["gate"] == q_lora
+        for r in reqs:
+            got = torch.stack(r.logits_log)
+            with torch.no_grad():
+                ref = model(torch.tensor([r.all_ids[:-1]], device=DEV)).logits[0, r.num_prompt - 1 :].float()
+            check(f"engine glue={glue} vs full forward", got, ref, 1e-4)
+        logs.append([torch.stack(r.logits_log) for r in reqs])
+    for a, b in zip(*logs):
+        check("engine glue vs none", b, a, 1e-5)
+
+
 def test_register_only_with_cuda():
     import openk3.infer.kernels as shared
     from openk3.infer.decode import FAST_KDA_DECODE, FAST_MLA_DECODE
