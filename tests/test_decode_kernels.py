@@ -825,6 +825,90 @@ def test_decode_kernels_cuda_graph():
         )
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("H", [16, 32])
+@pytest.mark.parametrize("B", [1, 3, 16])
+def test_mla_glue_gpu(dtype, H, B):
+    """The prep and post steps at model shapes (dn 128, dr 64, dc 512, dv 128), compiled: default and explicit
+    chunking, page sizes 16 and 64, the post step on its own with and without the gate."""
+    seed = seed_of("glue gpu", str(dtype), H, B)
+    for k, (ps, chunks) in enumerate(((16, None), (64, 4), (1, 32))):
+        run_mla_prep_case(B, H, 128, 64, 512, ps, dtype, seed + k, PREP_TOL[dtype], n_pad=2, chunks=chunks)
+    for k, (gated, vs) in enumerate(((True, None), (False, None), (True, 1), (False, 16))):
+        run_mla_post_case(B, H, 512, 128, dtype, gated, seed + 10 + k, POST_TOL[dtype], v_splits=vs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("H", [16, 32])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_mla_decode_post_gpu(dtype, H, page_size):
+    """The post step folded into the reduce (default split count) and after a one-split walk, at model shapes."""
+    seed = seed_of("decode post gpu", str(dtype), H, page_size)
+    tol = max(MLA_TOL[dtype], POST_TOL[dtype])
+    for rows in ([777], [1, 2047, 3000, 64, 777, 16]):
+        for k, (ns, gated) in enumerate(((None, True), (None, False), (1, True))):
+            run_mla_case(
+                rows, H, 512, 64, page_size, dtype, seed + 3 * len(rows) + k, tol, n_pad=2,
+                post=(128, dtype, gated), num_splits=ns,
+            )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,gated", [(32, False), (16, True)], ids=["48b-shape", "medium-shape"])
+def test_mla_glue_cuda_graph(H, gated):
+    """Prep + attention with the post step folded in, captured in one CUDA graph at model shapes (bf16); each
+    replay writes the new tokens' latents at the rows the attention then reads as the rows' last tokens, and matches
+    the reference steps on a copy of the cache (written rows, untouched rows, output)."""
+    gen = torch.Generator().manual_seed(seed_of("glue graph", H))
+    dt, B, ps, maxp, DN, DR, DC, DV = torch.bfloat16, 4, 16, 24, 128, 64, 512, 128
+    kv = torch.randn(B * maxp + 1, ps, DC + DR, generator=gen).to(dt).to(DEV)
+    table = torch.randperm(B * maxp, generator=gen).view(B, maxp).int().to(DEV)
+    lens = torch.zeros(B, dtype=torch.int32, device=DEV)
+    rows = torch.zeros(B, dtype=torch.long, device=DEV)
+    wq = H * (DN + DR)
+    proj = torch.zeros(B, wq + DC + DR + H * DV, dtype=dt, device=DEV)
+    q = proj[:, :wq].view(B, H, DN + DR)
+    c, kr = proj[:, wq : wq + DC], proj[:, wq + DC : wq + DC + DR]
+    gate = proj[:, wq + DC + DR :] if gated else None
+    norm_w = (1.0 + 0.2 * torch.randn(DC, generator=gen)).to(DEV)
+    w_uk, w_uv = mla_weights(H, DN, DV, DC, dt, gen)
+    scale = (DN + DR) ** -0.5
+
+    def new_inputs():
+        proj.copy_(2 * torch.randn(proj.shape, generator=gen))
+        n = torch.randint(1, maxp * ps, (B,), generator=gen)
+        lens.copy_(n)
+        t = (n - 1).to(DEV)
+        rows.copy_(table.long().gather(1, (t // ps)[:, None])[:, 0] * ps + t % ps)
+
+    def step():
+        ql = KN.mla_prep_triton(q, c, kr, norm_w, 1e-6, w_uk, kv, rows)
+        return KN.mla_decode_triton(
+            ql, kv, table, lens, scale=scale, kv_lora_rank=DC, w_uv=w_uv, gate=gate, out_dtype=dt
+        )
+
+    new_inputs()
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o_g = step()
+    for _ in range(2):
+        new_inputs()
+        kv_ref = kv.clone()
+        g.replay()
+        ql = mla_prep_reference(q, c, kr, norm_w, 1e-6, w_uk, kv_ref, rows)
+        cbar = mla_decode_reference(ql, kv_ref, table, lens, scale=scale, kv_lora_rank=DC)
+        check("graph glue o", o_g, mla_post_reference(cbar, w_uv, gate, dt), max(MLA_TOL[dt], POST_TOL[dt]))
+        flat, ref = kv.view(-1, DC + DR), kv_ref.view(-1, DC + DR)
+        check("graph glue latent", flat[rows], ref[rows], PREP_TOL[dt])
+        others = torch.ones(flat.shape[0], dtype=torch.bool, device=DEV)
+        others[rows] = False
+        assert torch.equal(flat[others], ref[others])
+
+
 def test_mla_num_splits_fills_whole_waves(monkeypatch):
     """The split count fills the resident program slots in whole waves (132 SMs, 2 programs each = 264 slots)."""
     monkeypatch.setattr(KN, "_sm_count", lambda device: 132)
