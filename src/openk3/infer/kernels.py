@@ -39,6 +39,14 @@ the programs they hold at once (:func:`mla_num_splits`, from the compiled kernel
 With one split the program writes the output; otherwise it writes a normalised partial and its log2
 sum-exp, and a reduce kernel ``[H, B]`` combines the splits that hold tokens. Head blocks of one (row, split) are
 adjacent in launch order, so with several head blocks the cache bytes come from L2 after the first.
+
+MLA glue (:mod:`openk3.infer.decode`'s prep and post steps, ``EngineConfig.fuse_mla_glue``). Prep, one launch of
+``H * NC + B`` programs: ``H * NC`` programs each form ``dc / NC`` columns of one head's absorbed query for every
+row (fp32 products and sums over ``W_UK`` read as a strided view of ``kv_b_proj``'s weight), and ``B`` programs
+normalise one row's latent, write it with the rope key into the paged cache and copy the rope part of the query.
+Post: with several splits the reduce, grid ``[VS, H, B]``, combines a (row, head)'s partials and applies ``dv / VS``
+rows of ``W_UV``, the rounding to the model dtype and the output gate; after a one-split walk a kernel of the same
+grid reads the walk's output instead. ``NC`` and ``VS`` give every SM at least one program (:data:`MLA_GLUE_CONFIG`).
 """
 
 from __future__ import annotations
