@@ -477,6 +477,16 @@ def test_mla_prep_cache_dtype():
     )
 
 
+@here
+def test_mla_prep_dn_steps(monkeypatch):
+    """The prep kernel's other form: W_UK's tile larger than MLA_GLUE_CONFIG["prep_elems"], so dn is walked in steps
+    for each row instead of held once."""
+    monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "prep_elems", 128)
+    for k, (dtype, B, chunks) in enumerate(((torch.float32, 3, 2), (torch.bfloat16, 1, None))):
+        run_mla_prep_case(B, 5, 24, 16, 32, 8, dtype, 61 + k, PREP_TOL[dtype], n_pad=1, chunks=chunks)
+        assert KN.MLA_GLUE_LAST_LAUNCH["prep"]["NB"] < 32
+
+
 def run_mla_post_case(B, H, DC, DV, dtype, gated, seed, tol, v_splits=None):
     gen = torch.Generator().manual_seed(seed)
     cbar = torch.randn(B, H, DC, generator=gen).to(DEV)
@@ -837,6 +847,16 @@ def test_mla_glue_gpu(dtype, H, B):
         run_mla_prep_case(B, H, 128, 64, 512, ps, dtype, seed + k, PREP_TOL[dtype], n_pad=2, chunks=chunks)
     for k, (gated, vs) in enumerate(((True, None), (False, None), (True, 1), (False, 16))):
         run_mla_post_case(B, H, 512, 128, dtype, gated, seed + 10 + k, POST_TOL[dtype], v_splits=vs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 16])
+def test_mla_prep_dn_steps_gpu(B, monkeypatch):
+    """The prep kernel walking dn in steps (W_UK's tile above MLA_GLUE_CONFIG["prep_elems"]) at model shapes."""
+    monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "prep_elems", 2048)
+    for k, (dtype, H) in enumerate(((torch.bfloat16, 32), (torch.float32, 16))):
+        run_mla_prep_case(B, H, 128, 64, 512, 16, dtype, 71 + k, PREP_TOL[dtype], n_pad=2)
+        assert KN.MLA_GLUE_LAST_LAUNCH["prep"]["NB"] < 128
 
 
 @pytest.mark.gpu

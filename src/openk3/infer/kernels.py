@@ -137,7 +137,10 @@ MLA_CONFIG = {
 MLA_GLUE_CONFIG = {
     "programs_per_sm": 1,
     "prep_min_cols": 32,
-    "prep_elems": 4096,  # products per accumulation step of a prep program (dn chunk x columns)
+    # W_UK values per step of a prep program (dn chunk x columns); a head's whole dn in one tile (at 512 / 32 heads,
+    # or 512 / 16 heads, and dn 128) is loaded once and held while the rows stream through, "prep_stages" ahead
+    "prep_elems": 8192,
+    "prep_stages": 2,
     "prep_warps": 4,
     "post_rows": 8,
     "post_stages": 2,
@@ -619,21 +622,44 @@ if HAS_TRITON:
         return acc / den
 
     @triton.jit
+    def _mla_absorb_row(
+        q_row, w_head, w_tile, ql_row, cols, s_wn,
+        DN: tl.constexpr, DNP: tl.constexpr, DCB: tl.constexpr, NB: tl.constexpr,
+    ):  # fmt: skip
+        """``ql_row[cols] = q_row[:DN] @ w_head[:DN, cols]`` in fp32: with ``NB == DNP`` from the tile ``w_tile``
+        (loaded once by the caller), else ``NB`` rows of ``w_head`` at a time."""
+        if NB == DNP:
+            n = tl.arange(0, DNP)
+            qn = tl.load(q_row + n, mask=n < DN, other=0.0).to(tl.float32)
+            qa = tl.sum(qn[:, None] * w_tile.to(tl.float32), axis=0)
+        else:
+            acc = tl.zeros([NB, DCB], tl.float32)
+            for n0 in tl.static_range(0, DNP, NB):
+                n = n0 + tl.arange(0, NB)
+                nm = n < DN
+                w = tl.load(w_head + n[:, None] * s_wn + cols[None, :], mask=nm[:, None], other=0.0)
+                qn = tl.load(q_row + n, mask=nm, other=0.0)
+                acc += qn.to(tl.float32)[:, None] * w.to(tl.float32)
+            qa = tl.sum(acc, axis=0)
+        tl.store(ql_row + cols, qa)
+
+    @triton.jit
     def _mla_prep_kernel(
         q_ptr, c_ptr, kr_ptr, nw_ptr, wuk_ptr, kv_ptr, rows_ptr, ql_ptr,
         s_qb, s_qh, s_cb, s_krb, s_wh, s_wn, s_kvp, s_kvt, s_ob, s_oh,
         B, H, eps,
         DN: tl.constexpr, DNP: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, HP: tl.constexpr,
-        DCB: tl.constexpr, NC: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr,
-        PDL: tl.constexpr,
+        DCB: tl.constexpr, NC: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
+        INTERP: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """One MLA layer's prep step (:func:`mla_prep_triton`), a 1-D grid of ``H * NC + B`` programs. The first
         ``H * NC`` take one head and ``DCB`` columns of the absorbed query each, ``ql[:, h, cols] = q_nope[:, h] @
-        w_uk[h, :, cols]`` for all rows, one row after the other (``NB`` values of ``dn`` per step, fp32 products and
-        sums): the head's ``W_UK`` slice comes from memory once, for later rows from L1 / L2; the last ``B`` take one
-        row each: the
-        RMSNorm of its latent (fp32 statistics, rounded to the model dtype before and after the gain, as
-        ``rms_norm``), the cache write of ``[c_hat, kr]`` and the rope part of its absorbed query."""
+        w_uk[h, :, cols]`` for all rows, one row after the other (fp32 products and sums): with ``NB == DNP`` the
+        head's ``W_UK`` tile is loaded once and held in registers while the rows' queries stream through (Triton's
+        pipeliner, ``STAGES``), otherwise ``NB`` values of ``dn`` per step are read again for each row (from L1 /
+        L2). The last ``B`` take one row each: the RMSNorm of its latent (fp32 statistics, rounded to the model
+        dtype before and after the gain, as ``rms_norm``), the cache write of ``[c_hat, kr]`` and the rope part of
+        its absorbed query."""
         pdl_wait(PDL)
         pdl_trigger(PDL)
         pid = tl.program_id(0)
@@ -642,18 +668,28 @@ if HAS_TRITON:
             h = pid // NC
             cols = (pid % NC) * DCB + tl.arange(0, DCB)
             w_head = wuk_ptr + h.to(tl.int64) * s_wh
-            r = 0
-            while r < B:  # (a while loop: the CPU interpreter cannot take an argument as range() bound)
-                q_row = q_ptr + r.to(tl.int64) * s_qb + h * s_qh
-                acc = tl.zeros([NB, DCB], tl.float32)
-                for n0 in tl.static_range(0, DNP, NB):
-                    n = n0 + tl.arange(0, NB)
-                    nm = n < DN
-                    w = tl.load(w_head + n[:, None] * s_wn + cols[None, :], mask=nm[:, None], other=0.0)
-                    qn = tl.load(q_row + n, mask=nm, other=0.0)
-                    acc += qn.to(tl.float32)[:, None] * w.to(tl.float32)
-                tl.store(ql_ptr + r.to(tl.int64) * s_ob + h * s_oh + cols, tl.sum(acc, axis=0))
-                r += 1
+            if NB == DNP:
+                n = tl.arange(0, DNP)
+                w_tile = tl.load(
+                    w_head + n[:, None] * s_wn + cols[None, :], mask=(n < DN)[:, None], other=0.0
+                )
+            else:
+                w_tile = tl.zeros([1, DCB], tl.float32)  # (unused)
+            q_head = q_ptr + h * s_qh
+            ql_head = ql_ptr + h * s_oh
+            if INTERP:  # the CPU interpreter cannot take an argument as range() bound
+                r = 0
+                while r < B:
+                    _mla_absorb_row(
+                        q_head + r * s_qb, w_head, w_tile, ql_head + r * s_ob, cols, s_wn, DN, DNP, DCB, NB
+                    )
+                    r += 1
+            else:
+                for r in tl.range(0, B, num_stages=STAGES):
+                    rr = r.to(tl.int64)
+                    _mla_absorb_row(
+                        q_head + rr * s_qb, w_head, w_tile, ql_head + rr * s_ob, cols, s_wn, DN, DNP, DCB, NB
+                    )
         else:
             b = (pid - H * NC).to(tl.int64)
             kv_dtype = kv_ptr.dtype.element_ty
@@ -1234,14 +1270,15 @@ def mla_prep_triton(
     NB = 1 << (NB.bit_length() - 1)  # a power of two
     rows = rows.to(torch.int64)
     pdl = pdl_on(q)
-    MLA_GLUE_LAST_LAUNCH["prep"] = dict(chunks=chunks, NB=NB, num_warps=cfg["prep_warps"], pdl=pdl)
+    st = cfg["prep_stages"]
+    MLA_GLUE_LAST_LAUNCH["prep"] = dict(chunks=chunks, NB=NB, stages=st, num_warps=cfg["prep_warps"], pdl=pdl)
     _mla_prep_kernel[(H * chunks + B,)](
         q, c, kr, norm_weight, w_uk, kv_cache, rows, ql,
         q.stride(0), q.stride(1), c.stride(0), kr.stride(0), w_uk.stride(0), w_uk.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), ql.stride(0), ql.stride(1),
         B, H, float(eps),
         DN=DN, DNP=DNP, DC=DC, DR=DR, HP=triton.next_power_of_2(H), DCB=DCB, NC=chunks, NB=NB,
-        PAGE=kv_cache.shape[1], PDL=pdl, num_warps=cfg["prep_warps"], **pdl_launch(pdl),
+        PAGE=kv_cache.shape[1], STAGES=st, INTERP=INTERPRET, PDL=pdl, num_warps=cfg["prep_warps"], **pdl_launch(pdl),
     )  # fmt: skip
     return ql
 
