@@ -3,6 +3,10 @@
 of a CUDA graph holding 20 calls (host work excluded), with the split count each call used.
 
     python3 bench/diag_mla.py [--shapes 1x16x4096,16x16x16384,64x16x8192] [--configs default,old]
+
+The least tokens per split at few rows (``MLA_CONFIG["few_min_chunk"]``) against shorter ones, at batch 1:
+
+    python3 bench/diag_mla.py --shapes 1x16x1024,1x32x1024,1x16x4096 --configs default,chunk64,chunk32
 """
 
 import argparse
@@ -24,6 +28,9 @@ CONFIGS = {
     # two stages: 72 KB of rows per program, so three programs share an SM instead of two
     "n32s2": dict(block_n=32, num_stages=2, prefetch=2),
     "n32s2w8": dict(block_n=32, num_stages=2, prefetch=2, num_warps=8),
+    # the least tokens per split (default: MLA_CONFIG["few_min_chunk"] at few rows, else "min_chunk")
+    "chunk64": dict(min_chunk=64),
+    "chunk32": dict(min_chunk=32),
 }
 
 

@@ -15,7 +15,11 @@
 # with AttnRes and with a plain residual, 5 paired rounds of one profiled step each: AttnRes's overhead in kernel
 # time, also as a share of the decoder layers' own time (a plain model with half the layers) -> bench.json; overlap: the engine GPU tests of EngineConfig.overlap and its A/B -> e2e_overlap.json;
 # attnres_tune: the fused read + norm GPU tests (every launch variant) and bench/diag_attnres_normed.py over the
-# prepared variants: tf32x3 dots, 64 rows per program, 8 warps per row -> diag_attnres_normed.json).
+# prepared variants: tf32x3 dots, 64 rows per program, 8 warps per row -> diag_attnres_normed.json;
+# mla_glue: the GPU tests of the MLA glue steps and of EngineConfig.fuse_mla_glue, bench/diag_mla_glue.py (one MLA
+# layer's decode half unfused vs fused, batch 1-16, with the default least split chunk and with 32 tokens),
+# bench/diag_mla.py's least-chunk configs at batch 1, and the engine A/B --compare-flags fuse_mla_glue ->
+# e2e_mla_glue.json).
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -88,6 +92,18 @@ if has attnres_tune; then
   echo "the same, 64 tokens per program of the one-pass backward (OPENK3_ATTNRES_P2_ROWS=64):"
   OPENK3_ATTNRES_P2_ROWS=64 timeout "$T_DECODE" python3 bench/diag_attnres_normed.py --maxnreg default \
     --set "$W8@p2_bwd_norm=0,p2_bwd_norm_direct=128,p2_bwd_norm_direct.S3=128" 2>&1 | grep -v -i "warn" | tail -8
+fi
+if has mla_glue; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_engine_gpu.py tests/test_decode_kernels.py \
+    -k "mla_glue or mla_prep or mla_post or decode_post" >"$OUT_DIR/tests_mla_glue.log" 2>&1
+  echo "MLA glue tests: exit $? ($(tail -1 "$OUT_DIR/tests_mla_glue.log"))"
+  timeout "$T_DECODE" python3 bench/diag_mla_glue.py 2>&1 | tail -12
+  echo "the same, at least 32 tokens per split:"
+  timeout "$T_DECODE" python3 bench/diag_mla_glue.py --min-chunk 32 2>&1 | tail -12
+  timeout "$T_DECODE" python3 bench/diag_mla.py --shapes 1x16x1024,1x32x1024,1x16x4096,4x16x1024 \
+    --configs default,chunk64,chunk32 2>&1 | tail -14
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1,4,16 --steps 12 \
+    --compare-flags fuse_mla_glue --out "$OUT_DIR/e2e_mla_glue.json" 2>&1 | grep -v "^\[.*{'preset" | tail -20
 fi
 if has attnres_ab; then
   BENCH_MODEL_KERNEL_AB=5 timeout "$T_TRAIN" python3 bench/run_all.py --sections ceil,model --out "$OUT_DIR" \

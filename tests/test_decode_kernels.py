@@ -26,7 +26,12 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.6.0)")
 
 import openk3.infer.kernels as KN  # noqa: E402
-from openk3.infer.decode import kda_decode_reference, mla_decode_reference  # noqa: E402
+from openk3.infer.decode import (  # noqa: E402
+    kda_decode_reference,
+    mla_decode_reference,
+    mla_post_reference,
+    mla_prep_reference,
+)
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -436,10 +441,12 @@ def test_gumbel_argmax_kernel(R, V):
 
 
 # ---------------------------------------------------------------------------------------------------------- MLA
-def run_mla_case(lengths, H, DC, DR, page_size, dtype, seed, tol, n_pad=1, poison=False, **kw):
+def run_mla_case(lengths, H, DC, DR, page_size, dtype, seed, tol, n_pad=1, poison=False, post=None, **kw):
     """Rows with ``lengths`` (row 1 shares its first pages with row 0, as after a prefix hit) plus ``n_pad`` padded
     rows (scratch page, length 1). ``poison``: every cache row that no token of the batch owns is NaN (the kernel
-    must not let the unused rows of a row's last page reach its output)."""
+    must not let the unused rows of a row's last page reach its output). ``post = (dv, out_dtype, gate)``: the
+    post step folded in (``w_uv`` a strided view, as the engine's), against the reference step then the reference
+    post step."""
     gen = torch.Generator().manual_seed(seed)
     B = len(lengths) + n_pad
     max_len = max(lengths)
@@ -470,14 +477,155 @@ def run_mla_case(lengths, H, DC, DR, page_size, dtype, seed, tol, n_pad=1, poiso
     q = torch.randn(B, H, DC + DR, generator=gen).to(DEV)
     scale = (DC // 4 + DR) ** -0.5
     kv0 = kv.clone()
+    pkw = {}
+    if post is not None:
+        dv, out_dtype, gated = post
+        w_uv = mla_weights(H, 8, dv, DC, out_dtype, gen)[1]
+        gate = (
+            (2 * torch.randn(B, H * dv + 3, generator=gen))[:, : H * dv].to(out_dtype).to(DEV)
+            if gated
+            else None
+        )
+        pkw = dict(w_uv=w_uv, gate=gate, out_dtype=out_dtype)
     with poisoned_empty():
-        o1 = KN.mla_decode_triton(q, kv, table, lens, scale=scale, kv_lora_rank=DC, **kw)
+        o1 = KN.mla_decode_triton(q, kv, table, lens, scale=scale, kv_lora_rank=DC, **kw, **pkw)
     assert torch.isfinite(o1).all(), "mla: output not fully written (padded rows included)"
     o2 = mla_decode_reference(q, kv, table, lens, scale=scale, kv_lora_rank=DC)
-    assert o1.dtype == torch.float32 and o1.shape == (B, H, DC)
     assert torch.allclose(kv, kv0, rtol=0, atol=0, equal_nan=True)  # the cache is read only
     tag = f"mla lens={lengths} H={H} ps={page_size} {dtype} {kw}"
+    if post is not None:
+        o2 = mla_post_reference(o2, w_uv, gate, out_dtype)
+        assert o1.dtype == out_dtype and o1.shape == (B, H * dv)
+        assert KN.MLA_LAST_LAUNCH["post"] == ("reduce" if KN.MLA_LAST_LAUNCH["splits"] > 1 else "kernel")
+        return check(f"{tag} post dv={dv} {out_dtype} gate={gated}", o1[real], o2[real], tol)
+    assert o1.dtype == torch.float32 and o1.shape == (B, H, DC)
+    assert KN.MLA_LAST_LAUNCH["post"] is None
     return check(tag, o1[real], o2[real], tol)
+
+
+def mla_weights(H, DN, DV, DC, dtype, gen):
+    """(w_uk [H, DN, DC], w_uv [H, DV, DC]): views of one kv_b_proj-like weight, as the engine passes them."""
+    w = (torch.randn(H, DN + DV, DC, generator=gen) * DC**-0.5).to(dtype).to(DEV)
+    return w[:, :DN], w[:, DN:]
+
+
+def run_mla_prep_case(B, H, DN, DR, DC, page_size, dtype, seed, tol, n_pad=0, cache_dtype=None, chunks=None):
+    """The prep step against the reference composition (norm, cache write, absorbed query). Inputs laid out as the
+    engine's: ``q``, ``c`` and ``kr`` views of one projection output, ``w_uk`` a view of a kv_b_proj-like weight, a
+    norm weight in fp32; ``B`` real rows write distinct cache rows in random pages, ``n_pad`` padded rows all write
+    the scratch page's first row. Every other cache row must stay bit-identical."""
+    gen = torch.Generator().manual_seed(seed)
+    cache_dtype = cache_dtype or dtype
+    N = B + n_pad
+    P = 3 * N + 2
+    kv = torch.randn(P + 1, page_size, DC + DR, generator=gen).to(cache_dtype).to(DEV)
+    real_rows = torch.randperm(P * page_size, generator=gen)[:B]
+    rows = torch.cat([real_rows, torch.full((n_pad,), P * page_size)])
+    perm = torch.randperm(N, generator=gen)
+    rows, real = rows[perm].to(DEV), (perm < B).to(DEV)
+    wq = H * (DN + DR)
+    proj = (2 * torch.randn(N, wq + DC + DR + 5, generator=gen)).to(dtype).to(DEV)
+    q = proj[:, :wq].view(N, H, DN + DR)
+    c, kr = proj[:, wq : wq + DC], proj[:, wq + DC : wq + DC + DR]
+    norm_w = (1.0 + 0.2 * torch.randn(DC, generator=gen)).to(DEV)
+    w_uk = mla_weights(H, DN, 16, DC, dtype, gen)[0]
+    eps = 1e-6
+    kv1, kv2 = kv.clone(), kv.clone()
+    with poisoned_empty():
+        ql1 = KN.mla_prep_triton(q, c, kr, norm_w, eps, w_uk, kv1, rows, chunks=chunks)
+    ql2 = mla_prep_reference(q, c, kr, norm_w, eps, w_uk, kv2, rows)
+    assert ql1.dtype == torch.float32 and ql1.shape == (N, H, DC + DR)
+    tag = f"mla prep B={B}+{n_pad} H={H} dn={DN} dr={DR} dc={DC} ps={page_size} {dtype} cache {cache_dtype}"
+    check(f"{tag} ql", ql1[real], ql2[real], 2e-6)
+    flat1, flat2 = kv1.view(-1, DC + DR), kv2.view(-1, DC + DR)
+    written = rows[real]
+    check(f"{tag} latent", flat1[written, :DC], flat2[written, :DC], tol)
+    assert torch.equal(flat1[written, DC:], flat2[written, DC:]), f"{tag}: rope key part differs"
+    untouched = torch.ones(flat1.shape[0], dtype=torch.bool, device=DEV)
+    untouched[rows] = False
+    assert torch.equal(flat1[untouched], kv.view(-1, DC + DR)[untouched]), f"{tag}: other cache rows changed"
+
+
+# latent rows: fp32 statistics in another summation order, so a bf16 value may round the other way
+PREP_TOL = {torch.float32: 1e-6, torch.bfloat16: 4e-3}
+
+
+@here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("H", [2, 5])
+@pytest.mark.parametrize("B", [1, 3])
+def test_mla_prep(dtype, H, B):
+    """The prep step (latent RMSNorm + cache write + absorbed query, one launch): dn not a power of two, several
+    column chunks per head (and one), page sizes 1, 16 and 7, a padded row on the scratch row."""
+    seed = seed_of("prep", str(dtype), H, B)
+    for k, (ps, chunks, n_pad) in enumerate(((16, 2, 0), (1, None, 1), (7, 4, 2))):
+        run_mla_prep_case(B, H, 24, 16, 32, ps, dtype, seed + k, PREP_TOL[dtype], n_pad=n_pad, chunks=chunks)
+
+
+@here
+def test_mla_prep_cache_dtype():
+    """A cache dtype other than the model's: bf16 model, fp32 cache and fp32 model, bf16 cache (rounded to nearest
+    even, also under the interpreter); a latent of 64 and a rope part of 32."""
+    run_mla_prep_case(
+        3, 2, 16, 32, 64, 8, torch.bfloat16, 41, PREP_TOL[torch.bfloat16], cache_dtype=torch.float32
+    )
+    run_mla_prep_case(
+        2, 3, 16, 16, 64, 8, torch.float32, 42, PREP_TOL[torch.bfloat16], cache_dtype=torch.bfloat16
+    )
+
+
+@here
+def test_mla_prep_dn_steps(monkeypatch):
+    """The prep kernel's other form: W_UK's tile larger than MLA_GLUE_CONFIG["prep_elems"], so dn is walked in steps
+    for each row instead of held once."""
+    monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "prep_elems", 128)
+    for k, (dtype, B, chunks) in enumerate(((torch.float32, 3, 2), (torch.bfloat16, 1, None))):
+        run_mla_prep_case(B, 5, 24, 16, 32, 8, dtype, 61 + k, PREP_TOL[dtype], n_pad=1, chunks=chunks)
+        assert KN.MLA_GLUE_LAST_LAUNCH["prep"]["NB"] < 32
+
+
+def run_mla_post_case(B, H, DC, DV, dtype, gated, seed, tol, v_splits=None):
+    gen = torch.Generator().manual_seed(seed)
+    cbar = torch.randn(B, H, DC, generator=gen).to(DEV)
+    w_uv = mla_weights(H, 8, DV, DC, dtype, gen)[1]
+    gate = (2 * torch.randn(B, H * DV + 3, generator=gen))[:, : H * DV].to(dtype).to(DEV) if gated else None
+    with poisoned_empty():
+        o1 = KN.mla_post_triton(cbar, w_uv, gate, dtype, v_splits=v_splits)
+    o2 = mla_post_reference(cbar, w_uv, gate, dtype)
+    assert o1.dtype == dtype and o1.shape == (B, H * DV)
+    return check(f"mla post B={B} H={H} dc={DC} dv={DV} {dtype} gate={gated} vs={v_splits}", o1, o2, tol)
+
+
+# the output rounded to bf16 after fp32 sums in another order: a value may round the other way
+POST_TOL = {torch.float32: 1e-6, torch.bfloat16: 4e-3}
+
+
+@here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("H", [2, 5])
+@pytest.mark.parametrize("B", [1, 3])
+def test_mla_post(dtype, H, B):
+    """The post step on its own (W_UV, rounding, output gate): dv not a power of two, one and several programs per
+    (row, head)."""
+    seed = seed_of("post", str(dtype), H, B)
+    for k, (gated, vs) in enumerate(((True, None), (False, 2), (True, 4))):
+        run_mla_post_case(B, H, 32, 24, dtype, gated, seed + k, POST_TOL[dtype], v_splits=vs)
+
+
+@here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("H", [2, 5])
+@pytest.mark.parametrize("rows", [[1], [45, 3, 70]], ids=["rows1", "rows3"])
+def test_mla_decode_post(dtype, H, rows):
+    """The post step folded into the reduce (several splits), and as its own launch after a one-split walk, with
+    and without the gate, padded rows, page sizes 16 and 7."""
+    seed = seed_of("decode post", str(dtype), H, len(rows))
+    tol = max(MLA_TOL[dtype], POST_TOL[dtype])
+    for k, (ps, ns, gated, vs) in enumerate(((16, 3, True, None), (7, 1, True, 2), (16, 2, False, 4))):
+        run_mla_case(
+            rows, H, 32, 16, ps, dtype, seed + k, tol, post=(24, dtype, gated), num_splits=ns, block_n=16,
+            v_splits=vs,
+        )  # fmt: skip
 
 
 MLA_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -552,6 +700,90 @@ def test_mla_decode_variants(trans, prefetch):
     )
     run_mla_case([40, 9, 1], 16, 32, 16, 8, torch.float32, 4, 1e-5, n_pad=2, block_n=16, **kw)
     run_mla_case([33, 200], 3, 32, 16, 32, torch.float32, 5, 1e-5, block_n=16, num_splits=2, **kw)
+
+
+@here
+def test_mla_decode_min_chunk(monkeypatch):
+    """MLA_CONFIG["few_min_chunk"] (at most few_min_chunk_rows rows) and the min_chunk override: a smaller least
+    chunk gives a short context more splits; the output stays exact."""
+    dev = torch.empty(0, device=DEV).device
+    want = {}
+    for mc in (None, 16):
+        monkeypatch.setitem(KN.MLA_CONFIG, "few_min_chunk", mc or KN.MLA_CONFIG["min_chunk"])
+        run_mla_case([300], 5, 32, 16, 16, torch.float32, 51, MLA_TOL[torch.float32], n_pad=0, block_n=16)
+        want[mc] = KN.mla_num_splits(1, 5, 20 * 16, 16, dev, block_n=16)
+        assert KN.MLA_LAST_LAUNCH["splits"] == want[mc]
+    assert want[16] > want[None]
+    run_mla_case(
+        [300], 5, 32, 16, 16, torch.float32, 52, MLA_TOL[torch.float32], n_pad=0, block_n=16, min_chunk=16
+    )
+    assert KN.MLA_LAST_LAUNCH["splits"] == want[16] and KN.MLA_LAST_LAUNCH["min_chunk"] == 16
+
+
+def test_mla_glue_refusals():
+    z = torch.zeros
+    with pytest.raises(ValueError, match="w_uk must be"):
+        KN.mla_prep_triton(
+            z(1, 2, 40), z(1, 32), z(1, 16), z(32), 1e-6, z(3, 24, 32), z(2, 4, 48), z(1, dtype=torch.long)
+        )
+    with pytest.raises(ValueError, match="power-of-two"):
+        KN.mla_prep_triton(
+            z(1, 2, 36), z(1, 32), z(1, 12), z(32), 1e-6, z(2, 24, 32), z(2, 4, 44), z(1, dtype=torch.long)
+        )
+    with pytest.raises(ValueError, match="gate must be"):
+        KN.mla_post_triton(z(2, 2, 32), z(2, 24, 32), z(2, 24), torch.float32)
+    with pytest.raises(ValueError, match="v_splits"):
+        KN.mla_post_triton(z(2, 2, 32), z(2, 24, 32), None, torch.float32, v_splits=3)
+    with pytest.raises(ValueError, match="come with w_uv"):
+        KN.mla_decode_triton(
+            z(1, 2, 48), z(2, 4, 48), z(1, 1, dtype=torch.int32), z(1, dtype=torch.int32), scale=1.0,
+            kv_lora_rank=32, gate=z(1, 48),
+        )  # fmt: skip
+
+
+@here
+@pytest.mark.parametrize("q_lora", [True, False], ids=["qlora-gate", "plain-q-nogate"])
+def test_engine_mla_glue_triton_path(q_lora):
+    """The engine's fuse_mla_glue branch with the Triton steps (taken on CUDA), here on a tiny fp32 model whose shared
+    key fits the MLA kernel: the prep kernel gets the engine's strided projection slices and views of kv_b_proj, the
+    post step is folded into the MLA step (the gate a slice of the fused projection); the decode logits equal those
+    of the engine without the flag (same Triton MLA step) and of a full re-forward."""
+    from openk3.config import get_preset
+    from openk3.infer.engine import Engine
+    from openk3.infer.sampling import SamplingParams
+    from openk3.model import K3ForCausalLM
+
+    torch.manual_seed(4)
+    over = {} if q_lora else dict(q_lora_rank=None, mla_use_output_gate=False)
+    cfg = get_preset("tiny").replace(attn_res_init="normal", qk_rope_head_dim=16, **over)
+    model = K3ForCausalLM(cfg).to(DEV).eval()
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(5, cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 21)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 2)]
+    logs = []
+    for glue in (False, True):
+        eng = Engine(
+            model, None, max_seqs=4, max_tokens=256, page_size=8, record_logits=True, fuse_mla_glue=glue
+        )
+        eng._mla_step = KN.mla_decode_triton  # (what CUDA resolves to)
+        if glue:
+            eng._mla_glue = eng._plan_mla_glue()
+            assert eng._mla_glue[:2] == (KN.mla_prep_triton, None)
+        KN.MLA_GLUE_LAST_LAUNCH.clear()
+        reqs = eng.generate(prompts, params)
+        assert ("prep" in KN.MLA_GLUE_LAST_LAUNCH) == glue and (
+            KN.MLA_LAST_LAUNCH["post"] is not None
+        ) == glue
+        if glue:
+            assert KN.MLA_GLUE_LAST_LAUNCH["post"]["gate"] == q_lora
+        for r in reqs:
+            got = torch.stack(r.logits_log)
+            with torch.no_grad():
+                ref = model(torch.tensor([r.all_ids[:-1]], device=DEV)).logits[0, r.num_prompt - 1 :].float()
+            check(f"engine glue={glue} vs full forward", got, ref, 1e-4)
+        logs.append([torch.stack(r.logits_log) for r in reqs])
+    for a, b in zip(*logs):
+        check("engine glue vs none", b, a, 1e-5)
 
 
 def test_register_only_with_cuda():
@@ -788,6 +1020,100 @@ def test_decode_kernels_cuda_graph():
         )
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("H", [16, 32])
+@pytest.mark.parametrize("B", [1, 3, 16])
+def test_mla_glue_gpu(dtype, H, B):
+    """The prep and post steps at model shapes (dn 128, dr 64, dc 512, dv 128), compiled: default and explicit
+    chunking, page sizes 16 and 64, the post step on its own with and without the gate."""
+    seed = seed_of("glue gpu", str(dtype), H, B)
+    for k, (ps, chunks) in enumerate(((16, None), (64, 4), (1, 32))):
+        run_mla_prep_case(B, H, 128, 64, 512, ps, dtype, seed + k, PREP_TOL[dtype], n_pad=2, chunks=chunks)
+    for k, (gated, vs) in enumerate(((True, None), (False, None), (True, 1), (False, 16))):
+        run_mla_post_case(B, H, 512, 128, dtype, gated, seed + 10 + k, POST_TOL[dtype], v_splits=vs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 16])
+def test_mla_prep_dn_steps_gpu(B, monkeypatch):
+    """The prep kernel walking dn in steps (W_UK's tile above MLA_GLUE_CONFIG["prep_elems"]) at model shapes."""
+    monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "prep_elems", 2048)
+    for k, (dtype, H) in enumerate(((torch.bfloat16, 32), (torch.float32, 16))):
+        run_mla_prep_case(B, H, 128, 64, 512, 16, dtype, 71 + k, PREP_TOL[dtype], n_pad=2)
+        assert KN.MLA_GLUE_LAST_LAUNCH["prep"]["NB"] < 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("H", [16, 32])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_mla_decode_post_gpu(dtype, H, page_size):
+    """The post step folded into the reduce (default split count) and after a one-split walk, at model shapes."""
+    seed = seed_of("decode post gpu", str(dtype), H, page_size)
+    tol = max(MLA_TOL[dtype], POST_TOL[dtype])
+    for rows in ([777], [1, 2047, 3000, 64, 777, 16]):
+        for k, (ns, gated) in enumerate(((None, True), (None, False), (1, True))):
+            run_mla_case(
+                rows, H, 512, 64, page_size, dtype, seed + 3 * len(rows) + k, tol, n_pad=2,
+                post=(128, dtype, gated), num_splits=ns,
+            )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,gated", [(32, False), (16, True)], ids=["48b-shape", "medium-shape"])
+def test_mla_glue_cuda_graph(H, gated):
+    """Prep + attention with the post step folded in, captured in one CUDA graph at model shapes (bf16); each
+    replay writes the new tokens' latents at the rows the attention then reads as the rows' last tokens, and matches
+    the reference steps on a copy of the cache (written rows, untouched rows, output)."""
+    gen = torch.Generator().manual_seed(seed_of("glue graph", H))
+    dt, B, ps, maxp, DN, DR, DC, DV = torch.bfloat16, 4, 16, 24, 128, 64, 512, 128
+    kv = torch.randn(B * maxp + 1, ps, DC + DR, generator=gen).to(dt).to(DEV)
+    table = torch.randperm(B * maxp, generator=gen).view(B, maxp).int().to(DEV)
+    lens = torch.zeros(B, dtype=torch.int32, device=DEV)
+    rows = torch.zeros(B, dtype=torch.long, device=DEV)
+    wq = H * (DN + DR)
+    proj = torch.zeros(B, wq + DC + DR + H * DV, dtype=dt, device=DEV)
+    q = proj[:, :wq].view(B, H, DN + DR)
+    c, kr = proj[:, wq : wq + DC], proj[:, wq + DC : wq + DC + DR]
+    gate = proj[:, wq + DC + DR :] if gated else None
+    norm_w = (1.0 + 0.2 * torch.randn(DC, generator=gen)).to(DEV)
+    w_uk, w_uv = mla_weights(H, DN, DV, DC, dt, gen)
+    scale = (DN + DR) ** -0.5
+
+    def new_inputs():
+        proj.copy_(2 * torch.randn(proj.shape, generator=gen))
+        n = torch.randint(1, maxp * ps, (B,), generator=gen)
+        lens.copy_(n)
+        t = (n - 1).to(DEV)
+        rows.copy_(table.long().gather(1, (t // ps)[:, None])[:, 0] * ps + t % ps)
+
+    def step():
+        ql = KN.mla_prep_triton(q, c, kr, norm_w, 1e-6, w_uk, kv, rows)
+        return KN.mla_decode_triton(
+            ql, kv, table, lens, scale=scale, kv_lora_rank=DC, w_uv=w_uv, gate=gate, out_dtype=dt
+        )
+
+    new_inputs()
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o_g = step()
+    for _ in range(2):
+        new_inputs()
+        kv_ref = kv.clone()
+        g.replay()
+        ql = mla_prep_reference(q, c, kr, norm_w, 1e-6, w_uk, kv_ref, rows)
+        cbar = mla_decode_reference(ql, kv_ref, table, lens, scale=scale, kv_lora_rank=DC)
+        check("graph glue o", o_g, mla_post_reference(cbar, w_uv, gate, dt), max(MLA_TOL[dt], POST_TOL[dt]))
+        flat, ref = kv.view(-1, DC + DR), kv_ref.view(-1, DC + DR)
+        check("graph glue latent", flat[rows], ref[rows], PREP_TOL[dt])
+        others = torch.ones(flat.shape[0], dtype=torch.bool, device=DEV)
+        others[rows] = False
+        assert torch.equal(flat[others], ref[others])
+
+
 def test_mla_num_splits_fills_whole_waves(monkeypatch):
     """The split count fills the resident program slots in whole waves (132 SMs, 2 programs each = 264 slots)."""
     monkeypatch.setattr(KN, "_sm_count", lambda device: 132)
@@ -806,6 +1132,11 @@ def test_mla_num_splits_fills_whole_waves(monkeypatch):
     for B in (1, 3, 16, 50, 64, 100, 300):
         n = ns(B)
         assert 1 <= n <= KN.MLA_CONFIG["max_splits"]
+    # a smaller least chunk for few rows: short contexts at batch 1 get more splits, larger batches keep min_chunk
+    monkeypatch.setitem(KN.MLA_CONFIG, "few_min_chunk", 32)
+    assert ns(1, L=300) == 10 and ns(16, L=300) == 10  # cdiv(300, 32)
+    assert ns(17, L=300) == 3  # above few_min_chunk_rows: cdiv(300, min_chunk)
+    assert KN.mla_num_splits(17, 16, 300, 16, dev, block_n=32, resident=2, min_chunk=32) == 10  # explicit
 
 
 @pytest.mark.gpu

@@ -543,6 +543,57 @@ def test_decode_fusion_flags_match(tiny, flag):
         assert torch.equal(torch.stack(a.logits_log), torch.stack(b.logits_log))
 
 
+@pytest.mark.parametrize(
+    "variant,fuse_proj",
+    [("tiny", True), ("tiny", False), ("no q-lora, no MLA gate", True), ("no q-lora, no MLA gate", False)],
+    ids=["tiny", "tiny-unfused-proj", "plain-q-nogate", "plain-q-nogate-unfused-proj"],
+)
+def test_fuse_mla_glue_matches(tiny, variant, fuse_proj):
+    """EngineConfig.fuse_mla_glue (CPU: the PyTorch reference prep and post steps, given the same inputs as the
+    Triton kernels on CUDA: the raw latent and rope key, the absorbed weights, the gate projection) gives the decode
+    logits of the engine without it and of a full re-forward, with and without the output gate and q LoRA, with the
+    input projections fused or not."""
+    model = tiny
+    if variant != "tiny":
+        torch.manual_seed(3)
+        cfg = get_preset("tiny").replace(attn_res_init="normal", q_lora_rank=None, mla_use_output_gate=False)
+        model = K3ForCausalLM(cfg).eval()
+    mla = [layer.self_attn for layer in model.model.layers if layer.attn_type != "kda"]
+    assert mla and all((m.q_lora_rank is None) == (variant != "tiny") for m in mla)
+    assert all(m.use_gate == (variant == "tiny") for m in mla)
+    prompts = _prompts(25, [5, 29, 12], model.config.vocab_size)
+    runs = []
+    for glue in (False, True):
+        eng = Engine(
+            model, None, max_seqs=4, max_tokens=512, record_logits=True, fuse_projections=fuse_proj,
+            fuse_mla_glue=glue,
+        )  # fmt: skip
+        assert eng.memory_report()["fused_mla_glue_layers"] == (len(mla) if glue else 0)
+        reqs = eng.generate(prompts, GREEDY)
+        _check_against_full_forward(model, reqs)
+        runs.append(reqs)
+    for a, b in zip(*runs):
+        assert a.output_ids == b.output_ids
+        assert _rel(torch.stack(b.logits_log), torch.stack(a.logits_log)) < 1e-6
+
+
+def test_fuse_mla_glue_row_limit(tiny, monkeypatch):
+    """fuse_mla_glue runs the glue steps for batches of at most MLA_GLUE_MAX_ROWS rows and the unfused sequence
+    above (both in one generation as the batch shrinks); the prep step writes the cache the later steps read."""
+    from openk3.infer import engine as E
+
+    calls = []
+    eng = Engine(tiny, None, max_seqs=4, max_tokens=512, record_logits=True, fuse_mla_glue=True)
+    prep, post, weights = eng._mla_glue
+    eng._mla_glue = (lambda *a: calls.append(a[0].shape[0]) or prep(*a), post, weights)
+    monkeypatch.setattr(E, "MLA_GLUE_MAX_ROWS", 2)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 12, 8)]
+    reqs = eng.generate(_prompts(26, [5, 29, 12], tiny.config.vocab_size), params)
+    _check_against_full_forward(tiny, reqs)
+    assert calls and max(calls) <= 2  # batches of 3 took the unfused path
+    assert len(set(calls)) == 2  # batches of 2 and of 1
+
+
 def test_kda_lowrank_call_path(tiny):
     """The engine's fuse_kda_lowrank branch (normally taken with the Triton step on CUDA), driven on CPU by a step
     that applies the low-rank projections it is handed the way the kernel does: the calls carry the activations

@@ -19,12 +19,12 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def _model(preset, dtype=torch.bfloat16, pin_routing=False):
-    """Random ``preset`` model on CUDA. ``pin_routing``: a large correction bias on a fixed expert set per layer, so
-    that bf16 rounding cannot flip a token between near-tied experts (at random init many tokens sit on such
-    ties, and a flip changes that token's output wholesale)."""
+def _model(preset, dtype=torch.bfloat16, pin_routing=False, **over):
+    """Random ``preset`` model on CUDA (config fields ``over`` replaced). ``pin_routing``: a large correction bias on
+    a fixed expert set per layer, so that bf16 rounding cannot flip a token between near-tied experts (at random init
+    many tokens sit on such ties, and a flip changes that token's output wholesale)."""
     torch.manual_seed(0)
-    m = K3ForCausalLM(get_preset(preset).replace(attn_res_init="normal"))
+    m = K3ForCausalLM(get_preset(preset).replace(attn_res_init="normal", **over))
     with torch.no_grad():  # slow decay, so a wrong or stale KDA state would show in the logits
         for layer in m.model.layers:
             if layer.attn_type == "kda":
@@ -186,10 +186,11 @@ def test_engine_unsupported_kernel_falls_back():
         Engine(model, None, max_tokens=2048, decode_backend="triton")
 
 
-def _greedy_fp32_decode_err(graphs: bool, seed: int, max_tokens, **engine_kw) -> float:
-    """Greedy decode of three ragged prompts by the engine on the fp32 ``small`` model: the worst relative error of
-    its decode logits against a full forward of the same model."""
-    model = _model("small", torch.float32)
+def _greedy_fp32_decode_err(graphs: bool, seed: int, max_tokens, model_over=None, **engine_kw) -> float:
+    """Greedy decode of three ragged prompts by the engine on the fp32 ``small`` model (config fields
+    ``model_over`` replaced): the worst relative error of its decode logits against a full forward of the same
+    model."""
+    model = _model("small", torch.float32, **(model_over or {}))
     eng = Engine(
         model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, prefix_cache=False,
         use_cuda_graphs=graphs, **engine_kw,
@@ -217,6 +218,42 @@ def test_engine_fuse_read_norm(graphs, fuse, monkeypatch):
     monkeypatch.setattr(attnres, "_p2_fwd", Spy())
     err = _greedy_fp32_decode_err(graphs, seed=7, max_tokens=(18, 9, 14), fuse_read_norm=fuse)
     assert any(normed) == fuse, f"fused read + norm launches: {sum(normed)} with fuse_read_norm={fuse}"
+    assert err < 1e-3, err
+
+
+@pytest.mark.parametrize("variant", ["small", "plain-q-nogate"])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_fuse_mla_glue(graphs, fuse, variant, monkeypatch):
+    """EngineConfig.fuse_mla_glue on CUDA (off by default): every MLA layer's norm, cache write and absorbed query go
+    through the Triton prep kernel and W_UV (with the output gate) through the reduce (or the post kernel after a
+    one-split walk), and with it off neither launches; fp32 decode logits against a full forward of the same model,
+    tightly (``small``: q LoRA and output gate; the variant without either)."""
+    from openk3.infer import kernels as KN
+
+    launches = {"prep": 0, "post": 0}
+
+    class Spy:
+        def __init__(self, kernel, kind):
+            self.kernel, self.kind = kernel, kind
+
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                launches[self.kind] += 1
+                return self.kernel[grid](*a, **k)
+
+            return launch
+
+    monkeypatch.setattr(KN, "_mla_prep_kernel", Spy(KN._mla_prep_kernel, "prep"))
+    monkeypatch.setattr(KN, "_mla_reduce_post_kernel", Spy(KN._mla_reduce_post_kernel, "post"))
+    monkeypatch.setattr(KN, "_mla_post_kernel", Spy(KN._mla_post_kernel, "post"))
+    over = {} if variant == "small" else dict(q_lora_rank=None, mla_use_output_gate=False)
+    err = _greedy_fp32_decode_err(
+        graphs, seed=12, max_tokens=(18, 9, 14), model_over=over, fuse_mla_glue=fuse
+    )
+    assert (launches["prep"] > 0) == fuse and (launches["post"] > 0) == fuse, launches
+    if fuse:
+        assert KN.MLA_GLUE_LAST_LAUNCH["post"]["gate"] == (variant == "small")
     assert err < 1e-3, err
 
 

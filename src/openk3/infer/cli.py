@@ -101,6 +101,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "low-rank gate itself (one GEMV fewer each per KDA layer); default on",
     )
     g.add_argument(
+        "--fuse-mla-glue",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode, up to 16 rows: each MLA layer's latent norm, cache write and absorbed query in one launch, and "
+        "W_UV with the output gate folded into the attention kernel's reduce; default off (not yet measured)",
+    )
+    g.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -196,6 +203,7 @@ def _load(args):
         fuse_residual=args.fuse_residual,
         fuse_read_norm=args.fuse_read_norm,
         fuse_kda_lowrank=args.fuse_kda_lowrank,
+        fuse_mla_glue=args.fuse_mla_glue,
         pdl=args.pdl,
         overlap=args.overlap,
         parallel_ffn=args.parallel_ffn,

@@ -23,6 +23,24 @@ backends fill with functions of the same signature:
     ``lengths``: ``[B]`` int32 valid tokens per row, the current one included (>= 1).
     Returns ``out [B, H, dc]`` fp32: ``softmax_j(scale * q . kv_j) @ kv_j[:dc]`` (the engine applies ``W_UV``).
 
+Two optional steps around the MLA one (``EngineConfig.fuse_mla_glue``, at most a few rows), references here and
+Triton kernels in :mod:`openk3.infer.kernels` (``mla_prep_triton``; the post step folded into the reduce of
+``mla_decode_triton(..., w_uv=, gate=, out_dtype=)``, or ``mla_post_triton``), same signatures:
+
+``mla_prep(q, c, kr, norm_weight, eps, w_uk, kv_cache, rows) -> ql``
+    From one MLA layer's projection outputs: ``q`` ``[B, H, dn + dr]`` (model dtype), the raw latent ``c``
+    ``[B, dc]`` and the shared key part ``kr`` ``[B, dr]``. RMS-normalises ``c`` with ``norm_weight`` / ``eps`` as
+    :func:`openk3.ops.norm.rms_norm` does, writes ``[c_hat, kr]`` (cache dtype) into ``kv_cache`` (as above) at the
+    flat rows ``rows [B]`` (int64, ``page * page_size + offset``) in place, and returns the absorbed query
+    ``ql [B, H, dc + dr]`` fp32: ``[q_nope @ w_uk[h] ; q_rope]`` with ``w_uk [H, dn, dc]`` (fp32 products and sums;
+    the model dtype or fp32 give the same values, the weights being upcast model-dtype rows).
+
+``mla_post(cbar, w_uv, gate, out_dtype) -> o``
+    ``cbar`` ``[B, H, dc]`` fp32 (the attention output) times ``w_uv[h]^T`` (``w_uv [H, dv, dc]``) in fp32, rounded
+    to ``out_dtype``, times ``sigmoid(gate)`` when ``gate [B, H * dv]`` (model dtype) is given (sigmoid and product
+    rounded to ``out_dtype`` like ``torch.sigmoid(gate) * o``): ``o [B, H * dv]`` in ``out_dtype``, ready for
+    ``o_proj``.
+
 Resolution (:func:`resolve_kda_decode`, :func:`resolve_mla_decode`): ``decode_backend="reference"`` or a registered
 name forces that step; otherwise, on CUDA, ``FAST_*_DECODE[name]`` with ``name = openk3.ops.backend.resolve(op, True)``
 if registered under that name, else the most recently registered entry, else the reference; off CUDA the reference.
@@ -40,13 +58,15 @@ import torch.nn.functional as F
 
 from openk3.ops import backend as _backend
 from openk3.ops.kda import kda_gate, l2norm
-from openk3.ops.norm import gated_rms_norm
+from openk3.ops.norm import gated_rms_norm, rms_norm
 
 __all__ = [
     "FAST_KDA_DECODE",
     "FAST_MLA_DECODE",
     "kda_decode_reference",
     "mla_decode_reference",
+    "mla_post_reference",
+    "mla_prep_reference",
     "resolve_kda_decode",
     "resolve_mla_decode",
 ]
@@ -122,6 +142,36 @@ def mla_decode_reference(
     # rows past a length (the rest of a row's last page, recycled pages) may hold anything, NaN included: zeroed, so
     # that a zero weight times them stays zero
     return torch.einsum("bhs,bsc->bhc", p, kv[..., :kv_lora_rank].masked_fill(past[..., None], 0.0))
+
+
+def mla_prep_reference(
+    q: torch.Tensor,
+    c: torch.Tensor,
+    kr: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_uk: torch.Tensor,
+    kv_cache: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """Reference MLA prep step (signature in the module docstring): the engine's unfused sequence (norm, cache
+    write, absorbed query)."""
+    dn = w_uk.shape[1]
+    c_hat = rms_norm(c, norm_weight, eps)
+    latent = torch.cat([c_hat, kr.to(c_hat.dtype)], dim=-1)
+    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, rows, latent.to(kv_cache.dtype))
+    qa = torch.bmm(q[..., :dn].float().transpose(0, 1), w_uk.float())  # [H, B, dc]
+    return torch.cat([qa.transpose(0, 1), q[..., dn:].float()], dim=-1)
+
+
+def mla_post_reference(
+    cbar: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Reference MLA post step (signature in the module docstring)."""
+    B, H, _ = cbar.shape
+    o = torch.bmm(cbar.transpose(0, 1), w_uv.float().transpose(1, 2))  # [H, B, dv]
+    o = o.transpose(0, 1).to(out_dtype).reshape(B, H * w_uv.shape[1])
+    return o if gate is None else torch.sigmoid(gate) * o
 
 
 def resolve_kda_decode(

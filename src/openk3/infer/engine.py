@@ -40,7 +40,12 @@ import torch.nn.functional as F
 
 from openk3.fast._triton import pdl_scope
 from openk3.infer.cache import PagedHybridCache, PrefixCache, plan_pool
-from openk3.infer.decode import resolve_kda_decode, resolve_mla_decode
+from openk3.infer.decode import (
+    mla_post_reference,
+    mla_prep_reference,
+    resolve_kda_decode,
+    resolve_mla_decode,
+)
 from openk3.infer.glue import add_rms_norm
 from openk3.infer.sampling import SamplingParams, find_stop, sample, sample_keys, stop_holdback
 from openk3.ops import backend as _backend
@@ -103,6 +108,13 @@ class EngineConfig:
     # launch fewer per projection and KDA layer. H200, batch 1: medium forward 1.66 -> 1.64 ms (both flags: 1.60),
     # 48B shape 3.36 -> 3.34 ms (bench/NOTES.md v9)
     fuse_kda_lowrank: bool = True
+    # decode step, at most MLA_GLUE_MAX_ROWS rows: the glue around each MLA layer's attention kernel in two steps
+    # (openk3.infer.decode: mla_prep / mla_post). Prep, one launch: the latent's RMSNorm, its cache write and the
+    # absorbed query [q_nope W_UK ; q_rope]; post: W_UV, the rounding to the model dtype and the output gate,
+    # folded into the attention kernel's reduce (Triton; one split: its own launch). On CUDA with the Triton MLA step
+    # the Triton kernels (reading W_UK / W_UV as views of kv_b_proj's weight), otherwise the PyTorch references. Off
+    # until measured on a GPU
+    fuse_mla_glue: bool = False
     # decode forward: our Triton kernels (KDA / MLA steps, AttnRes reads and seals, few-token MoE) launched with
     # programmatic dependent launch (sm_90+), each starting while the kernel before it drains. Off: on an H200 it
     # measured within the run-to-run noise (-0.02 to -0.07 ms at batch 1, bench/NOTES.md v9)
@@ -126,6 +138,9 @@ class EngineConfig:
 
 # above this many rows every KDA program would re-read its head's f_b_proj rows (from L2): the GEMV is kept
 KDA_LOWRANK_MAX_ROWS = 16
+# above this many rows the fused MLA post step's programs (one per row and head, or a share of a head's outputs)
+# would each re-read their head's W_UV rows (from L2): the unfused glue is kept (EngineConfig.fuse_mla_glue)
+MLA_GLUE_MAX_ROWS = 16
 
 
 @dataclass
@@ -370,6 +385,8 @@ class Engine:
         self._side = (
             torch.cuda.Stream(self.device) if self.device.type == "cuda" and cfg.parallel_ffn else None
         )
+        # fuse_mla_glue: (prep step, post step or None when the MLA step applies it, {layer: (W_UK, W_UV)})
+        self._mla_glue = self._plan_mla_glue() if cfg.fuse_mla_glue else None
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
         if self.graphs_enabled and any(layer.is_moe for layer in inner.layers):
@@ -406,6 +423,22 @@ class Engine:
                 m = layer.self_attn
                 plan[i] = (ok(m, None)[0], not m.full_rank_gate and ok(m, None, "g_b_proj")[0])
         return plan
+
+    def _plan_mla_glue(self) -> tuple | None:
+        """The MLA glue steps (EngineConfig.fuse_mla_glue): with the Triton MLA step, the Triton prep kernel and the
+        post step folded into the MLA step, reading W_UK / W_UV as views of each layer's kv_b_proj weight (model
+        dtype, no copy); otherwise the PyTorch references over the fp32 copies. None without MLA layers."""
+        if not self._absorbed:
+            return None
+        from openk3.infer import kernels as _kernels
+
+        if self._mla_step is getattr(_kernels, "mla_decode_triton", None):
+            views = {i: self.model.model.layers[i].self_attn.absorbed_weights() for i in self._absorbed}
+            return _kernels.mla_prep_triton, None, views
+        log.info(
+            "fuse_mla_glue: the MLA step is not the Triton kernel here; the glue runs as PyTorch references"
+        )
+        return mla_prep_reference, mla_post_reference, self._absorbed
 
     @torch.no_grad()
     def _build_fused_projections(self, projections: Callable, out: dict) -> None:
@@ -456,6 +489,7 @@ class Engine:
         r["fused_projection_layers"] = len(self._fused)
         r["fused_ffn_layers"] = len(self._fused_ffn)
         r["fused_ffn_output_layers"] = len(self._fused_ffn_out)
+        r["fused_mla_glue_layers"] = len(self._mla_glue[2]) if self._mla_glue else 0
         r["absorbed_weight_bytes"] = sum(a.numel() * 4 + b.numel() * 4 for a, b in self._absorbed.values())
         return r
 
@@ -1177,10 +1211,26 @@ class Engine:
                 qx = parts[0] if m.q_lora_rank is None else m.q_b_proj(m.q_a_layernorm(parts[0]))
                 q = qx.reshape(B, H, m.dn + m.dr)
                 c, kr = parts[1].split([m.dc, m.dr], dim=-1)
-                c = m.kv_a_layernorm(c)
             else:
                 q = m.project_q(xx).view(B, H, m.dn + m.dr)
-                c, kr = m.latent(xx)
+                c, kr = m.kv_a_proj_with_mqa(xx).split([m.dc, m.dr], dim=-1)
+            glue = self._mla_glue if B <= MLA_GLUE_MAX_ROWS else None
+            if glue is not None:  # norm + cache write + absorbed query in one step; W_UV (+ gate) in another
+                prep, post, weights = glue
+                w_uk, w_uv = weights[i]
+                norm = m.kv_a_layernorm
+                ql = prep(q, c, kr, norm.weight, norm.eps, w_uk, pool.kv[j], rows)
+                gate = (parts[2] if fused is not None else m.g_proj(xx)) if m.use_gate else None
+                if post is None:  # the MLA step applies it
+                    o = self._mla_step(
+                        ql, pool.kv[j], table, lengths, scale=m.scale, kv_lora_rank=dc, w_uv=w_uv, gate=gate,
+                        out_dtype=xx.dtype,
+                    )  # fmt: skip
+                else:
+                    cbar = self._mla_step(ql, pool.kv[j], table, lengths, scale=m.scale, kv_lora_rank=dc)
+                    o = post(cbar, w_uv, gate, xx.dtype)
+                return out_proj(m.o_proj.weight, o, res)
+            c = m.kv_a_layernorm(c)
             pool.write_latent(j, rows, torch.cat([c, kr.to(c.dtype)], dim=-1))
             w_uk, w_uv = self._absorbed[i]  # fp32 [H, dn, dc], [H, dv, dc]
             qa = torch.bmm(q[..., : m.dn].float().transpose(0, 1), w_uk)  # [H, B, dc]

@@ -52,6 +52,14 @@ the programs they hold at once (:func:`mla_num_splits`, from the compiled kernel
 With one split the program writes the output; otherwise it writes a normalised partial and its log2
 sum-exp, and a reduce kernel ``[H, B]`` combines the splits that hold tokens. Head blocks of one (row, split) are
 adjacent in launch order, so with several head blocks the cache bytes come from L2 after the first.
+
+MLA glue (:mod:`openk3.infer.decode`'s prep and post steps, ``EngineConfig.fuse_mla_glue``). Prep, one launch of
+``H * NC + B`` programs: ``H * NC`` programs each form ``dc / NC`` columns of one head's absorbed query for every
+row (fp32 products and sums over ``W_UK`` read as a strided view of ``kv_b_proj``'s weight), and ``B`` programs
+normalise one row's latent, write it with the rope key into the paged cache and copy the rope part of the query.
+Post: with several splits the reduce, grid ``[VS, H, B]``, combines a (row, head)'s partials and applies ``dv / VS``
+rows of ``W_UV``, the rounding to the model dtype and the output gate; after a one-split walk a kernel of the same
+grid reads the walk's output instead. ``NC`` and ``VS`` give every SM at least one program (:data:`MLA_GLUE_CONFIG`).
 """
 
 from __future__ import annotations
@@ -81,6 +89,8 @@ __all__ = [
     "KDA_CONFIG",
     "KDA_LAST_LAUNCH",
     "MLA_CONFIG",
+    "MLA_GLUE_CONFIG",
+    "MLA_GLUE_LAST_LAUNCH",
     "MLA_LAST_LAUNCH",
     "available",
     "gumbel_argmax_triton",
@@ -89,6 +99,8 @@ __all__ = [
     "kda_supports",
     "mla_decode_triton",
     "mla_num_splits",
+    "mla_post_triton",
+    "mla_prep_triton",
     "mla_supports",
     "register",
 ]
@@ -142,8 +154,30 @@ MLA_CONFIG = {
     "many": {"block_h": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "trans": True, "prefetch": 2},
     "fp32": {"block_h": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "trans": True, "prefetch": True},
     "min_chunk": 128,
+    # the least tokens per split for batches of at most "few_min_chunk_rows" rows: smaller values give short contexts
+    # at batch 1 more, shorter splits (each program's walk is latency-bound there). The same as min_chunk until
+    # measured (bench/diag_mla.py --configs default,chunk32)
+    "few_min_chunk": 128,
+    "few_min_chunk_rows": 16,
     "max_splits": 64,
     "overhead_blocks": 2,  # a program's fixed cost (pipeline fill, epilogue, partials) in blocks of work
+}
+# The MLA glue steps around the split kernel (EngineConfig.fuse_mla_glue): the prep kernel (latent norm + cache
+# write + absorbed query) and the post step (W_UV product, rounding, output gate; folded into the reduce, or its own
+# launch after a one-split walk). Both split the heads' weight slices over enough programs to give every SM at
+# least one ("programs_per_sm"): the prep over column chunks of W_UK (at least "prep_min_cols" wide), the post over
+# row chunks of W_UV (at least "post_rows" rows, walked "post_rows" at a time).
+MLA_GLUE_CONFIG = {
+    "programs_per_sm": 1,
+    "prep_min_cols": 32,
+    # W_UK values per step of a prep program (dn chunk x columns); a head's whole dn in one tile (at 512 / 32 heads,
+    # or 512 / 16 heads, and dn 128) is loaded once and held while the rows stream through, "prep_stages" ahead
+    "prep_elems": 8192,
+    "prep_stages": 2,
+    "prep_warps": 4,
+    "post_rows": 8,
+    "post_stages": 2,
+    "post_warps": 4,
 }
 
 
@@ -747,6 +781,15 @@ if HAS_TRITON:
         pdl_trigger(PDL)
         h = tl.program_id(0)
         b = tl.program_id(1)
+        dc = tl.arange(0, DC)
+        cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, DC, BLOCK_N, BS)
+        tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + dc, cbar)
+
+    @triton.jit
+    def _mla_combine(
+        part_ptr, lse_ptr, len_ptr, b, h, H, NS, DC: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr
+    ):  # fmt: skip
+        """The attention output ``[DC]`` fp32 of row ``b``, head ``h`` from the split kernel's partials."""
         length = tl.load(len_ptr + b).to(tl.int32)
         chunk = tl.cdiv(tl.cdiv(length, NS), BLOCK_N) * BLOCK_N
         used = tl.cdiv(length, chunk)
@@ -769,7 +812,154 @@ if HAS_TRITON:
             den = den * alpha + tl.sum(w, axis=0)
             mx = m_new
             s0 += BS
-        tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + dc, acc / den)
+        return acc / den
+
+    @triton.jit
+    def _mla_absorb_row(
+        q_row, w_head, w_tile, ql_row, cols, s_wn,
+        DN: tl.constexpr, DNP: tl.constexpr, DCB: tl.constexpr, NB: tl.constexpr,
+    ):  # fmt: skip
+        """``ql_row[cols] = q_row[:DN] @ w_head[:DN, cols]`` in fp32: with ``NB == DNP`` from the tile ``w_tile``
+        (loaded once by the caller), else ``NB`` rows of ``w_head`` at a time."""
+        if NB == DNP:
+            n = tl.arange(0, DNP)
+            qn = tl.load(q_row + n, mask=n < DN, other=0.0).to(tl.float32)
+            qa = tl.sum(qn[:, None] * w_tile.to(tl.float32), axis=0)
+        else:
+            acc = tl.zeros([NB, DCB], tl.float32)
+            for n0 in tl.static_range(0, DNP, NB):
+                n = n0 + tl.arange(0, NB)
+                nm = n < DN
+                w = tl.load(w_head + n[:, None] * s_wn + cols[None, :], mask=nm[:, None], other=0.0)
+                qn = tl.load(q_row + n, mask=nm, other=0.0)
+                acc += qn.to(tl.float32)[:, None] * w.to(tl.float32)
+            qa = tl.sum(acc, axis=0)
+        tl.store(ql_row + cols, qa)
+
+    @triton.jit
+    def _mla_prep_kernel(
+        q_ptr, c_ptr, kr_ptr, nw_ptr, wuk_ptr, kv_ptr, rows_ptr, ql_ptr,
+        s_qb, s_qh, s_cb, s_krb, s_wh, s_wn, s_kvp, s_kvt, s_ob, s_oh,
+        B, H, eps,
+        DN: tl.constexpr, DNP: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, HP: tl.constexpr,
+        DCB: tl.constexpr, NC: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
+        INTERP: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """One MLA layer's prep step (:func:`mla_prep_triton`), a 1-D grid of ``H * NC + B`` programs. The first
+        ``H * NC`` take one head and ``DCB`` columns of the absorbed query each, ``ql[:, h, cols] = q_nope[:, h] @
+        w_uk[h, :, cols]`` for all rows, one row after the other (fp32 products and sums): with ``NB == DNP`` the
+        head's ``W_UK`` tile is loaded once and held in registers while the rows' queries stream through (Triton's
+        pipeliner, ``STAGES``), otherwise ``NB`` values of ``dn`` per step are read again for each row (from L1 /
+        L2). The last ``B`` take one row each: the RMSNorm of its latent (fp32 statistics, rounded to the model
+        dtype before and after the gain, as ``rms_norm``), the cache write of ``[c_hat, kr]`` and the rope part of
+        its absorbed query."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+        pid = tl.program_id(0)
+        dtype = q_ptr.dtype.element_ty
+        if pid < H * NC:
+            h = pid // NC
+            cols = (pid % NC) * DCB + tl.arange(0, DCB)
+            w_head = wuk_ptr + h.to(tl.int64) * s_wh
+            if NB == DNP:
+                n = tl.arange(0, DNP)
+                w_tile = tl.load(
+                    w_head + n[:, None] * s_wn + cols[None, :], mask=(n < DN)[:, None], other=0.0
+                )
+            else:
+                w_tile = tl.zeros([1, DCB], tl.float32)  # (unused)
+            q_head = q_ptr + h * s_qh
+            ql_head = ql_ptr + h * s_oh
+            if INTERP:  # the CPU interpreter cannot take an argument as range() bound
+                r = 0
+                while r < B:
+                    _mla_absorb_row(
+                        q_head + r * s_qb, w_head, w_tile, ql_head + r * s_ob, cols, s_wn, DN, DNP, DCB, NB
+                    )
+                    r += 1
+            else:
+                for r in tl.range(0, B, num_stages=STAGES):
+                    rr = r.to(tl.int64)
+                    _mla_absorb_row(
+                        q_head + rr * s_qb, w_head, w_tile, ql_head + rr * s_ob, cols, s_wn, DN, DNP, DCB, NB
+                    )
+        else:
+            b = (pid - H * NC).to(tl.int64)
+            kv_dtype = kv_ptr.dtype.element_ty
+            dc = tl.arange(0, DC)
+            dr = tl.arange(0, DR)
+            x = tl.load(c_ptr + b * s_cb + dc).to(tl.float32)
+            y = _round(x * tl.rsqrt(tl.sum(x * x, axis=0) / DC + eps), dtype)
+            c_hat = _round(_round(tl.load(nw_ptr + dc).to(tl.float32), dtype) * y, dtype)
+            kr = tl.load(kr_ptr + b * s_krb + dr).to(tl.float32)
+            row = tl.load(rows_ptr + b).to(tl.int64)
+            dst = kv_ptr + (row // PAGE) * s_kvp + (row % PAGE) * s_kvt
+            # (values rounded to the cache dtype first: the interpreter's bf16 cast truncates)
+            tl.store(dst + dc, _round(c_hat, kv_dtype).to(kv_dtype))
+            tl.store(dst + DC + dr, _round(kr, kv_dtype).to(kv_dtype))
+            hh = tl.arange(0, HP)
+            hm = hh[:, None] < H
+            qr = tl.load(q_ptr + b * s_qb + hh[:, None] * s_qh + DN + dr[None, :], mask=hm, other=0.0)
+            tl.store(ql_ptr + b * s_ob + hh[:, None] * s_oh + DC + dr[None, :], qr.to(tl.float32), mask=hm)
+
+    @triton.jit
+    def _mla_post_rows(
+        cbar, wuv_ptr, gate_ptr, o_ptr, b, h, vs, s_wh, s_wv, s_gb, s_ob,
+        DC: tl.constexpr, DV: tl.constexpr, VB: tl.constexpr, VC: tl.constexpr, STAGES: tl.constexpr,
+        GATE: tl.constexpr,
+    ):  # fmt: skip
+        """Output values ``[vs * VB, (vs + 1) * VB)`` of row ``b``, head ``h``, from its attention output ``cbar
+        [DC]`` fp32: ``w_uv[h] @ cbar`` (fp32 products and sums, ``VC`` rows of ``w_uv`` at a time) rounded to the
+        output dtype, times ``sigmoid(gate)`` (rounded, then the product rounded) with ``GATE``."""
+        dtype = o_ptr.dtype.element_ty
+        dc = tl.arange(0, DC)
+        w_head = wuv_ptr + h.to(tl.int64) * s_wh
+        g_row = gate_ptr + b.to(tl.int64) * s_gb + h * DV
+        o_row = o_ptr + b.to(tl.int64) * s_ob + h * DV
+        for v0 in tl.range(0, VB, VC, num_stages=STAGES):
+            v = vs * VB + v0 + tl.arange(0, VC)
+            vm = v < DV
+            w = tl.load(w_head + v[:, None] * s_wv + dc[None, :], mask=vm[:, None], other=0.0)
+            o = _round(tl.sum(w.to(tl.float32) * cbar[None, :], axis=1), dtype)
+            if GATE:
+                g = tl.load(g_row + v, mask=vm, other=0.0).to(tl.float32)
+                o = _round(_round(tl.sigmoid(g), dtype) * o, dtype)
+            tl.store(o_row + v, o.to(dtype), mask=vm)
+
+    @triton.jit
+    def _mla_reduce_post_kernel(
+        part_ptr, lse_ptr, len_ptr, wuv_ptr, gate_ptr, o_ptr, H, NS, s_wh, s_wv, s_gb, s_ob,
+        DC: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, DV: tl.constexpr, VB: tl.constexpr,
+        VC: tl.constexpr, STAGES: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """The reduce with the post step folded in: program ``(vs, h, b)`` combines the partials of (row ``b``, head
+        ``h``) and writes output values ``[vs * VB, (vs + 1) * VB)`` of that head (:func:`_mla_post_rows`)."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+        vs = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, DC, BLOCK_N, BS)
+        _mla_post_rows(
+            cbar, wuv_ptr, gate_ptr, o_ptr, b, h, vs, s_wh, s_wv, s_gb, s_ob, DC, DV, VB, VC, STAGES, GATE
+        )
+
+    @triton.jit
+    def _mla_post_kernel(
+        cbar_ptr, wuv_ptr, gate_ptr, o_ptr, s_cb, s_ch, s_wh, s_wv, s_gb, s_ob,
+        DC: tl.constexpr, DV: tl.constexpr, VB: tl.constexpr, VC: tl.constexpr, STAGES: tl.constexpr,
+        GATE: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """The post step on its own (after a one-split walk, or :func:`mla_post_triton`), grid ``(VS, H, B)``."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+        vs = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        cbar = tl.load(cbar_ptr + b.to(tl.int64) * s_cb + h * s_ch + tl.arange(0, DC))
+        _mla_post_rows(
+            cbar, wuv_ptr, gate_ptr, o_ptr, b, h, vs, s_wh, s_wv, s_gb, s_ob, DC, DV, VB, VC, STAGES, GATE
+        )
 
 
 if HAS_TRITON:
@@ -1026,16 +1216,19 @@ def mla_num_splits(
     block_n: int = 32,
     resident: int = 1,
     cfg: dict | None = None,
+    min_chunk: int | None = None,
 ) -> int:
     """Context splits per row, from shapes only (a fixed grid for CUDA graphs). Programs run in waves of
     ``resident * SMs``; a program's time is its share of the row plus a fixed cost, so the step takes about
     ``waves(s) * (blocks_per_split(s) + overhead_blocks)``: the smallest split count that minimises that is chosen
-    (between 1, and enough splits that each keeps at least ``min_chunk`` tokens of the largest context)."""
+    (between 1, and enough splits that each keeps at least ``min_chunk`` tokens of the largest context; default
+    ``cfg["few_min_chunk"]`` for at most ``cfg["few_min_chunk_rows"]`` rows, else ``cfg["min_chunk"]``)."""
     cfg = cfg or MLA_CONFIG
+    min_chunk = _min_chunk(batch, cfg, min_chunk)
     progs = max(1, batch * triton.cdiv(heads, block_h))
     slots = max(1, resident * _sm_count(device))
     blocks = triton.cdiv(max(1, max_context), block_n)
-    cap = max(1, min(cfg["max_splits"], triton.cdiv(max_context, cfg["min_chunk"])))
+    cap = max(1, min(cfg["max_splits"], triton.cdiv(max_context, min_chunk)))
     best, best_cost = 1, None
     for ns in range(1, cap + 1):
         cost = triton.cdiv(progs * ns, slots) * (triton.cdiv(blocks, ns) + cfg["overhead_blocks"])
@@ -1044,9 +1237,19 @@ def mla_num_splits(
     return best
 
 
+def _min_chunk(batch: int, cfg: dict, min_chunk: int | None = None) -> int:
+    """The least tokens per split: ``min_chunk`` if given, else from ``cfg`` by the number of rows."""
+    if min_chunk:
+        return min_chunk
+    if batch <= cfg.get("few_min_chunk_rows", 0):
+        return cfg.get("few_min_chunk", cfg["min_chunk"])
+    return cfg["min_chunk"]
+
+
 _RESIDENT: dict[tuple, int] = {}
 _SPLITS: dict[tuple, int] = {}
 MLA_LAST_LAUNCH: dict = {}  # the launch parameters (splits included) of the latest mla_decode_triton call
+MLA_GLUE_LAST_LAUNCH: dict = {}  # "prep" / "post": the launch parameters of the latest MLA glue steps
 
 
 def _mla_resident(args: tuple, consts: dict, num_warps: int, device: torch.device) -> int:
@@ -1090,13 +1293,25 @@ def mla_decode_triton(
     num_stages: int | None = None,
     trans: bool | None = None,
     prefetch: bool | None = None,
+    min_chunk: int | None = None,
+    w_uv: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    v_splits: int | None = None,
 ) -> torch.Tensor:
     """Paged absorbed MLA decode (signature and layouts: :mod:`openk3.infer.decode`); returns ``[B, H, dc]`` fp32.
     ``num_splits`` (default :func:`mla_num_splits` with the compiled kernel's occupancy), ``block_h`` (heads per
-    program), ``block_n``, ``num_warps``, ``num_stages`` (Triton's pipeliner), ``trans`` (transposed products) and
+    program), ``block_n``, ``num_warps``, ``num_stages`` (Triton's pipeliner), ``trans`` (transposed products),
     ``prefetch`` (``True``: the next block's rows in registers; ``2``: the next block's page-table entries in
-    registers, the rows through the pipeliner) override :data:`MLA_CONFIG`. The parameters used are left in
-    :data:`MLA_LAST_LAUNCH`."""
+    registers, the rows through the pipeliner) and ``min_chunk`` (least tokens per split) override
+    :data:`MLA_CONFIG`. The parameters used are left in :data:`MLA_LAST_LAUNCH`.
+
+    With ``w_uv [H, dv, dc]`` the MLA post step (:mod:`openk3.infer.decode`: ``W_UV``, rounding to ``out_dtype``,
+    times ``sigmoid(gate)`` with ``gate [B, H * dv]``) is applied too, folded into the reduce of the splits (one
+    split: its own launch after the walk), and the result is ``o [B, H * dv]`` in ``out_dtype``; ``v_splits``
+    overrides the number of programs per (row, head) that share its ``dv`` outputs."""
+    if w_uv is None and (gate is not None or out_dtype is not None or v_splits is not None):
+        raise ValueError("mla_decode_triton: gate, out_dtype and v_splits come with w_uv (the post step)")
     B, H, D = q.shape
     _, page_size, Dk = kv_cache.shape
     DC = kv_lora_rank
@@ -1136,8 +1351,13 @@ def mla_decode_triton(
     else:
         mode = 0
     out = torch.empty(B, H, DC, dtype=torch.float32, device=q.device)
+    post = None
+    if w_uv is not None:
+        if out_dtype is None:
+            raise ValueError("mla_decode_triton: the post step (w_uv) needs out_dtype")
+        post = _post_setup(B, H, DC, w_uv, gate, out_dtype, v_splits, q.device, "mla_decode_triton")
     if B == 0:
-        return out
+        return out if post is None else post[0]
     args = (
         q, kv_cache, block_table, lengths, out, out, out,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
@@ -1151,7 +1371,8 @@ def mla_decode_triton(
     ns = num_splits
     if not ns:  # decided once per shape and configuration (this is on the decode step's host path)
         max_context = block_table.shape[1] * page_size
-        key = (B, H, max_context, nw, kv_cache.dtype, q.device, *consts.values())
+        min_chunk = _min_chunk(B, cfg, min_chunk)
+        key = (B, H, max_context, nw, kv_cache.dtype, q.device, min_chunk, *consts.values())
         ns = _SPLITS.get(key)
         if ns is None:
             ns = _SPLITS[key] = mla_num_splits(
@@ -1162,10 +1383,12 @@ def mla_decode_triton(
                 q.device,
                 block_n=bn,
                 resident=_mla_resident(args, consts, nw, q.device),
+                min_chunk=min_chunk,
             )
     MLA_LAST_LAUNCH.update(
-        splits=ns, block_h=bh, block_n=bn, num_warps=nw, num_stages=st, prefetch=pf, pdl=consts["PDL"]
-    )
+        splits=ns, block_h=bh, block_n=bn, num_warps=nw, num_stages=st, prefetch=pf, pdl=consts["PDL"],
+        min_chunk=min_chunk, post=None if post is None else "reduce" if ns > 1 else "kernel",
+    )  # fmt: skip
     if ns > 1:
         part = torch.empty(B, H, ns, DC, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, H, ns, dtype=torch.float32, device=q.device)
@@ -1174,12 +1397,148 @@ def mla_decode_triton(
     _mla_split_kernel[(triton.cdiv(H, bh), ns, B)](
         *args, ns, DIRECT=ns == 1, **consts, num_warps=nw, **pdl_launch(pdl)
     )
+    if post is not None:
+        o, gate, pc = post
+        g = gate if gate is not None else o
+        if ns > 1:  # the reduce applies the post step
+            _mla_reduce_post_kernel[(pc["VS"], H, B)](
+                part, lse, lengths, w_uv, g, o, H, ns, w_uv.stride(0), w_uv.stride(1), g.stride(0), o.stride(0),
+                DC=DC, BLOCK_N=bn, BS=8, DV=pc["DV"], VB=pc["VB"], VC=pc["VC"], STAGES=pc["STAGES"],
+                GATE=gate is not None, PDL=pdl, num_warps=pc["num_warps"], **pdl_launch(pdl),
+            )  # fmt: skip
+        else:  # the walk wrote the attention output: the post step reads it
+            _launch_post(out, w_uv, gate, o, pc, pdl)
+        return o
     if ns > 1:
         _mla_reduce_kernel[(H, B)](
             part, lse, lengths, out, H, out.stride(0), out.stride(1), ns, DC=DC, BLOCK_N=bn, BS=8, PDL=pdl,
             num_warps=4, **pdl_launch(pdl),
         )  # fmt: skip
     return out
+
+
+def _post_setup(B, H, DC, w_uv, gate, out_dtype, v_splits, device, who):
+    """Checks and launch parameters of the MLA post step: (output ``[B, H * dv]``, gate or None, parameters)."""
+    if w_uv.dim() != 3 or w_uv.shape[0] != H or w_uv.shape[2] != DC or w_uv.stride(-1) != 1:
+        raise ValueError(
+            f"{who}: w_uv must be [H={H}, dv, dc={DC}] with contiguous rows, got {tuple(w_uv.shape)} strides "
+            f"{w_uv.stride()}"
+        )
+    if DC < 16 or DC & (DC - 1):
+        raise ValueError(f"{who}: the latent width must be a power of two >= 16, got {DC}")
+    DV = w_uv.shape[1]
+    if gate is not None:
+        if gate.shape != (B, H * DV):
+            raise ValueError(f"{who}: gate must be [B, H * dv] = {(B, H * DV)}, got {tuple(gate.shape)}")
+        gate = _row_major(gate)
+    cfg = MLA_GLUE_CONFIG
+    DVP = triton.next_power_of_2(DV)
+    VC = min(cfg["post_rows"], DVP)
+    if v_splits is None:
+        want = triton.cdiv(max(1, int(cfg["programs_per_sm"] * _sm_count(device))), max(1, B * H))
+        v_splits = min(DVP // VC, triton.next_power_of_2(want))
+    if v_splits < 1 or v_splits & (v_splits - 1) or DVP // v_splits < VC:
+        raise ValueError(f"{who}: v_splits must be a power of two <= {DVP // VC}, got {v_splits}")
+    o = torch.empty(B, H * DV, dtype=out_dtype, device=device)
+    pc = dict(
+        VS=v_splits, DV=DV, VB=DVP // v_splits, VC=VC, STAGES=cfg["post_stages"], num_warps=cfg["post_warps"]
+    )
+    MLA_GLUE_LAST_LAUNCH["post"] = dict(pc, gate=gate is not None)
+    return o, gate, pc
+
+
+def _launch_post(cbar, w_uv, gate, o, pc, pdl) -> None:
+    B, H, DC = cbar.shape
+    g = gate if gate is not None else o
+    _mla_post_kernel[(pc["VS"], H, B)](
+        cbar, w_uv, g, o, cbar.stride(0), cbar.stride(1), w_uv.stride(0), w_uv.stride(1), g.stride(0), o.stride(0),
+        DC=DC, DV=pc["DV"], VB=pc["VB"], VC=pc["VC"], STAGES=pc["STAGES"], GATE=gate is not None, PDL=pdl,
+        num_warps=pc["num_warps"], **pdl_launch(pdl),
+    )  # fmt: skip
+
+
+def mla_post_triton(
+    cbar: torch.Tensor,
+    w_uv: torch.Tensor,
+    gate: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    v_splits: int | None = None,
+) -> torch.Tensor:
+    """The MLA post step as its own launch (signature: :mod:`openk3.infer.decode`), grid ``(v_splits, H, B)``:
+    each program forms ``VB = dv / v_splits`` outputs of one (row, head). (The engine folds the step into
+    :func:`mla_decode_triton` instead.)"""
+    B, H, DC = cbar.shape
+    if cbar.dtype != torch.float32:
+        raise ValueError(f"mla_post_triton: cbar must be fp32, got {cbar.dtype}")
+    o, gate, pc = _post_setup(B, H, DC, w_uv, gate, out_dtype, v_splits, cbar.device, "mla_post_triton")
+    if B:
+        _launch_post(_row_major(cbar), w_uv, gate, o, pc, pdl_on(cbar))
+    return o
+
+
+def mla_prep_triton(
+    q: torch.Tensor,
+    c: torch.Tensor,
+    kr: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_uk: torch.Tensor,
+    kv_cache: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """The MLA prep step in one launch (signature and layouts: :mod:`openk3.infer.decode`; kernel:
+    :func:`_mla_prep_kernel`). ``chunks``: column chunks of ``W_UK`` per head (a power of two; default from
+    :data:`MLA_GLUE_CONFIG`). ``w_uk`` may be a strided view (``kv_b_proj``'s rows) with contiguous rows."""
+    B, H, D = q.shape
+    if w_uk.dim() != 3 or w_uk.shape[0] != H or w_uk.stride(-1) != 1:
+        raise ValueError(
+            f"mla_prep_triton: w_uk must be [H={H}, dn, dc] with contiguous rows, got {tuple(w_uk.shape)}"
+        )
+    _, DN, DC = w_uk.shape
+    DR = D - DN
+    if DC < 16 or DC & (DC - 1) or DR < 1 or DR & (DR - 1):
+        raise ValueError(
+            f"mla_prep_triton: need a power-of-two latent >= 16 and a power-of-two rope part, got dc={DC}, dr={DR}"
+        )
+    if c.shape != (B, DC) or kr.shape != (B, DR) or rows.shape != (B,) or norm_weight.shape != (DC,):
+        raise ValueError(
+            f"mla_prep_triton: c {tuple(c.shape)}, kr {tuple(kr.shape)}, rows {tuple(rows.shape)}, norm weight "
+            f"{tuple(norm_weight.shape)} do not match B={B}, dc={DC}, dr={DR}"
+        )
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != DC + DR or kv_cache.stride(-1) != 1:
+        raise ValueError(
+            f"mla_prep_triton: kv_cache must be [pages, page_size, {DC + DR}], got {kv_cache.shape}"
+        )
+    q, c, kr, norm_weight = (_row_major(t) for t in (q, c, kr, norm_weight))
+    ql = torch.empty(B, H, DC + DR, dtype=torch.float32, device=q.device)
+    if B == 0:
+        return ql
+    cfg = MLA_GLUE_CONFIG
+    if chunks is None:
+        want = triton.cdiv(max(1, int(cfg["programs_per_sm"] * _sm_count(q.device))), H)
+        chunks = min(max(1, DC // cfg["prep_min_cols"]), triton.next_power_of_2(want))
+    if chunks < 1 or chunks & (chunks - 1) or chunks > DC:
+        raise ValueError(f"mla_prep_triton: chunks must be a power of two <= {DC}, got {chunks}")
+    DCB = DC // chunks
+    DNP = triton.next_power_of_2(DN)
+    NB = max(1, min(DNP, cfg["prep_elems"] // DCB))
+    NB = 1 << (NB.bit_length() - 1)  # a power of two
+    rows = rows.to(torch.int64)
+    pdl = pdl_on(q)
+    st = cfg["prep_stages"]
+    MLA_GLUE_LAST_LAUNCH["prep"] = dict(chunks=chunks, NB=NB, stages=st, num_warps=cfg["prep_warps"], pdl=pdl)
+    _mla_prep_kernel[(H * chunks + B,)](
+        q, c, kr, norm_weight, w_uk, kv_cache, rows, ql,
+        q.stride(0), q.stride(1), c.stride(0), kr.stride(0), w_uk.stride(0), w_uk.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), ql.stride(0), ql.stride(1),
+        B, H, float(eps),
+        DN=DN, DNP=DNP, DC=DC, DR=DR, HP=triton.next_power_of_2(H), DCB=DCB, NC=chunks, NB=NB,
+        PAGE=kv_cache.shape[1], STAGES=st, INTERP=INTERPRET, PDL=pdl, num_warps=cfg["prep_warps"], **pdl_launch(pdl),
+    )  # fmt: skip
+    return ql
 
 
 def kda_supports(config) -> tuple[bool, str]:
