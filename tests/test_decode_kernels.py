@@ -1117,6 +1117,9 @@ def test_mla_glue_cuda_graph(H, gated):
 def test_mla_num_splits_fills_whole_waves(monkeypatch):
     """The split count fills the resident program slots in whole waves (132 SMs, 2 programs each = 264 slots)."""
     monkeypatch.setattr(KN, "_sm_count", lambda device: 132)
+    # the least chunk of min_chunk for every batch first (few_min_chunk as large), then a smaller one for few rows
+    monkeypatch.setitem(KN.MLA_CONFIG, "few_min_chunk", KN.MLA_CONFIG["min_chunk"])
+    monkeypatch.setitem(KN.MLA_CONFIG, "few_min_chunk_rows", 16)
     dev = torch.device("cpu")
 
     def ns(B, H=16, L=8192, res=2):

@@ -51,6 +51,9 @@ _fs = os.environ.get("OPENK3_MOE_FUSE_SELECT", "1").strip()
 if _fs not in ("0", "1"):
     raise ValueError(f"OPENK3_MOE_FUSE_SELECT must be 0 or 1, got {_fs!r}")
 FUSE_SELECT = _fs == "1"
+# ... for at most this many tokens: every gate/up program forms its token's top-k, so the work grows with the
+# programs (tokens x slots x row tiles); measured faster at one token (H200, bench/NOTES.md v13)
+FUSE_SELECT_MAX_TOKENS = 1
 PAIRS_PER_EXPERT = (
     2  # the path is taken for N tokens of top-k routing only while N * k <= PAIRS_PER_EXPERT * experts
 )

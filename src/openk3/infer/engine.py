@@ -112,9 +112,10 @@ class EngineConfig:
     # (openk3.infer.decode: mla_prep / mla_post). Prep, one launch: the latent's RMSNorm, its cache write and the
     # absorbed query [q_nope W_UK ; q_rope]; post: W_UV, the rounding to the model dtype and the output gate,
     # folded into the attention kernel's reduce (Triton; one split: its own launch). On CUDA with the Triton MLA step
-    # the Triton kernels (reading W_UK / W_UV as views of kv_b_proj's weight), otherwise the PyTorch references. Off
-    # until measured on a GPU
-    fuse_mla_glue: bool = False
+    # the Triton kernels (reading W_UK / W_UV as views of kv_b_proj's weight), otherwise the PyTorch references.
+    # H200, batch 1: medium 1.46 -> 1.37 ms per step, 48B shape 2.73 -> 2.63 ms; batch 16 within noise
+    # (bench/NOTES.md v13)
+    fuse_mla_glue: bool = True
     # decode forward: our Triton kernels (KDA / MLA steps, AttnRes reads and seals, few-token MoE) launched with
     # programmatic dependent launch (sm_90+), each starting while the kernel before it drains. Off: on an H200 it
     # measured within the run-to-run noise (-0.02 to -0.07 ms at batch 1, bench/NOTES.md v9)

@@ -155,10 +155,11 @@ MLA_CONFIG = {
     "fp32": {"block_h": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "trans": True, "prefetch": True},
     "min_chunk": 128,
     # the least tokens per split for batches of at most "few_min_chunk_rows" rows: smaller values give short contexts
-    # at batch 1 more, shorter splits (each program's walk is latency-bound there). The same as min_chunk until
-    # measured (bench/diag_mla.py --configs default,chunk32)
-    "few_min_chunk": 128,
-    "few_min_chunk_rows": 16,
+    # at batch 1 more, shorter splits (each program's walk is latency-bound there). H200, one row, 1,024 tokens
+    # (bench/diag_mla.py --configs default,chunk32, bench/NOTES.md v13): 16 heads 12.5 -> 9.4 us, 32 heads 13.4 ->
+    # 11.1 us; 4,096 tokens unchanged. Only one row measured, so only one row takes it
+    "few_min_chunk": 32,
+    "few_min_chunk_rows": 1,
     "max_splits": 64,
     "overhead_blocks": 2,  # a program's fixed cost (pipeline fill, epilogue, partials) in blocks of work
 }

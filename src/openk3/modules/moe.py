@@ -202,7 +202,11 @@ class SparseMoE(nn.Module):
         ):
             gate = self.gate
             fn = small.experts_small
-            if getattr(small, "FUSE_SELECT", False) and not self.record_router:
+            if (
+                getattr(small, "FUSE_SELECT", False)
+                and xf.shape[0] <= small.FUSE_SELECT_MAX_TOKENS
+                and not self.record_router
+            ):
                 # the selection is formed inside the experts' first kernel
                 pending = small.route_logits_small(
                     xf, gate.weight, gate.e_score_correction_bias, **gate.options()
