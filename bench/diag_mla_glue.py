@@ -23,6 +23,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 SHAPES = {
     "48b": dict(H=32, gate=False),
@@ -92,31 +93,6 @@ def kernels_per_call(fn) -> int:
     return sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def graph_us(fns) -> float:
-    """Median of 5 replays of one CUDA graph holding ``fns`` in order, per function, in microseconds."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ts = []
-    for _ in range(5):
-        ev[0].record()
-        g.replay()
-        ev[1].record()
-        torch.cuda.synchronize()
-        ts.append(ev[0].elapsed_time(ev[1]) * 1e3 / len(fns))
-    return sorted(ts)[2]
-
-
 @torch.no_grad()
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -133,6 +109,7 @@ def main():
     a = ap.parse_args()
     if a.device != "cpu":
         import openk3.fast  # noqa: F401  (the fast RMSNorm the engine's unfused path uses on CUDA)
+    from diag_mla import graph_us
     from openk3.infer.kernels import MLA_LAST_LAUNCH, mla_decode_triton, mla_prep_triton
 
     dev = torch.device(a.device)
