@@ -69,16 +69,10 @@ def _patch(obj, key, value):
     return lambda: setattr(obj, key, old)
 
 
-def _kda_split():
+def _kda_few(split_v: int):
     from openk3.infer import kernels as KN
 
-    return _patch(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": 8})
-
-
-def _kda_per_head():
-    from openk3.infer import kernels as KN
-
-    return _patch(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": 0})
+    return _patch(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": split_v})
 
 
 def _no_fuse_select():
@@ -90,8 +84,8 @@ def _no_fuse_select():
 # --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
 KERNEL_VARIANTS = {
     "default": lambda: lambda: None,
-    "kda_split": _kda_split,
-    "kda_per_head": _kda_per_head,
+    "kda_split": lambda: _kda_few(8),
+    "kda_per_head": lambda: _kda_few(0),
     "no_fuse_select": _no_fuse_select,
 }
 

@@ -1137,18 +1137,23 @@ class Engine:
         xf = x[:, 0]
         fused = self._fused_ffn.get(i)
         out = self._fused_ffn_out.get(i)
-        if not layer.is_moe or not self.cfg.parallel_ffn:
-            proj = None if fused is None else list(F.linear(xf, fused[0]).split(fused[1], dim=-1))
-            pre = layer.ffn_pre_output(x, proj)
+
+        def in_proj():  # the input projections as one GEMM (None: the modules run their own)
+            return None if fused is None else list(F.linear(xf, fused[0]).split(fused[1], dim=-1))
+
+        def out_parts(pre):  # the output projections: one GEMM over their inputs side by side, or one each
             if out is not None:
                 return [F.linear(torch.cat(pre, dim=-1), out)[:, None]]
             return [(p if m is None else m(p))[:, None] for m, p in zip(layer.ffn_output_projections(), pre)]
+
+        if not layer.is_moe or not self.cfg.parallel_ffn:
+            return out_parts(layer.ffn_pre_output(x, in_proj()))
         moe = layer.block_sparse_moe
         shared = moe.shared_experts
         if moe.latent:  # router beside the input GEMM; the shared activation beside the routed experts
             with self._branch():
                 routing = moe.route(xf)
-            proj = None if fused is None else list(F.linear(xf, fused[0]).split(fused[1], dim=-1))
+            proj = in_proj()
             h = proj.pop(0) if proj is not None else moe.routed_expert_down_proj(xf)
             self._join()
             s = None
@@ -1157,16 +1162,13 @@ class Engine:
                     s = shared.pre_output(xf, proj)
             u = moe.routed(h, routing)
             self._join()
-            pre = [u] if s is None else [u, s]
-            if out is not None:
-                return [F.linear(torch.cat(pre, dim=-1), out)[:, None]]
-            return [(p if m is None else m(p))[:, None] for m, p in zip(moe.output_projections(), pre)]
-        # plain MoE: the shared experts' whole chain beside the router and the routed experts
+            return out_parts([u] if s is None else [u, s])
+        # plain MoE (no output projection to fuse): the shared experts' whole chain beside the router and the
+        # routed experts
         sd = None
         if shared is not None:
             with self._branch():
-                proj = None if fused is None else list(F.linear(xf, fused[0]).split(fused[1], dim=-1))
-                sd = shared.down_proj(shared.pre_output(xf, proj))
+                sd = shared.down_proj(shared.pre_output(xf, in_proj()))
         u = moe.routed(xf, moe.route(xf))
         self._join()
         return [u[:, None]] if sd is None else [u[:, None], sd[:, None]]

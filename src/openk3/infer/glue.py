@@ -33,7 +33,7 @@ def add_rms_norm_reference(
 
 
 if HAS_TRITON:
-    from openk3.infer.kernels import _round
+    from openk3.infer.kernels import _rms_norm_vec, _round
 
     @triton.jit
     def _add_norm_kernel(
@@ -52,8 +52,7 @@ if HAS_TRITON:
             x = _round(x + s, dtype)
             tl.store(rout_ptr + b * s_ro + c, x.to(dtype), mask=m)
         w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
-        y = _round(x * (1.0 / tl.sqrt(tl.sum(x * x) / D + eps)), dtype)
-        tl.store(out_ptr + b * s_o + c, _round(_round(w, dtype) * y, dtype).to(dtype), mask=m)
+        tl.store(out_ptr + b * s_o + c, _rms_norm_vec(x, w, D, eps, dtype).to(dtype), mask=m)
 
 
 def triton_add_norm_ok(r: torch.Tensor) -> bool:

@@ -213,6 +213,13 @@ if HAS_TRITON:
         return y
 
     @triton.jit
+    def _rms_norm_vec(x, w, n, eps, dtype: tl.constexpr):
+        """``openk3.ops.norm.rms_norm`` of one fp32 vector ``x`` (``n`` values; zeros past them) with gain ``w``: the
+        normalised value rounded to ``dtype``, times the gain rounded to it, rounded again (as fp32)."""
+        y = _round(x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps), dtype)
+        return _round(_round(w, dtype) * y, dtype)
+
+    @triton.jit
     def _window(x_ptr, hist_ptr, ch, cw, W: tl.constexpr):
         """``[C, WP]`` fp32: the ``W - 1`` history values then the current input (columns past ``W`` are zero)."""
         x = tl.load(x_ptr + ch).to(tl.float32)
@@ -304,16 +311,30 @@ if HAS_TRITON:
         """Per-head scalars of one step (fp32): L2-normalised q (times ``q_scale``) and k, the per-channel decay
         ``exp(g)`` (``lowerbound``: ``lb * sigmoid(exp(A) (z + dt_bias))``, else ``-exp(A) softplus(z + dt_bias)``,
         ``z`` the head's decay projection as fp32), ``beta = sigmoid(beta_logit)`` and ``q . k``."""
-        zz = z + tl.load(dt_bias_ptr + ch).to(tl.float32)
-        a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+        decay = _kda_decay(
+            z,
+            tl.load(dt_bias_ptr + ch).to(tl.float32),
+            tl.load(a_log_ptr + h).to(tl.float32),
+            lower_bound,
+            LB_GATE,
+        )
+        beta = tl.sigmoid(tl.load(beta_row + h).to(tl.float32))
+        q = q * (q_scale / tl.sqrt(tl.sum(q * q) + 1e-6))
+        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+        return q, k, decay, beta, tl.sum(q * k)
+
+    @triton.jit
+    def _kda_decay(z, dt_bias, a_log, lower_bound, LB_GATE: tl.constexpr):
+        """The per-channel decay ``exp(g)`` (fp32) from the decay projection ``z`` and the loaded ``dt_bias`` /
+        ``A_log``: ``lowerbound``: ``g = lb * sigmoid(exp(A) (z + dt_bias))``, else ``-exp(A) softplus(z +
+        dt_bias)``."""
+        zz = z + dt_bias
+        a = tl.exp(a_log)
         if LB_GATE:
             g = lower_bound * tl.sigmoid(a * zz)
         else:
             g = -a * tl.where(zz > 20.0, zz, tl.log(1.0 + tl.exp(tl.minimum(zz, 20.0))))
-        beta = tl.sigmoid(tl.load(beta_row + h).to(tl.float32))
-        q = q * (q_scale / tl.sqrt(tl.sum(q * q) + 1e-6))
-        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-        return q, k, tl.exp(g), beta, tl.sum(q * k)
+        return tl.exp(g)
 
     @triton.jit
     def _kda_tile(S, sp, v, q, k, decay, beta, qk, dtype: tl.constexpr, SEL: tl.constexpr):
@@ -537,13 +558,7 @@ if HAS_TRITON:
         if GR > 0:
             g = _round(tl.sum(gb.to(tl.float32) * ga[None, :], axis=1), dtype)
         # 3. gates, beta, L2 norms (the three sums over the head in one reduction), query scale
-        zz = z + dtb
-        a = tl.exp(a_log)
-        if LB_GATE:
-            dg = lower_bound * tl.sigmoid(a * zz)
-        else:
-            dg = -a * tl.where(zz > 20.0, zz, tl.log(1.0 + tl.exp(tl.minimum(zz, 20.0))))
-        decay = tl.exp(dg)
+        decay = _kda_decay(z, dtb, a_log, lower_bound, LB_GATE)
         beta = tl.sigmoid(beta_logit)
         sqq, skk, sqk = tl.reduce((q * q, k * k, q * k), 0, _add3)
         rq = q_scale / tl.sqrt(sqq + 1e-6)
@@ -890,8 +905,7 @@ if HAS_TRITON:
             dc = tl.arange(0, DC)
             dr = tl.arange(0, DR)
             x = tl.load(c_ptr + b * s_cb + dc).to(tl.float32)
-            y = _round(x * tl.rsqrt(tl.sum(x * x, axis=0) / DC + eps), dtype)
-            c_hat = _round(_round(tl.load(nw_ptr + dc).to(tl.float32), dtype) * y, dtype)
+            c_hat = _rms_norm_vec(x, tl.load(nw_ptr + dc).to(tl.float32), DC, eps, dtype)
             kr = tl.load(kr_ptr + b * s_krb + dr).to(tl.float32)
             row = tl.load(rows_ptr + b).to(tl.int64)
             dst = kv_ptr + (row // PAGE) * s_kvp + (row % PAGE) * s_kvt
