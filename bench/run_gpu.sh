@@ -19,7 +19,9 @@
 # mla_glue: the GPU tests of the MLA glue steps and of EngineConfig.fuse_mla_glue, bench/diag_mla_glue.py (one MLA
 # layer's decode half unfused vs fused, batch 1-16, with the default least split chunk and with 32 tokens),
 # bench/diag_mla.py's least-chunk configs at batch 1, and the engine A/B --compare-flags fuse_mla_glue ->
-# e2e_mla_glue.json).
+# e2e_mla_glue.json; gemv: the GPU tests of the Triton GEMV and of EngineConfig.triton_gemv, bench/diag_gemv.py
+# --sweep (each decode projection shape: cuBLAS, the GEMV, a launch sweep, with PDL) -> gemv.json, and the engine A/B
+# --compare-flags triton_gemv,pdl at batch 1 (wall timing) -> e2e_gemv.json).
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -104,6 +106,15 @@ if has mla_glue; then
     --configs default,chunk64,chunk32 2>&1 | tail -14
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1,4,16 --steps 12 \
     --compare-flags fuse_mla_glue --out "$OUT_DIR/e2e_mla_glue.json" 2>&1 | grep -v "^\[.*{'preset" | tail -20
+fi
+if has gemv; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_interpret_gemv_cpu.py \
+    tests/gpu/test_engine_gpu.py -k "gemv" >"$OUT_DIR/tests_gemv.log" 2>&1
+  echo "GEMV tests: exit $? ($(tail -1 "$OUT_DIR/tests_gemv.log"))"
+  timeout "$T_DECODE" python3 bench/diag_gemv.py --sweep --out "$OUT_DIR/gemv.json" 2>&1 | tail -40
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets "${GEMV_PRESETS:-medium,kimi-linear-48b}" \
+    --batches 1 --steps 24 --wall-timing --compare-flags triton_gemv,pdl --out "$OUT_DIR/e2e_gemv.json" 2>&1 \
+    | grep -v "^\[.*{'preset" | tail -20
 fi
 if has attnres_ab; then
   BENCH_MODEL_KERNEL_AB=5 timeout "$T_TRAIN" python3 bench/run_all.py --sections ceil,model --out "$OUT_DIR" \

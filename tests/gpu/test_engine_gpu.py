@@ -419,3 +419,31 @@ def test_engine_overlap(graphs):
         outs.append([r.output_ids for r in eng.generate(prompts, params)])
         assert eng._pending is None
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("layout", ["small", "plain-moe"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_triton_gemv(graphs, layout, monkeypatch):
+    """EngineConfig.triton_gemv on CUDA (on by default): the decode step's projections of at most GEMV_MAX_ROWS
+    rows go through the Triton GEMV (the LM head as fp32), with it off none do; fp32 decode logits against a full
+    forward of the same model, tightly, for the `small` preset (AttnRes, latent MoE, q LoRA, output gate) and the
+    Kimi Linear layout (no AttnRes, plain MoE: the shared experts' down projection through it too). GEMV_DECODE is
+    widened to every row count and weight size of the test, so that each projection takes it."""
+    from openk3.infer import gemv as G
+
+    monkeypatch.setitem(G.GEMV_DECODE, "max_rows", G.GEMV_MAX_ROWS)
+    monkeypatch.setitem(G.GEMV_DECODE, "max_bytes", 1 << 40)
+    over = {} if layout == "small" else dict(attn_res_block_size=None, routed_expert_hidden_size=None)
+    for on in (True, False):
+        calls = []
+        real = G.gemv
+        spy = lambda x, w, od=None, config=None, calls=calls, real=real: (
+            calls.append(od) or real(x, w, od, config)
+        )  # noqa: E731
+        monkeypatch.setattr(G, "gemv", spy)
+        err = _greedy_fp32_decode_err(
+            graphs, seed=10, max_tokens=(18, 9, 14), model_over=over, triton_gemv=on
+        )
+        monkeypatch.setattr(G, "gemv", real)
+        assert bool(calls) == on and (not on or torch.float32 in calls), (on, calls[:4])
+        assert err < 1e-3, (on, err)

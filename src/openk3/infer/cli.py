@@ -135,6 +135,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="decode, models without AttnRes: each residual add and the RMSNorm after it in one launch; default on",
     )
     g.add_argument(
+        "--triton-gemv",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode on CUDA, one row: the projections with weights of up to 32 MB as one Triton GEMV launch each "
+        "instead of cuBLAS; default off",
+    )
+    g.add_argument(
         "--backend",
         action="append",
         default=[],
@@ -208,6 +215,7 @@ def _load(args):
         overlap=args.overlap,
         parallel_ffn=args.parallel_ffn,
         fuse_add_norm=args.fuse_add_norm,
+        triton_gemv=args.triton_gemv,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     if args.moe_small_tokens is not None:

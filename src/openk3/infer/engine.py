@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from openk3.fast._triton import pdl_scope
+from openk3.infer import gemv as _gemv
 from openk3.infer.cache import PagedHybridCache, PrefixCache, plan_pool
 from openk3.infer.decode import (
     mla_post_reference,
@@ -135,6 +136,10 @@ class EngineConfig:
     # RMSNorm that reads the result in one launch (`openk3.infer.glue.add_rms_norm`, same roundings). H200, 48B
     # shape: 3.25 -> 3.14 ms per step at batch 1, 12.30 -> 12.20 at batch 16 (bench/NOTES.md v13)
     fuse_add_norm: bool = True
+    # decode step on CUDA: the step's projections (fused inputs, output projections, LM head) of one row and
+    # weights of at most 32 MB (`openk3.infer.gemv.GEMV_DECODE`) as one Triton GEMV launch each (whole weight rows
+    # per program, no split-K reduction launch) instead of cuBLAS. Same values up to the order of the fp32 sums
+    triton_gemv: bool = False
 
 
 # above this many rows every KDA program would re-read its head's f_b_proj rows (from L2): the GEMV is kept
@@ -388,6 +393,8 @@ class Engine:
         )
         # fuse_mla_glue: (prep step, post step or None when the MLA step applies it, {layer: (W_UK, W_UV)})
         self._mla_glue = self._plan_mla_glue() if cfg.fuse_mla_glue else None
+        # triton_gemv: projections of few rows through openk3.infer.gemv (CUDA, or the Triton interpreter)
+        self._gemv = bool(cfg.triton_gemv and (self.device.type == "cuda" or _gemv.INTERPRET))
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
         if self.graphs_enabled and any(layer.is_moe for layer in inner.layers):
@@ -1130,6 +1137,20 @@ class Engine:
         if self._side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
 
+    def _lin(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``F.linear(x, w)`` (as ``out_dtype`` when given) for ``x [B, K]``: the Triton GEMV where
+        ``openk3.infer.gemv.decode_gemv_ok`` (``triton_gemv``; few rows, weights not too large), cuBLAS otherwise."""
+        if self._gemv and _gemv.decode_gemv_ok(x, w):
+            return _gemv.gemv(x, w, out_dtype)
+        y = F.linear(x, w)
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def _lin_mod(self, mod, x: torch.Tensor) -> torch.Tensor:
+        """``mod(x)`` for a bias-free ``nn.Linear`` through :meth:`_lin`; any other module as it is."""
+        if isinstance(mod, torch.nn.Linear) and mod.bias is None:
+            return self._lin(x, mod.weight)
+        return mod(x)
+
     def _ffn_parts(self, i: int, layer, x: torch.Tensor) -> list[torch.Tensor]:
         """The FFN output of the normed input ``x [B, 1, D]`` as a list of ``[B, 1, D]`` parts whose left-to-right
         sum (rounded after each add, as the model sums them) is the output; MoE branches on two streams with
@@ -1139,12 +1160,15 @@ class Engine:
         out = self._fused_ffn_out.get(i)
 
         def in_proj():  # the input projections as one GEMM (None: the modules run their own)
-            return None if fused is None else list(F.linear(xf, fused[0]).split(fused[1], dim=-1))
+            return None if fused is None else list(self._lin(xf, fused[0]).split(fused[1], dim=-1))
 
         def out_parts(pre):  # the output projections: one GEMM over their inputs side by side, or one each
             if out is not None:
-                return [F.linear(torch.cat(pre, dim=-1), out)[:, None]]
-            return [(p if m is None else m(p))[:, None] for m, p in zip(layer.ffn_output_projections(), pre)]
+                return [self._lin(torch.cat(pre, dim=-1), out)[:, None]]
+            return [
+                (p if m is None else self._lin_mod(m, p))[:, None]
+                for m, p in zip(layer.ffn_output_projections(), pre)
+            ]
 
         if not layer.is_moe or not self.cfg.parallel_ffn:
             return out_parts(layer.ffn_pre_output(x, in_proj()))
@@ -1168,7 +1192,7 @@ class Engine:
         sd = None
         if shared is not None:
             with self._branch():
-                sd = shared.down_proj(shared.pre_output(xf, in_proj()))
+                sd = self._lin_mod(shared.down_proj, shared.pre_output(xf, in_proj()))
         u = moe.routed(xf, moe.route(xf))
         self._join()
         return [u[:, None]] if sd is None else [u[:, None], sd[:, None]]
@@ -1179,7 +1203,7 @@ class Engine:
 
         def out_proj(w, y, res):  # y @ w^T [B, D] -> [B, 1, D], plus res [B, 1, D] when given (one addmm)
             if res is None:
-                return F.linear(y, w)[:, None]
+                return self._lin(y, w)[:, None]
             return torch.addmm(res[:, 0], y, w.t())[:, None]
 
         def attn(i, layer, x, res=None):
@@ -1189,7 +1213,7 @@ class Engine:
             j = pool.pool_index[i]
             fused = self._fused.get(i)
             if fused is not None:  # one GEMM for every projection of the layer input
-                parts = F.linear(xx, fused[0]).split(fused[1], dim=-1)
+                parts = self._lin(xx, fused[0]).split(fused[1], dim=-1)
             if layer.attn_type == "kda":
                 if fused is not None:
                     q, k, v, fa, bl, ga = parts
@@ -1211,7 +1235,11 @@ class Engine:
                 return out_proj(m.o_proj.weight, o, res)
             H = m.num_heads
             if fused is not None:
-                qx = parts[0] if m.q_lora_rank is None else m.q_b_proj(m.q_a_layernorm(parts[0]))
+                qx = (
+                    parts[0]
+                    if m.q_lora_rank is None
+                    else self._lin_mod(m.q_b_proj, m.q_a_layernorm(parts[0]))
+                )
                 q = qx.reshape(B, H, m.dn + m.dr)
                 c, kr = parts[1].split([m.dc, m.dr], dim=-1)
             else:
@@ -1253,7 +1281,7 @@ class Engine:
                     y = y + p
                 return y if res is None else res + y
             fused = self._fused_ffn.get(i)
-            proj = None if fused is None else list(F.linear(x[:, 0], fused[0]).split(fused[1], dim=-1))
+            proj = None if fused is None else list(self._lin(x[:, 0], fused[0]).split(fused[1], dim=-1))
             out = self._fused_ffn_out.get(i)
             if out is not None:  # the output projections' inputs side by side: one GEMM
                 return out_proj(out, torch.cat(layer.ffn_pre_output(x, proj), dim=-1), res)
@@ -1268,7 +1296,7 @@ class Engine:
             h = self._walk_add_norm(r, attn)
         else:
             h = self._walk(r, attn, ffn, residual=self.cfg.fuse_residual, read_norm=self.cfg.fuse_read_norm)
-        return F.linear(h[:, 0], self.model.output_weight).float()
+        return self._lin(h[:, 0], self.model.output_weight, torch.float32)
 
     def _walk_add_norm(self, r: torch.Tensor, attn: Callable) -> torch.Tensor:
         """The decode walk of a model without AttnRes with each residual add and the RMSNorm after it in one launch

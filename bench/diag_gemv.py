@@ -1,0 +1,164 @@
+"""Diagnostic: the decode step's projections at one to a few rows, cuBLAS (``F.linear``) against the Triton GEMV
+(``openk3.infer.gemv``) at its default launch parameters and a sweep of others, beside the copy roofline.
+
+    python3 bench/diag_gemv.py [--presets medium,kimi-linear-48b] [--rows 1,4] [--sweep] [--out PATH]
+
+Shapes: every distinct ``[N, K]`` the engine's decode step multiplies (recorded from a few eager decode steps of the
+preset cut to four layers: a dense, two KDA + MoE and an MLA + MoE layer; the LM head included). Timing: one CUDA
+graph holding each product 24+ times over enough weight copies (>= 256 MB in all) that every call reads its weight
+from HBM, as in a decode step; microseconds per call and TB/s of weight bytes. "PDL" replays the GEMV chain with
+programmatic dependent launch: each GEMV requests its weights while the one before drains (the engine's
+``EngineConfig.pdl``). Roofline: weight bytes over this run's measured device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+WHOLE = [dict(BN=bn, BK=0, num_warps=w, num_stages=1) for bn in (2, 4, 8) for w in (4, 8)]
+LOOP = [dict(BN=bn, BK=bk, num_warps=4, num_stages=1) for bn, bk in ((16, 256), (32, 256), (16, 512))]
+
+
+def decode_shapes(preset: str, rows: int) -> list[tuple[int, int]]:
+    """Distinct ``(N, K)`` of the GEMV calls of a few eager decode steps of ``preset`` cut to four layers."""
+    from openk3.config import get_preset
+    from openk3.infer import gemv as G
+    from openk3.infer.engine import Engine
+    from openk3.infer.sampling import SamplingParams
+    from openk3.model import K3ForCausalLM
+
+    cfg = dataclasses.replace(
+        get_preset(preset), num_hidden_layers=4, kda_layers=[1, 2, 3], full_attn_layers=[4]
+    )
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = K3ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    with torch.no_grad():
+        for p in model.parameters():
+            if getattr(p, "_keep_fp32", False):
+                p.data = p.data.float()
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.data = b.data.float()
+    model.requires_grad_(False).eval()
+    seen: dict[tuple[int, int], None] = {}
+    inner = G.gemv
+
+    def record(x, w, out_dtype=None, config=None):
+        seen[(w.shape[0], w.shape[1])] = None
+        return inner(x, w, out_dtype, config)
+
+    G.gemv = record
+    try:
+        eng = Engine(model, None, max_seqs=rows, max_tokens=4096, use_cuda_graphs=False, prefix_cache=False)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(rows):
+            ids = torch.randint(0, cfg.vocab_size, (16,), generator=g).tolist()
+            eng.submit(ids, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        while eng.has_work():
+            eng.step()
+    finally:
+        G.gemv = inner
+    del model, eng
+    torch.cuda.empty_cache()
+    return list(seen)
+
+
+def copy_tbs() -> float:
+    """Device-to-device copy bandwidth (read + written bytes), TB/s (bench/run_all.py's measurement)."""
+    from run_all import copy_rate
+
+    return copy_rate()[0] / 1e12
+
+
+def main():
+    from diag_mla import graph_us
+    from openk3.fast import _triton
+    from openk3.infer.gemv import gemv, gemv_config
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", default="medium,kimi-linear-48b")
+    ap.add_argument("--rows", default="1")
+    ap.add_argument(
+        "--sweep", action="store_true", help="also time the WHOLE and LOOP launch configurations (1 row)"
+    )
+    ap.add_argument(
+        "--out", default=os.path.join(os.environ.get("OUT", os.path.join(ROOT, "bench", "out")), "gemv.json")
+    )
+    args = ap.parse_args()
+    bw = copy_tbs()
+    print(f"copy bandwidth {bw:.2f} TB/s", flush=True)
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for p in args.presets.split(","):
+        for nk in decode_shapes(p, 1):
+            shapes.setdefault(nk, []).append(p)
+    rows_out = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for (N, K), who in sorted(shapes.items()):
+        nbytes = N * K * 2
+        copies = max(2, min(64, -(-256 * 2**20 // nbytes)))
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies)]
+        reps = max(1, -(-24 // copies))
+        for M in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+            ref = F.linear(x, ws[0])
+            err = float((gemv(x, ws[0]).float() - ref.float()).norm() / ref.float().norm())
+
+            def t(fn, ws=ws, reps=reps):
+                return graph_us([(lambda w=w: fn(w)) for w in ws] * reps)
+
+            row = dict(N=N, K=K, M=M, MB=nbytes / 1e6, presets=who, rel_err=err, roof_us=nbytes / bw / 1e6)
+            row["cublas_us"] = t(lambda w, x=x: F.linear(x, w))
+            row["gemv_us"] = t(lambda w, x=x: gemv(x, w))
+            row["config"] = gemv_config(M, N, K, x.device)
+            with _triton.pdl_scope(True):
+                row["gemv_pdl_us"] = t(lambda w, x=x: gemv(x, w))
+            if args.sweep and M == 1:
+                sweep = {}
+                for c in WHOLE + LOOP:
+                    if c["BK"] == 0 and c["BN"] * triton_np2(K) > 32768:
+                        continue
+                    if c["BK"] and c["BK"] >= K:
+                        continue
+                    name = f"{'W' if c['BK'] == 0 else 'L' + str(c['BK'])}bn{c['BN']}w{c['num_warps']}"
+                    sweep[name] = t(lambda w, c=c, x=x: gemv(x, w, config=c))
+                best = min(sweep, key=sweep.get)
+                row.update(sweep=sweep, best=best, best_us=sweep[best])
+            rows_out.append(row)
+            print(
+                f"N {N:6d} K {K:5d} M {M} {row['MB']:7.1f} MB | cuBLAS {row['cublas_us']:7.1f} us "
+                f"({row['MB'] / row['cublas_us']:.2f} TB/s) | gemv {row['gemv_us']:7.1f} "
+                f"({row['MB'] / row['gemv_us']:.2f}) pdl {row['gemv_pdl_us']:7.1f} | roof {row['roof_us']:6.1f} | "
+                + (f"best {row['best']} {row['best_us']:.1f} | " if "best" in row else "")
+                + f"err {err:.1e} {row['config']}",
+                flush=True,
+            )
+        ws.clear()
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "copy_tbs": bw, "rows": rows_out}, f, indent=1)
+
+
+def triton_np2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Matrix-vector products for the decode step: ``y = x @ w.T`` for a few rows ``x [M, K]`` (``M <=
+GEMV_MAX_ROWS``) and a weight ``w [N, K]`` stored row-major (an ``nn.Linear`` weight), in one Triton launch.
+
+At one to a few rows a decode step's projections are pure weight streams: every byte of ``w`` is read once and
+used ``M`` times. cuBLAS splits such a product over K and adds a reduction launch, and its kernels start reading
+only after the kernel before them has drained. This kernel gives each program ``BN`` whole rows of ``w`` (no
+split, no second launch, a fixed summation order), and in its whole-row form (``BK == 0``) requests all of a
+program's weights before anything else: with programmatic dependent launch (``openk3.fast._triton.PDL``) those
+reads overlap the previous kernel's tail, since weights are never written during a step.
+
+Values: fp32 products and sums of the operands, rounded once to ``x.dtype`` (as ``F.linear``; only the order of
+the fp32 sum differs). ``out_dtype=torch.float32`` returns those rounded values as fp32 (the LM head's
+``F.linear(h, w).float()`` in one launch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from openk3.fast._triton import HAS_TRITON, INTERPRET, pdl_launch, pdl_on, sm_count, tl, triton
+
+__all__ = [
+    "GEMV_CONFIG",
+    "GEMV_DECODE",
+    "GEMV_MAX_ROWS",
+    "decode_gemv_ok",
+    "gemv",
+    "gemv_config",
+    "gemv_reference",
+    "triton_gemv_ok",
+]
+
+# the most rows one launch takes (each program multiplies its weight tile by every row)
+GEMV_MAX_ROWS = 4
+
+# Where the engine's decode step (EngineConfig.triton_gemv) takes the GEMV instead of cuBLAS: at most `max_rows`
+# rows and weights of at most `max_bytes`. H200 (bench/diag_gemv.py, bench/NOTES.md v14): the GEMV is ahead at one
+# row for weights of up to ~20 MB, where a launch's fixed latency is a large share; cuBLAS is ahead on larger
+# weights and at 4 rows.
+GEMV_DECODE = {"max_rows": 1, "max_bytes": 32 << 20}
+
+# Launch parameters (`gemv_config`): the whole-row form (BK 0) up to `whole_max_k` columns, with BN rows per
+# program chosen so that the grid has at least `programs_per_sm` programs per SM; otherwise a loop over BK-column
+# tiles pipelined through `num_stages` buffers.
+GEMV_CONFIG = {
+    "whole_max_k": 8192,
+    "whole_max_elems": 16384,  # BN x padded K per program in the whole-row form
+    "programs_per_sm": 8,
+    "max_bn": 64,
+    "bk": 512,
+    "num_warps": 4,
+    "num_stages": 3,
+}
+
+
+def gemv_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear(x, w)`` (rounded to ``x.dtype``), converted to ``out_dtype`` when given."""
+    y = F.linear(x, w)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+if HAS_TRITON:
+    from openk3.fast._triton import pdl_trigger, pdl_wait
+    from openk3.infer.kernels import _round
+
+    @triton.jit
+    def _gemv_tile(w_ptr, rn, kk, nmask, s_wn, K: tl.constexpr, EVEN: tl.constexpr):
+        """Weight tile ``[BN, BK]`` at rows ``rn`` and columns ``kk`` (zeros outside the matrix)."""
+        if EVEN:
+            return tl.load(w_ptr + rn[:, None] * s_wn + kk[None, :])
+        return tl.load(
+            w_ptr + rn[:, None] * s_wn + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0
+        )
+
+    @triton.jit
+    def _gemv_dot(x_ptr, w, rm, kk, mmask, s_xm, K: tl.constexpr):
+        """``[MP, BN]`` fp32 partial products of the rows ``rm`` of x over the columns ``kk`` with the tile ``w``."""
+        x = tl.load(
+            x_ptr + rm[:, None] * s_xm + kk[None, :], mask=mmask[:, None] & (kk < K)[None, :], other=0.0
+        )
+        return tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr, w_ptr, y_ptr, N, s_xm, s_wn, s_ym,
+        K: tl.constexpr, K1: tl.constexpr, KT: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
+        BK: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        dtype = x_ptr.dtype.element_ty
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        rm = tl.arange(0, MP)
+        nmask = rn < N
+        mmask = rm < M
+        if BK == 0:
+            # whole rows, as a power-of-two head of K1 columns and a tail tile of KT (K = 2304: 2048 + 256, no
+            # masked-off lanes when the tail is a power of two): every weight byte of the program requested before
+            # the previous kernel is waited on
+            rk = tl.arange(0, K1)
+            w = _gemv_tile(w_ptr, rn, rk, nmask, s_wn, K, EVEN_N)
+            if KT > 0:
+                rk2 = K1 + tl.arange(0, KT)
+                w2 = _gemv_tile(w_ptr, rn, rk2, nmask, s_wn, K, EVEN_N and K1 + KT == K)
+            pdl_wait(PDL)
+            pdl_trigger(PDL)
+            acc = _gemv_dot(x_ptr, w, rm, rk, mmask, s_xm, K)
+            if KT > 0:
+                acc += _gemv_dot(x_ptr, w2, rm, rk2, mmask, s_xm, K)
+        else:  # BK-column tiles, the next one requested before the current one is used (two in flight)
+            EVEN: tl.constexpr = EVEN_N and K % BK == 0
+            rk = tl.arange(0, BK)
+            w = _gemv_tile(w_ptr, rn, rk, nmask, s_wn, K, EVEN)
+            pdl_wait(PDL)
+            pdl_trigger(PDL)
+            acc = tl.zeros([MP, BN], tl.float32)
+            for k0 in tl.range(BK, K, BK):
+                w_next = _gemv_tile(w_ptr, rn, k0 + rk, nmask, s_wn, K, EVEN)
+                acc += _gemv_dot(x_ptr, w, rm, k0 - BK + rk, mmask, s_xm, K)
+                w = w_next
+            acc += _gemv_dot(x_ptr, w, rm, (K - 1) // BK * BK + rk, mmask, s_xm, K)
+        y = _round(acc, dtype)
+        tl.store(
+            y_ptr + rm[:, None] * s_ym + rn[None, :],
+            y.to(y_ptr.dtype.element_ty),
+            mask=mmask[:, None] & nmask[None, :],
+        )
+
+
+def triton_gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`gemv` runs the Triton kernel for ``x`` and ``w``: Triton on CUDA (or the interpreter), a 2-D
+    ``x`` of at most ``GEMV_MAX_ROWS`` rows, a 2-D ``w`` of the same floating dtype and device, row-major."""
+    return (
+        HAS_TRITON
+        and (x.is_cuda or INTERPRET)
+        and x.dim() == 2
+        and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        and w.dim() == 2
+        and x.dtype == w.dtype
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and x.device == w.device
+        and w.stride(1) == 1
+    )
+
+
+def decode_gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the engine's decode step takes :func:`gemv` for ``x @ w.T`` (:func:`triton_gemv_ok` within
+    ``GEMV_DECODE``'s rows and weight bytes)."""
+    return (
+        x.dim() == 2
+        and x.shape[0] <= GEMV_DECODE["max_rows"]
+        and w.numel() * w.element_size() <= GEMV_DECODE["max_bytes"]
+        and triton_gemv_ok(x, w)
+    )
+
+
+def gemv_config(M: int, N: int, K: int, device=None) -> dict:
+    """Launch parameters for ``[M, K] x [N, K]^T`` from ``GEMV_CONFIG``: ``BN`` rows per program, ``BK`` columns per
+    loop step (0: whole rows in one tile), ``num_warps``, ``num_stages``."""
+    c = GEMV_CONFIG
+    sms = sm_count(device) if device is not None else 132
+    kp = _whole_width(K)
+    bn = 1
+    while bn * 2 <= c["max_bn"] and triton.cdiv(N, bn * 2) >= c["programs_per_sm"] * sms:
+        bn *= 2
+    if K <= c["whole_max_k"]:
+        return dict(
+            BN=min(bn, _pow2_floor(c["whole_max_elems"] // kp)), BK=0, num_warps=c["num_warps"], num_stages=1
+        )
+    bk = min(c["bk"], triton.next_power_of_2(K))
+    bn = min(bn, _pow2_floor(c["whole_max_elems"] // bk))
+    return dict(BN=bn, BK=bk, num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _whole_width(K: int) -> int:
+    """Columns the whole-row form holds per weight row: a power-of-two head plus a power-of-two tail tile."""
+    k1 = 1 << (K.bit_length() - 1)
+    return k1 + (triton.next_power_of_2(K - k1) if K > k1 else 0)
+
+
+def gemv(
+    x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: dict | None = None
+) -> torch.Tensor:
+    """``F.linear(x, w)`` for ``x [M, K]``, ``w [N, K]`` (optionally as ``out_dtype``, which must be ``x.dtype`` or
+    fp32) in one Triton launch where :func:`triton_gemv_ok`; :func:`gemv_reference` otherwise. ``config``
+    overrides :func:`gemv_config`'s launch parameters (benchmarks)."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemv: x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
+    if out_dtype is not None and out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"gemv: out_dtype must be {x.dtype} or torch.float32, got {out_dtype}")
+    if not triton_gemv_ok(x, w):
+        return gemv_reference(x, w, out_dtype)
+    M, K = x.shape
+    N = w.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
+    if N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    cfg = dict(gemv_config(M, N, K, x.device))
+    if config:
+        cfg.update(config)
+    BN, BK = cfg["BN"], cfg["BK"]
+    K1 = 1 << (K.bit_length() - 1)  # the whole-row form's power-of-two head and tail tile
+    KT = triton.next_power_of_2(K - K1) if K > K1 else 0
+    pdl = pdl_on(x)
+    _gemv_kernel[(triton.cdiv(N, BN),)](
+        x, w, y, N, x.stride(0), w.stride(0), y.stride(0),
+        K=K, K1=K1, KT=KT, M=M, MP=triton.next_power_of_2(M), BN=BN, BK=BK, EVEN_N=N % BN == 0, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
+    )  # fmt: skip
+    return y

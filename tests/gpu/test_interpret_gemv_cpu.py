@@ -1,0 +1,130 @@
+"""The decode step's Triton GEMV (``openk3.infer.gemv``) against ``F.linear`` in fp64, under TRITON_INTERPRET=1 on
+CPU (a subprocess: the interpreter must be chosen before Triton kernels are defined) and, compiled, on a GPU at the
+projection shapes of the ``medium`` and 48B presets; and the engine's decode with ``triton_gemv`` on against off
+under the interpreter."""
+
+import importlib.util
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+CASES = """
+def cases(dev, shapes, configs, rows=None):
+    import torch
+    import torch.nn.functional as F
+    from openk3.infer.gemv import GEMV_MAX_ROWS, gemv, gemv_config, triton_gemv_ok
+
+    def rel(a, b):
+        a, b = a.detach().double().cpu(), b.detach().double().cpu()
+        assert torch.isfinite(a).all()
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+    worst = 0.0
+    g = torch.Generator().manual_seed(5)
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 6e-3)):
+        for M in rows or range(1, GEMV_MAX_ROWS + 1):
+            for N, K in shapes:
+                for cfg in configs:
+                    # x as a row slice of a wider buffer: a row stride that is not K
+                    xb = torch.randn(M, K + 8, generator=g).to(dev, dtype)
+                    x = xb[:, 3 : 3 + K]
+                    w = (torch.randn(N, K, generator=g) / K**0.5).to(dev, dtype)
+                    assert triton_gemv_ok(x, w)
+                    want = F.linear(x.double(), w.double())
+                    for od in (None, torch.float32):
+                        y = gemv(x, w, od, cfg)
+                        assert y.shape == (M, N) and y.dtype == (od or dtype), (y.shape, y.dtype)
+                        if od is not None:  # the fp32 output holds the values rounded to the operands' dtype
+                            assert torch.equal(y, gemv(x, w, None, cfg).float())
+                        e = rel(y, want)
+                        assert e <= tol, (dtype, M, N, K, cfg, od, e, gemv_config(M, N, K))
+                        worst = max(worst, e if dtype == torch.float32 else 0.0)
+    # bad input: a clear error, not a kernel crash
+    x, w = torch.randn(1, 8).to(dev), torch.randn(4, 8).to(dev)
+    for bad in ((x, torch.randn(4, 9).to(dev)), (x[0], w), (x, w[None])):
+        try:
+            gemv(*bad)
+            raise AssertionError("mismatched shapes were accepted")
+        except ValueError:
+            pass
+    try:
+        gemv(x, w, torch.float16)
+        raise AssertionError("an output dtype other than x's or fp32 was accepted")
+    except ValueError:
+        pass
+    # more rows than one launch takes, or a column-major weight: the reference runs
+    assert not triton_gemv_ok(torch.randn(GEMV_MAX_ROWS + 1, 8).to(dev), w)
+    assert not triton_gemv_ok(x, torch.randn(8, 4).to(dev).t())
+    big = torch.randn(GEMV_MAX_ROWS + 1, 8).to(dev)
+    assert torch.allclose(gemv(big, w), F.linear(big, w))
+    return worst
+"""
+
+
+def test_gemv_interpreted(run_interpreted):
+    script = textwrap.dedent(CASES) + textwrap.dedent(
+        """
+        configs = (None, dict(BN=8, BK=32), dict(BN=2, BK=64, num_warps=8))
+        print("WORST", cases("cpu", ((5, 7), (33, 96), (64, 200)), configs, rows=(1, 3)))
+        """
+    )
+    assert run_interpreted(script, hide_cuda=True) < 2e-6
+
+
+def test_engine_triton_gemv_interpreted(run_interpreted):
+    """A tiny model's greedy decode (three ragged prompts) with EngineConfig.triton_gemv on and off under the
+    interpreter (GEMV_DECODE widened to every row count and weight size): every projection of the decode step goes
+    through the GEMV (the LM head as fp32), the same tokens,
+    and decode logits within fp32 sum-order noise of each other."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from openk3.config import get_preset
+        from openk3.infer import gemv as G
+        from openk3.infer.engine import Engine
+        from openk3.infer.sampling import SamplingParams
+        from openk3.model import K3ForCausalLM
+
+        G.GEMV_DECODE.update(max_rows=G.GEMV_MAX_ROWS, max_bytes=1 << 40)  # every projection of the test
+        torch.manual_seed(0)
+        model = K3ForCausalLM(get_preset("tiny")).eval().requires_grad_(False)
+        calls = []
+        inner = G.gemv
+        G.gemv = lambda x, w, od=None, config=None: calls.append((x.shape[0], od)) or inner(x, w, od, config)
+        runs = {}
+        for on in (False, True):
+            calls.clear()
+            eng = Engine(model, None, max_seqs=4, max_tokens=2048, prefix_cache=False, triton_gemv=on,
+                         record_logits=True)
+            ps = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 3, 5)]
+            reqs = eng.generate([list(range(1, 6 + 7 * i)) for i in range(3)], ps)
+            runs[on] = ([r.output_ids for r in reqs], [torch.stack(r.logits_log) for r in reqs], list(calls))
+        assert not runs[False][2], "GEMV called with triton_gemv off"
+        n_lin = len(runs[True][2])
+        assert n_lin > 0 and any(od is torch.float32 for _, od in runs[True][2]), runs[True][2][:4]
+        assert runs[True][0] == runs[False][0], (runs[True][0], runs[False][0])
+        worst = max(float((a - b).norm() / b.norm()) for a, b in zip(runs[True][1], runs[False][1]))
+        print("WORST", worst)
+        """
+    )
+    assert run_interpreted(script, hide_cuda=True) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gemv_gpu():
+    ns: dict = {}
+    exec(textwrap.dedent(CASES), ns)
+    # medium / 48B decode projections: KDA fused inputs, o_proj, shared experts, LM head (vocab cut to 8192 rows)
+    shapes = (
+        (8736, 2048),
+        (2048, 2048),
+        (2304, 4096),
+        (2048, 2304),
+        (2304, 1024),
+        (8192, 2304),
+        (1536, 1280),
+    )
+    configs = (None, dict(BN=2, BK=0, num_warps=8), dict(BN=16, BK=256), dict(BN=32, BK=512))
+    assert ns["cases"]("cuda", shapes, configs) < 2e-6
