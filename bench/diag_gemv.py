@@ -3,8 +3,8 @@
 
     python3 bench/diag_gemv.py [--presets medium,kimi-linear-48b] [--rows 1,4] [--sweep] [--out PATH]
 
-Shapes: every distinct ``[N, K]`` the engine's decode step multiplies (recorded from a few eager decode steps of the
-preset cut to four layers: a dense, two KDA + MoE and an MLA + MoE layer; the LM head included). Timing: one CUDA
+Shapes: every distinct ``[N, K]`` weight the engine's decode step multiplies (from the engine's plan of the preset cut
+to four layers: a dense, two KDA + MoE and an MLA + MoE layer; the LM head included). Timing: one CUDA
 graph holding each product 24+ times over enough weight copies (>= 256 MB in all) that every call reads its weight
 from HBM, as in a decode step; microseconds per call and TB/s of weight bytes. "PDL" replays the GEMV chain with
 programmatic dependent launch: each GEMV requests its weights while the one before drains (the engine's
@@ -30,54 +30,47 @@ WHOLE = [dict(BN=bn, BK=0, num_warps=w, num_stages=1) for bn in (2, 4, 8) for w 
 LOOP = [dict(BN=bn, BK=bk, num_warps=4, num_stages=1) for bn, bk in ((16, 256), (32, 256), (16, 512))]
 
 
-def decode_shapes(preset: str, rows: int) -> list[tuple[int, int]]:
-    """Distinct ``(N, K)`` of the GEMV calls of a few eager decode steps of ``preset`` cut to four layers."""
+def decode_shapes(preset: str, device: str = "cuda") -> list[tuple[int, int]]:
+    """Distinct ``(N, K)`` of the weights the engine's decode step multiplies by ``[1, K]`` rows for ``preset`` (cut
+    to four layers: a dense, two KDA + MoE and an MLA + MoE layer), from the engine's plan (no decode run: nothing
+    else to compile)."""
     from openk3.config import get_preset
-    from openk3.infer import gemv as G
     from openk3.infer.engine import Engine
-    from openk3.infer.sampling import SamplingParams
     from openk3.model import K3ForCausalLM
 
     cfg = dataclasses.replace(
         get_preset(preset), num_hidden_layers=4, kda_layers=[1, 2, 3], full_attn_layers=[4]
     )
-    torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             model = K3ForCausalLM(cfg)
     finally:
         torch.set_default_dtype(prev)
-    with torch.no_grad():
-        for p in model.parameters():
-            if getattr(p, "_keep_fp32", False):
-                p.data = p.data.float()
-        for b in model.buffers():
-            if b.is_floating_point():
-                b.data = b.data.float()
     model.requires_grad_(False).eval()
-    seen: dict[tuple[int, int], None] = {}
-    inner = G.gemv
-
-    def record(x, w, out_dtype=None, config=None):
-        seen[(w.shape[0], w.shape[1])] = None
-        return inner(x, w, out_dtype, config)
-
-    G.gemv = record
-    try:
-        eng = Engine(model, None, max_seqs=rows, max_tokens=4096, use_cuda_graphs=False, prefix_cache=False)
-        g = torch.Generator().manual_seed(0)
-        for _ in range(rows):
-            ids = torch.randint(0, cfg.vocab_size, (16,), generator=g).tolist()
-            eng.submit(ids, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-        while eng.has_work():
-            eng.step()
-    finally:
-        G.gemv = inner
-    del model, eng
-    torch.cuda.empty_cache()
-    return list(seen)
+    eng = Engine(model, None, max_seqs=1, max_tokens=256, use_cuda_graphs=False, prefix_cache=False)
+    ws = [model.output_weight]
+    for i, layer in enumerate(model.model.layers):
+        m = layer.self_attn
+        ws += [eng._fused[i][0]] if i in eng._fused else [p.weight for p in eng._input_projections(layer)]
+        ws.append(m.o_proj.weight)
+        if layer.attn_type != "kda" and m.q_lora_rank is not None:
+            ws.append(m.q_b_proj.weight)
+        ws += (
+            [eng._fused_ffn[i][0]]
+            if i in eng._fused_ffn
+            else [p.weight for p in layer.ffn_input_projections()]
+        )
+        if i in eng._fused_ffn_out:
+            ws.append(eng._fused_ffn_out[i])
+        else:
+            ws += [p.weight for p in layer.ffn_output_projections() if p is not None]
+    shapes = list(dict.fromkeys((w.shape[0], w.shape[1]) for w in ws))
+    del model, eng, ws
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return shapes
 
 
 def copy_tbs() -> float:
@@ -106,7 +99,7 @@ def main():
     print(f"copy bandwidth {bw:.2f} TB/s", flush=True)
     shapes: dict[tuple[int, int], list[str]] = {}
     for p in args.presets.split(","):
-        for nk in decode_shapes(p, 1):
+        for nk in decode_shapes(p):
             shapes.setdefault(nk, []).append(p)
     rows_out = []
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -902,3 +902,28 @@ def test_parallel_ffn_and_add_norm_match(tiny, variant, fuse_ffn, monkeypatch):
     for a, b in zip(*runs):
         assert a.output_ids == b.output_ids
         assert torch.equal(torch.stack(a.logits_log), torch.stack(b.logits_log))
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_pdl_scope_follows_row_count(tiny, pdl, monkeypatch):
+    """EngineConfig.pdl switches programmatic dependent launch on only for decode steps of at most PDL_MAX_ROWS
+    rows (the switch openk3's kernels read while the step runs); the process default is back afterwards."""
+    import openk3.infer.engine as E
+    from openk3.fast import _triton as TR
+
+    seen = []
+    body = E.Engine._decode_forward_body
+
+    def spy(self, ids, *a):
+        seen.append((ids.shape[0], TR.PDL["on"]))
+        return body(self, ids, *a)
+
+    monkeypatch.setattr(E.Engine, "_decode_forward_body", spy)
+    before = TR.PDL["on"]
+    eng = Engine(tiny, None, max_seqs=4, max_tokens=1024, prefix_cache=False, pdl=pdl)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 8)]
+    eng.generate(_prompts(31, [4, 9], tiny.config.vocab_size), params)
+    rows = {b for b, _ in seen}
+    assert rows >= {1, 2}, seen
+    assert all(on == (pdl and b <= E.PDL_MAX_ROWS) for b, on in seen), seen
+    assert TR.PDL["on"] == before

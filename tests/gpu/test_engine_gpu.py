@@ -383,13 +383,15 @@ def test_engine_seeded_sampling_on_cuda(graphs):
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_engine_pdl(graphs):
-    """EngineConfig.pdl (our decode kernels with programmatic dependent launch, in CUDA graphs and eagerly): fp32
-    decode logits against a full forward of the same model, tightly; the launches say so, and the process default
-    is back in place after the engine's steps."""
+def test_engine_pdl(graphs, monkeypatch):
+    """EngineConfig.pdl (our decode kernels with programmatic dependent launch, in CUDA graphs and eagerly; here at
+    every row count, not only at PDL_MAX_ROWS): fp32 decode logits against a full forward of the same model,
+    tightly; the launches say so, and the process default is back in place after the engine's steps."""
+    import openk3.infer.engine as E
     from openk3.fast import _triton as TR
     from openk3.infer import kernels as KN
 
+    monkeypatch.setattr(E, "PDL_MAX_ROWS", 64)
     before = TR.PDL["on"]
     for pdl in (True, False):
         err = _greedy_fp32_decode_err(graphs, seed=9, max_tokens=(18, 9, 14), pdl=pdl)
@@ -427,11 +429,12 @@ def test_engine_triton_gemv(graphs, layout, monkeypatch):
     """EngineConfig.triton_gemv on CUDA (on by default): the decode step's projections of at most GEMV_MAX_ROWS
     rows go through the Triton GEMV (the LM head as fp32), with it off none do; fp32 decode logits against a full
     forward of the same model, tightly, for the `small` preset (AttnRes, latent MoE, q LoRA, output gate) and the
-    Kimi Linear layout (no AttnRes, plain MoE: the shared experts' down projection through it too). GEMV_DECODE is
-    widened to every row count and weight size of the test, so that each projection takes it."""
+    Kimi Linear layout (no AttnRes, plain MoE: the shared experts' down projection through it too), with and
+    without programmatic dependent launch. GEMV_DECODE is widened to every weight size of the test, so that each
+    projection of a one-row step takes it (the three requests end at different steps: the last steps have one
+    row)."""
     from openk3.infer import gemv as G
 
-    monkeypatch.setitem(G.GEMV_DECODE, "max_rows", G.GEMV_MAX_ROWS)
     monkeypatch.setitem(G.GEMV_DECODE, "max_bytes", 1 << 40)
     over = {} if layout == "small" else dict(attn_res_block_size=None, routed_expert_hidden_size=None)
     for on in (True, False):
@@ -442,7 +445,7 @@ def test_engine_triton_gemv(graphs, layout, monkeypatch):
         )  # noqa: E731
         monkeypatch.setattr(G, "gemv", spy)
         err = _greedy_fp32_decode_err(
-            graphs, seed=10, max_tokens=(18, 9, 14), model_over=over, triton_gemv=on
+            graphs, seed=10, max_tokens=(18, 9, 14), model_over=over, triton_gemv=on, pdl=on
         )
         monkeypatch.setattr(G, "gemv", real)
         assert bool(calls) == on and (not on or torch.float32 in calls), (on, calls[:4])

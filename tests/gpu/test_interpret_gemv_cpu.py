@@ -73,11 +73,14 @@ def test_gemv_interpreted(run_interpreted):
     assert run_interpreted(script, hide_cuda=True) < 2e-6
 
 
-def test_engine_triton_gemv_interpreted(run_interpreted):
+@pytest.mark.parametrize("layout", ["tiny", "plain-moe"])
+def test_engine_triton_gemv_interpreted(run_interpreted, layout):
     """A tiny model's greedy decode (three ragged prompts) with EngineConfig.triton_gemv on and off under the
     interpreter (GEMV_DECODE widened to every row count and weight size): every projection of the decode step goes
     through the GEMV (the LM head as fp32), the same tokens,
-    and decode logits within fp32 sum-order noise of each other."""
+    and decode logits within fp32 sum-order noise of each other; for the `tiny` preset and for it without AttnRes and
+    with a plain MoE (the Kimi Linear layout: the shared experts' down projection a separate GEMV)."""
+    over = "{}" if layout == "tiny" else "dict(attn_res_block_size=None, routed_expert_hidden_size=None)"
     script = textwrap.dedent(
         """
         import torch
@@ -88,8 +91,9 @@ def test_engine_triton_gemv_interpreted(run_interpreted):
         from openk3.model import K3ForCausalLM
 
         G.GEMV_DECODE.update(max_rows=G.GEMV_MAX_ROWS, max_bytes=1 << 40)  # every projection of the test
+        G.GEMV_CONFIG["programs_per_sm"] = 1  # fewer, wider programs: the interpreter runs them one by one
         torch.manual_seed(0)
-        model = K3ForCausalLM(get_preset("tiny")).eval().requires_grad_(False)
+        model = K3ForCausalLM(get_preset("tiny").replace(**OVER)).eval().requires_grad_(False)
         calls = []
         inner = G.gemv
         G.gemv = lambda x, w, od=None, config=None: calls.append((x.shape[0], od)) or inner(x, w, od, config)
@@ -108,7 +112,7 @@ def test_engine_triton_gemv_interpreted(run_interpreted):
         worst = max(float((a - b).norm() / b.norm()) for a, b in zip(runs[True][1], runs[False][1]))
         print("WORST", worst)
         """
-    )
+    ).replace("OVER", over)
     assert run_interpreted(script, hide_cuda=True) < 1e-5
 
 
@@ -116,7 +120,7 @@ def test_engine_triton_gemv_interpreted(run_interpreted):
 def test_gemv_gpu():
     ns: dict = {}
     exec(textwrap.dedent(CASES), ns)
-    # medium / 48B decode projections: KDA fused inputs, o_proj, shared experts, LM head (vocab cut to 8192 rows)
+    # decode projections of the 48B shape (o_proj, shared experts' gate/up) and medium (shared experts' down)
     shapes = (
         (8736, 2048),
         (2048, 2048),

@@ -117,9 +117,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--pdl",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="decode: launch openk3's Triton kernels with programmatic dependent launch (sm_90+: each starts while "
-        "the one before drains); default off (within run-to-run noise on an H200)",
+        "the one before drains), at batch 1; default on (--no-pdl: plain launches)",
     )
     g.add_argument(
         "--parallel-ffn",
@@ -139,7 +139,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="decode on CUDA, one row: the projections with weights of up to 32 MB as one Triton GEMV launch each "
-        "instead of cuBLAS; default off",
+        "instead of cuBLAS; default on",
     )
     g.add_argument(
         "--backend",

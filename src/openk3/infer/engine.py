@@ -117,10 +117,12 @@ class EngineConfig:
     # H200, batch 1: medium 1.46 -> 1.37 ms per step, 48B shape 2.73 -> 2.63 ms; batch 16 within noise
     # (bench/NOTES.md v13)
     fuse_mla_glue: bool = True
-    # decode forward: our Triton kernels (KDA / MLA steps, AttnRes reads and seals, few-token MoE) launched with
-    # programmatic dependent launch (sm_90+), each starting while the kernel before it drains. Off: on an H200 it
-    # measured within the run-to-run noise (-0.02 to -0.07 ms at batch 1, bench/NOTES.md v9)
-    pdl: bool = False
+    # decode forward: our Triton kernels (KDA / MLA steps, AttnRes reads and seals, few-token MoE, the GEMV of
+    # triton_gemv) launched with programmatic dependent launch (sm_90+), each starting while the kernel before it
+    # drains (the GEMV requests its weights before it waits); steps of at most PDL_MAX_ROWS rows. H200, batch 1:
+    # -0.02 to -0.07 ms per step in v9 and again in v14 (medium 1.38 -> 1.31 ms, 48B shape 2.62 -> 2.60; with
+    # triton_gemv 1.28 / 2.59, bench/NOTES.md)
+    pdl: bool = True
     # decode steps one ahead: step t+1's forward is launched with step t's sampled tokens still on the device, and
     # the host appends step t's tokens (detokenising, stop checks, streaming) while the GPU runs it. Same tokens as
     # without it; a row that stops at step t has step t+1 computed for nothing. On: on an H200 it took 0.06-0.34 ms
@@ -138,10 +140,14 @@ class EngineConfig:
     fuse_add_norm: bool = True
     # decode step on CUDA: the step's projections (fused inputs, output projections, LM head) of one row and
     # weights of at most 32 MB (`openk3.infer.gemv.GEMV_DECODE`) as one Triton GEMV launch each (whole weight rows
-    # per program, no split-K reduction launch) instead of cuBLAS. Same values up to the order of the fp32 sums
-    triton_gemv: bool = False
+    # per program, no split-K reduction launch) instead of cuBLAS. Same values up to the order of the fp32 sums.
+    # H200, batch 1 with pdl: medium 1.31 -> 1.28 ms per step, 48B shape 2.60 -> 2.59 (bench/NOTES.md v14)
+    triton_gemv: bool = True
 
 
+# EngineConfig.pdl applies to decode steps of at most this many rows: on an H200 it took 0.02-0.07 ms off a batch-1
+# step, but a 48B-shape batch-4 step measured 4.90 -> 5.24 ms with it (bench/NOTES.md v14)
+PDL_MAX_ROWS = 1
 # above this many rows every KDA program would re-read its head's f_b_proj rows (from L2): the GEMV is kept
 KDA_LOWRANK_MAX_ROWS = 16
 # above this many rows the fused MLA post step's programs (one per row and head, or a share of a head's outputs)
@@ -1115,7 +1121,7 @@ class Engine:
 
     def _decode_forward(self, ids, slots, table, lengths, rows) -> torch.Tensor:
         """One token per row: ids/slots/lengths/rows [B], table [B, W]. Pure device work (graph-capturable)."""
-        with pdl_scope(self.cfg.pdl):
+        with pdl_scope(self.cfg.pdl and ids.shape[0] <= PDL_MAX_ROWS):
             out = self._decode_forward_body(ids, slots, table, lengths, rows)
         self._join()  # every side-stream branch rejoins before the step ends (a captured graph needs it)
         return out
