@@ -66,7 +66,7 @@ def cases(dev, shapes, configs, rows=None):
 def test_gemv_interpreted(run_interpreted):
     script = textwrap.dedent(CASES) + textwrap.dedent(
         """
-        configs = (None, dict(BN=8, BK=32), dict(BN=2, BK=64, num_warps=8))
+        configs = (None, dict(BN=8, BK=32), dict(BN=2, BK=64, num_warps=8, wide=True))
         print("WORST", cases("cpu", ((5, 7), (33, 96), (64, 200)), configs, rows=(1, 3)))
         """
     )

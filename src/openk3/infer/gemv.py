@@ -85,10 +85,12 @@ if HAS_TRITON:
     def _gemv_kernel(
         x_ptr, w_ptr, y_ptr, N, s_xm, s_wn, s_ym,
         K: tl.constexpr, K1: tl.constexpr, KT: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
-        BK: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
+        BK: tl.constexpr, EVEN_N: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         dtype = x_ptr.dtype.element_ty
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        if WIDE:  # weight offsets past 2**31 elements
+            rn = rn.to(tl.int64)
         rm = tl.arange(0, MP)
         nmask = rn < N
         mmask = rm < M
@@ -186,7 +188,8 @@ def gemv(
 ) -> torch.Tensor:
     """``F.linear(x, w)`` for ``x [M, K]``, ``w [N, K]`` (optionally as ``out_dtype``, which must be ``x.dtype`` or
     fp32) in one Triton launch where :func:`triton_gemv_ok`; :func:`gemv_reference` otherwise. ``config``
-    overrides :func:`gemv_config`'s launch parameters (benchmarks)."""
+    overrides :func:`gemv_config`'s launch parameters (benchmarks; ``wide``: 64-bit weight offsets, which weights of
+    2**31 elements or more take anyway)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
     if out_dtype is not None and out_dtype not in (x.dtype, torch.float32):
@@ -211,7 +214,8 @@ def gemv(
     pdl = pdl_on(x)
     _gemv_kernel[(triton.cdiv(N, BN),)](
         x, w, y, N, x.stride(0), w.stride(0), y.stride(0),
-        K=K, K1=K1, KT=KT, M=M, MP=triton.next_power_of_2(M), BN=BN, BK=BK, EVEN_N=N % BN == 0, PDL=pdl,
+        K=K, K1=K1, KT=KT, M=M, MP=triton.next_power_of_2(M), BN=BN, BK=BK, EVEN_N=N % BN == 0,
+        WIDE=cfg.get("wide", N * w.stride(0) >= 2**31), PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )  # fmt: skip
     return y
