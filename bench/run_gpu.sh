@@ -21,7 +21,7 @@
 # bench/diag_mla.py's least-chunk configs at batch 1, and the engine A/B --compare-flags fuse_mla_glue ->
 # e2e_mla_glue.json; gemv: the GPU tests of the Triton GEMV and of EngineConfig.triton_gemv, bench/diag_gemv.py
 # --sweep (each decode projection shape: cuBLAS, the GEMV, a launch sweep, with PDL) -> gemv.json, and the engine A/B
-# --compare-flags triton_gemv,pdl at batch 1 (wall timing) -> e2e_gemv.json).
+# --compare-flags $GEMV_FLAGS (default fuse_glu_gemv; v14: triton_gemv,pdl) at batch 1 (wall timing) -> e2e_gemv.json).
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -113,7 +113,7 @@ if has gemv; then
   echo "GEMV tests: exit $? ($(tail -1 "$OUT_DIR/tests_gemv.log"))"
   timeout "$T_DECODE" python3 bench/diag_gemv.py --sweep --out "$OUT_DIR/gemv.json" 2>&1 | tail -40
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets "${GEMV_PRESETS:-medium,kimi-linear-48b}" \
-    --batches 1 --steps 24 --wall-timing --compare-flags triton_gemv,pdl --out "$OUT_DIR/e2e_gemv.json" 2>&1 \
+    --batches 1 --steps 24 --wall-timing --compare-flags "${GEMV_FLAGS:-fuse_glu_gemv}" --out "$OUT_DIR/e2e_gemv.json" 2>&1 \
     | grep -v "^\[.*{'preset" | tail -20
 fi
 if has attnres_ab; then

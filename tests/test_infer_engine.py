@@ -718,6 +718,7 @@ def test_cli_moe_small_tokens_is_checked(tmp_path):
     assert r.returncode == 0, r.stderr
     r = run(  # (empty OPENK3_MOE_SMALL_N: the default count)
         "--no-fuse-ffn-projections", "--no-fuse-read-norm", "--no-fuse-kda-lowrank", "--pdl", "--overlap",
+        "--no-triton-gemv", "--fuse-glu-gemv",
         env={"OPENK3_MOE_SMALL_N": ""},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -927,3 +928,24 @@ def test_pdl_scope_follows_row_count(tiny, pdl, monkeypatch):
     assert rows >= {1, 2}, seen
     assert all(on == (pdl and b <= E.PDL_MAX_ROWS) for b, on in seen), seen
     assert TR.PDL["on"] == before
+
+
+def test_cli_engine_flag_defaults_match_engine_config():
+    """Every on/off decode switch of `openk3 generate/chat/serve` defaults to EngineConfig's own default (a CLI
+    default that drifted from it would run the commands with another configuration than the measured one)."""
+    import argparse
+    import dataclasses
+
+    from openk3.infer import cli
+    from openk3.infer.engine import EngineConfig
+
+    p = argparse.ArgumentParser()
+    cli._add_engine_args(p)
+    args = vars(p.parse_args([]))
+    fields = {f.name: f.default for f in dataclasses.fields(EngineConfig) if isinstance(f.default, bool)}
+    checked = {name for name in fields if name in args}
+    assert {"pdl", "triton_gemv", "fuse_glu_gemv", "parallel_ffn", "overlap", "fuse_mla_glue"} <= checked, (
+        checked
+    )
+    for name in checked:
+        assert args[name] == fields[name], (name, args[name], fields[name])

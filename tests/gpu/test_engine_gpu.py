@@ -450,3 +450,25 @@ def test_engine_triton_gemv(graphs, layout, monkeypatch):
         monkeypatch.setattr(G, "gemv", real)
         assert bool(calls) == on and (not on or torch.float32 in calls), (on, calls[:4])
         assert err < 1e-3, (on, err)
+
+
+@pytest.mark.parametrize("layout", ["small", "plain-moe"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_fuse_glu_gemv(graphs, layout, monkeypatch):
+    """EngineConfig.fuse_glu_gemv on CUDA (off by default): the shared experts' activation formed inside the GEMV
+    that reads it (latent MoE: the output GEMM's two inputs read in place; plain MoE: the down projection), at one
+    row; fp32 decode logits against a full forward of the same model, tightly."""
+    from openk3.infer import gemv as G
+
+    monkeypatch.setitem(G.GEMV_DECODE, "max_bytes", 1 << 40)
+    over = {} if layout == "small" else dict(attn_res_block_size=None, routed_expert_hidden_size=None)
+    kinds = []
+    real = G.gemv
+    monkeypatch.setattr(
+        G, "gemv", lambda x, w, od=None, config=None: kinds.append(type(x)) or real(x, w, od, config)
+    )
+    err = _greedy_fp32_decode_err(
+        graphs, seed=11, max_tokens=(18, 9, 14), model_over=over, fuse_glu_gemv=True
+    )
+    assert (tuple if layout == "small" else G.GLU) in kinds, set(kinds)
+    assert err < 1e-3, err

@@ -41,6 +41,46 @@ def cases(dev, shapes, configs, rows=None):
                         e = rel(y, want)
                         assert e <= tol, (dtype, M, N, K, cfg, od, e, gemv_config(M, N, K))
                         worst = max(worst, e if dtype == torch.float32 else 0.0)
+    # a row given as two segments (no concatenated copy) and as a gated activation formed in the load
+    from openk3.infer.gemv import GLU
+    from openk3.ops.activations import glu_act
+
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 6e-3)):
+        for M in rows or (1, 3):
+            for KA, KB in ((24, 40), (0, 72), (shapes[0][1] // 2, shapes[0][1] - shapes[0][1] // 2)):
+                for kind in ("plain", "silu", "situ"):
+                    if KA == 0 and kind == "plain":
+                        continue
+                    a = torch.randn(M, KA, generator=g).to(dev, dtype)
+                    gt = (2 * torch.randn(M, KB, generator=g)).to(dev, dtype)
+                    up = (2 * torch.randn(M, KB, generator=g)).to(dev, dtype)
+                    w = (torch.randn(33, KA + KB, generator=g) / (KA + KB) ** 0.5).to(dev, dtype)
+                    seg = gt if kind == "plain" else GLU(gt, up, kind, 4.0, 25.0)
+                    x = seg if KA == 0 else (a, seg)
+                    bv = gt if kind == "plain" else glu_act(gt, up, kind, 4.0, 25.0)
+                    full = bv if KA == 0 else torch.cat([a, bv], -1)
+                    e = rel(gemv(x, w), F.linear(full.double(), w.double()))
+                    assert e <= tol, (dtype, M, KA, KB, kind, e)
+                    if kind != "plain":  # the activation values themselves: an identity weight returns them
+                        eye = torch.eye(KB, device=dev, dtype=dtype)
+                        got = gemv(GLU(gt, up, kind, 4.0, 25.0), eye)
+                        # bf16: fp32 tanh / sigmoid of another library may put a rare value one rounding away
+                        assert rel(got, bv) <= (1e-6 if dtype == torch.float32 else 4e-3), (kind, rel(got, bv))
+    try:
+        gemv((GLU(gt, up, "situ"), a), torch.randn(4, KA + KB).to(dev, dtype))
+        raise AssertionError("a GLU before a plain segment was accepted")
+    except ValueError:
+        pass
+    try:
+        gemv(GLU(gt, up, "gelu"), torch.randn(4, KB).to(dev, dtype))
+        raise AssertionError("an unknown activation was accepted")
+    except ValueError:
+        pass
+    try:
+        gemv((a, gt), torch.randn(4, KA + KB + 1).to(dev, dtype))
+        raise AssertionError("segments narrower than the weight were accepted")
+    except ValueError:
+        pass
     # bad input: a clear error, not a kernel crash
     x, w = torch.randn(1, 8).to(dev), torch.randn(4, 8).to(dev)
     for bad in ((x, torch.randn(4, 9).to(dev)), (x[0], w), (x, w[None])):
@@ -76,13 +116,15 @@ def test_gemv_interpreted(run_interpreted):
 @pytest.mark.parametrize("layout", ["tiny", "plain-moe"])
 def test_engine_triton_gemv_interpreted(run_interpreted, layout):
     """A tiny model's greedy decode (three ragged prompts) with EngineConfig.triton_gemv on and off under the
-    interpreter (GEMV_DECODE widened to every row count and weight size): every projection of the decode step goes
-    through the GEMV (the LM head as fp32), the same tokens,
+    interpreter (GEMV_DECODE widened to every row count and weight size), and with fuse_glu_gemv too: every
+    projection of the decode step goes through the GEMV (the LM head as fp32), the shared experts' activation into
+    the GEMV that reads it with fuse_glu_gemv, the same tokens,
     and decode logits within fp32 sum-order noise of each other; for the `tiny` preset and for it without AttnRes and
     with a plain MoE (the Kimi Linear layout: the shared experts' down projection a separate GEMV)."""
     over = "{}" if layout == "tiny" else "dict(attn_res_block_size=None, routed_expert_hidden_size=None)"
-    script = textwrap.dedent(
-        """
+    script = (
+        textwrap.dedent(
+            """
         import torch
         from openk3.config import get_preset
         from openk3.infer import gemv as G
@@ -96,23 +138,33 @@ def test_engine_triton_gemv_interpreted(run_interpreted, layout):
         model = K3ForCausalLM(get_preset("tiny").replace(**OVER)).eval().requires_grad_(False)
         calls = []
         inner = G.gemv
-        G.gemv = lambda x, w, od=None, config=None: calls.append((x.shape[0], od)) or inner(x, w, od, config)
+        G.gemv = lambda x, w, od=None, config=None: calls.append((type(x), od)) or inner(x, w, od, config)
         runs = {}
-        for on in (False, True):
+        for on in (False, True, "glu"):
             calls.clear()
-            eng = Engine(model, None, max_seqs=4, max_tokens=2048, prefix_cache=False, triton_gemv=on,
-                         record_logits=True)
+            eng = Engine(model, None, max_seqs=4, max_tokens=2048, prefix_cache=False, triton_gemv=bool(on),
+                         fuse_glu_gemv=on == "glu", record_logits=True)
             ps = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 3, 5)]
             reqs = eng.generate([list(range(1, 6 + 7 * i)) for i in range(3)], ps)
             runs[on] = ([r.output_ids for r in reqs], [torch.stack(r.logits_log) for r in reqs], list(calls))
         assert not runs[False][2], "GEMV called with triton_gemv off"
         n_lin = len(runs[True][2])
         assert n_lin > 0 and any(od is torch.float32 for _, od in runs[True][2]), runs[True][2][:4]
-        assert runs[True][0] == runs[False][0], (runs[True][0], runs[False][0])
-        worst = max(float((a - b).norm() / b.norm()) for a, b in zip(runs[True][1], runs[False][1]))
+        # fuse_glu_gemv: the shared experts' activation goes into the GEMV (latent MoE: with the routed output as
+        # a pair of segments; plain MoE: the down projection's GLU input); never without it
+        want = tuple if "attn_res_block_size" not in OVER_TEXT else G.GLU
+        assert want in {t for t, _ in runs["glu"][2]} and want not in {t for t, _ in runs[True][2]}
+        assert runs[True][0] == runs[False][0] == runs["glu"][0], (runs[True][0], runs[False][0], runs["glu"][0])
+        worst = max(
+            float((a - b).norm() / b.norm())
+            for on in (True, "glu") for a, b in zip(runs[on][1], runs[False][1])
+        )
         print("WORST", worst)
         """
-    ).replace("OVER", over)
+        )
+        .replace("OVER_TEXT", repr(over))
+        .replace("OVER", over)
+    )
     assert run_interpreted(script, hide_cuda=True) < 1e-5
 
 

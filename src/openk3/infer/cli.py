@@ -137,9 +137,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--triton-gemv",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="decode on CUDA, one row: the projections with weights of up to 32 MB as one Triton GEMV launch each "
         "instead of cuBLAS; default on",
+    )
+    g.add_argument(
+        "--fuse-glu-gemv",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode on CUDA, one row, with --triton-gemv and --parallel-ffn: the shared experts' gated activation "
+        "formed inside the GEMV that reads it, and a latent MoE's output GEMM reading its two inputs in place; "
+        "default off (not measured yet)",
     )
     g.add_argument(
         "--backend",
@@ -216,6 +224,7 @@ def _load(args):
         parallel_ffn=args.parallel_ffn,
         fuse_add_norm=args.fuse_add_norm,
         triton_gemv=args.triton_gemv,
+        fuse_glu_gemv=args.fuse_glu_gemv,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     if args.moe_small_tokens is not None:

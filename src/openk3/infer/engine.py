@@ -49,6 +49,7 @@ from openk3.infer.decode import (
 )
 from openk3.infer.glue import add_rms_norm
 from openk3.infer.sampling import SamplingParams, find_stop, sample, sample_keys, stop_holdback
+from openk3.modules.ffn import GLUMLP
 from openk3.ops import backend as _backend
 from openk3.ops.attnres import make_reader
 
@@ -143,6 +144,11 @@ class EngineConfig:
     # per program, no split-K reduction launch) instead of cuBLAS. Same values up to the order of the fp32 sums.
     # H200, batch 1 with pdl: medium 1.31 -> 1.28 ms per step, 48B shape 2.60 -> 2.59 (bench/NOTES.md v14)
     triton_gemv: bool = True
+    # decode step, with triton_gemv and parallel_ffn, where the GEMV takes the step (one row): a MoE layer's shared
+    # experts' gated activation formed inside the GEMV that reads it (`openk3.infer.gemv.GLU`), and a latent MoE's
+    # FFN output GEMM reading its two inputs in place instead of concatenated: one to two launches fewer per MoE
+    # layer (the activation kernel, the concatenation). Same roundings as the separate ops. Off: not measured yet
+    fuse_glu_gemv: bool = False
 
 
 # EngineConfig.pdl applies to decode steps of at most this many rows: on an H200 it took 0.02-0.07 ms off a batch-1
@@ -401,6 +407,7 @@ class Engine:
         self._mla_glue = self._plan_mla_glue() if cfg.fuse_mla_glue else None
         # triton_gemv: projections of few rows through openk3.infer.gemv (CUDA, or the Triton interpreter)
         self._gemv = bool(cfg.triton_gemv and (self.device.type == "cuda" or _gemv.INTERPRET))
+        self._glu_gemv = bool(self._gemv and cfg.fuse_glu_gemv and cfg.parallel_ffn)
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
         if self.graphs_enabled and any(layer.is_moe for layer in inner.layers):
@@ -1143,12 +1150,13 @@ class Engine:
         if self._side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
 
-    def _lin(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``F.linear(x, w)`` (as ``out_dtype`` when given) for ``x [B, K]``: the Triton GEMV where
-        ``openk3.infer.gemv.decode_gemv_ok`` (``triton_gemv``; few rows, weights not too large), cuBLAS otherwise."""
+    def _lin(self, x, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``F.linear(x, w)`` (as ``out_dtype`` when given) for ``x [B, K]`` (or what ``openk3.infer.gemv.gemv``
+        takes: a GLU, a pair of row segments): the Triton GEMV where ``openk3.infer.gemv.decode_gemv_ok``
+        (``triton_gemv``; few rows, weights not too large), cuBLAS otherwise."""
         if self._gemv and _gemv.decode_gemv_ok(x, w):
             return _gemv.gemv(x, w, out_dtype)
-        y = F.linear(x, w)
+        y = F.linear(x if isinstance(x, torch.Tensor) else _gemv._dense(x), w)
         return y if out_dtype is None else y.to(out_dtype)
 
     def _lin_mod(self, mod, x: torch.Tensor) -> torch.Tensor:
@@ -1156,6 +1164,19 @@ class Engine:
         if isinstance(mod, torch.nn.Linear) and mod.bias is None:
             return self._lin(x, mod.weight)
         return mod(x)
+
+    def _glu_input_ok(self, shared, proj, xf: torch.Tensor, w) -> bool:
+        """Whether the shared experts' activation goes into the GEMV reading it as an ``openk3.infer.gemv.GLU``
+        (fuse_glu_gemv): their gate and up projections computed (``proj``), a plain GLU FFN, and the GEMV taking a
+        row count like ``xf``'s and the weight ``w``."""
+        return (
+            self._glu_gemv
+            and proj is not None
+            and w is not None
+            and isinstance(shared, GLUMLP)
+            and shared.act in ("situ", "silu", "swiglu")
+            and _gemv.decode_gemv_ok(xf, w)
+        )
 
     def _ffn_parts(self, i: int, layer, x: torch.Tensor) -> list[torch.Tensor]:
         """The FFN output of the normed input ``x [B, 1, D]`` as a list of ``[B, 1, D]`` parts whose left-to-right
@@ -1170,7 +1191,9 @@ class Engine:
 
         def out_parts(pre):  # the output projections: one GEMM over their inputs side by side, or one each
             if out is not None:
-                return [self._lin(torch.cat(pre, dim=-1), out)[:, None]]
+                if len(pre) == 2 and isinstance(pre[1], _gemv.GLU):  # read in place by the GEMV
+                    return [self._lin(tuple(pre), out)[:, None]]
+                return [self._lin(torch.cat([_gemv._dense(p) for p in pre], dim=-1), out)[:, None]]
             return [
                 (p if m is None else self._lin_mod(m, p))[:, None]
                 for m, p in zip(layer.ffn_output_projections(), pre)
@@ -1187,7 +1210,9 @@ class Engine:
             h = proj.pop(0) if proj is not None else moe.routed_expert_down_proj(xf)
             self._join()
             s = None
-            if shared is not None:
+            if shared is not None and self._glu_input_ok(shared, proj, xf, out):  # formed inside the out GEMV
+                s = _gemv.GLU(proj[0], proj[1], shared.act, shared.beta1, shared.beta2)
+            elif shared is not None:
                 with self._branch():
                     s = shared.pre_output(xf, proj)
             u = moe.routed(h, routing)
@@ -1198,7 +1223,16 @@ class Engine:
         sd = None
         if shared is not None:
             with self._branch():
-                sd = self._lin_mod(shared.down_proj, shared.pre_output(xf, in_proj()))
+                proj = in_proj()
+                if self._glu_input_ok(
+                    shared, proj, xf, shared.down_proj.weight
+                ):  # formed inside the down GEMV
+                    sd = self._lin(
+                        _gemv.GLU(proj[0], proj[1], shared.act, shared.beta1, shared.beta2),
+                        shared.down_proj.weight,
+                    )
+                else:
+                    sd = self._lin_mod(shared.down_proj, shared.pre_output(xf, proj))
         u = moe.routed(xf, moe.route(xf))
         self._join()
         return [u[:, None]] if sd is None else [u[:, None], sd[:, None]]

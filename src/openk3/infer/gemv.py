@@ -15,12 +15,16 @@ the fp32 sum differs). ``out_dtype=torch.float32`` returns those rounded values 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from openk3.fast._triton import HAS_TRITON, INTERPRET, pdl_launch, pdl_on, sm_count, tl, triton
+from openk3.ops.activations import glu_act
 
 __all__ = [
+    "GLU",
     "GEMV_CONFIG",
     "GEMV_DECODE",
     "GEMV_MAX_ROWS",
@@ -54,14 +58,72 @@ GEMV_CONFIG = {
 }
 
 
-def gemv_reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``F.linear(x, w)`` (rounded to ``x.dtype``), converted to ``out_dtype`` when given."""
-    y = F.linear(x, w)
+@dataclass
+class GLU:
+    """An FFN's gated activation ``openk3.ops.activations.glu_act(gate, up, kind, beta1, beta2)`` as a GEMV input
+    (``gate``, ``up``: ``[M, I]``): the GEMV forms it while loading its input instead of a kernel of its own."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    kind: str
+    beta1: float = 4.0
+    beta2: float = 25.0
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.gate.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gate.dtype
+
+    def value(self) -> torch.Tensor:
+        return glu_act(self.gate, self.up, self.kind, self.beta1, self.beta2)
+
+
+XInput = torch.Tensor | GLU | tuple
+
+
+def _segments(x: XInput) -> list:
+    """``x`` as a list of one or two row segments (a GLU last only)."""
+    segs = list(x) if isinstance(x, (tuple, list)) else [x]
+    if not 1 <= len(segs) <= 2 or any(not isinstance(t, (torch.Tensor, GLU)) for t in segs):
+        raise ValueError("gemv: x must be a tensor, a GLU, or a pair (tensor, tensor or GLU)")
+    if isinstance(segs[0], GLU) and len(segs) == 2:
+        raise ValueError("gemv: a GLU segment must come last")
+    for t in segs:
+        if isinstance(t, GLU):
+            if t.gate.shape != t.up.shape or t.gate.dtype != t.up.dtype or t.gate.device != t.up.device:
+                raise ValueError(
+                    f"gemv: GLU gate {tuple(t.gate.shape)} and up {tuple(t.up.shape)} do not match"
+                )
+            if t.kind not in ("situ", "silu", "swiglu"):
+                raise ValueError(f"gemv: unknown activation {t.kind!r}; expected 'situ' or 'silu'")
+        if (t.dim() if isinstance(t, torch.Tensor) else t.gate.dim()) != 2:
+            raise ValueError(f"gemv: x segments must be [M, K], got {tuple(t.shape)}")
+    if len(segs) == 2 and (segs[0].shape[0] != segs[1].shape[0] or segs[0].dtype != segs[1].dtype):
+        raise ValueError(
+            f"gemv: segments {tuple(segs[0].shape)} {segs[0].dtype} and {tuple(segs[1].shape)} {segs[1].dtype} "
+            "do not match"
+        )
+    return segs
+
+
+def _dense(x: XInput) -> torch.Tensor:
+    """The row(s) ``x`` stands for, materialised (segments concatenated, GLUs applied)."""
+    segs = [t.value() if isinstance(t, GLU) else t for t in _segments(x)]
+    return segs[0] if len(segs) == 1 else torch.cat(segs, dim=-1)
+
+
+def gemv_reference(x: XInput, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear(x, w)`` (rounded to ``x.dtype``), converted to ``out_dtype`` when given; ``x`` a tensor, a
+    :class:`GLU` or a pair (tensor, tensor or GLU) standing for their concatenation along the row."""
+    y = F.linear(_dense(x), w)
     return y if out_dtype is None else y.to(out_dtype)
 
 
 if HAS_TRITON:
-    from openk3.fast._triton import pdl_trigger, pdl_wait
+    from openk3.fast._triton import pdl_trigger, pdl_wait, tanh_f32
     from openk3.infer.kernels import _round
 
     @triton.jit
@@ -74,17 +136,39 @@ if HAS_TRITON:
         )
 
     @triton.jit
-    def _gemv_dot(x_ptr, w, rm, kk, mmask, s_xm, K: tl.constexpr):
-        """``[MP, BN]`` fp32 partial products of the rows ``rm`` of x over the columns ``kk`` with the tile ``w``."""
-        x = tl.load(
-            x_ptr + rm[:, None] * s_xm + kk[None, :], mask=mmask[:, None] & (kk < K)[None, :], other=0.0
-        )
-        return tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+    def _gemv_dot(
+        x_ptr, b_ptr, u_ptr, w, rm, kk, mmask, s_xm, s_bm, s_um, b1, b2,
+        K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr,
+    ):  # fmt: skip
+        """``[MP, BN]`` fp32 partial products of the rows ``rm`` of x over the columns ``kk`` with the tile ``w``.
+        x: columns below ``KA`` from ``x_ptr``, the rest from ``b_ptr`` (``ACT`` 0), or the gated activation of
+        ``b_ptr`` (gate) and ``u_ptr`` (up): 1 SwiGLU (``F.silu(g) * u``, each rounded), 2 SiTU-GLU (fp32, one
+        rounding)."""
+        dtype = x_ptr.dtype.element_ty
+        m = mmask[:, None] & (kk < K)[None, :]
+        x = tl.zeros([rm.shape[0], kk.shape[0]], tl.float32)
+        if KA > 0:
+            x = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=m & (kk < KA)[None, :], other=0.0)
+            x = x.to(tl.float32)
+        if KA < K:
+            mb = m & (kk >= KA)[None, :]
+            kb = kk - KA
+            g = tl.load(b_ptr + rm[:, None] * s_bm + kb[None, :], mask=mb, other=0.0).to(tl.float32)
+            if ACT == 0:
+                xb = g
+            else:
+                u = tl.load(u_ptr + rm[:, None] * s_um + kb[None, :], mask=mb, other=0.0).to(tl.float32)
+                if ACT == 1:
+                    xb = _round(_round(g * tl.sigmoid(g), dtype) * u, dtype)
+                else:
+                    xb = _round((b1 * tanh_f32(g / b1)) * tl.sigmoid(g) * (b2 * tanh_f32(u / b2)), dtype)
+            x = tl.where(mb, xb, x)
+        return tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, y_ptr, N, s_xm, s_wn, s_ym,
-        K: tl.constexpr, K1: tl.constexpr, KT: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
+        x_ptr, b_ptr, u_ptr, w_ptr, y_ptr, N, s_xm, s_bm, s_um, s_wn, s_ym, b1, b2,
+        K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr, K1: tl.constexpr, KT: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
         BK: tl.constexpr, EVEN_N: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         dtype = x_ptr.dtype.element_ty
@@ -105,9 +189,11 @@ if HAS_TRITON:
                 w2 = _gemv_tile(w_ptr, rn, rk2, nmask, s_wn, K, EVEN_N and K1 + KT == K)
             pdl_wait(PDL)
             pdl_trigger(PDL)
-            acc = _gemv_dot(x_ptr, w, rm, rk, mmask, s_xm, K)
+            acc = _gemv_dot(x_ptr, b_ptr, u_ptr, w, rm, rk, mmask, s_xm, s_bm, s_um, b1, b2, K, KA, ACT)
             if KT > 0:
-                acc += _gemv_dot(x_ptr, w2, rm, rk2, mmask, s_xm, K)
+                acc += _gemv_dot(
+                    x_ptr, b_ptr, u_ptr, w2, rm, rk2, mmask, s_xm, s_bm, s_um, b1, b2, K, KA, ACT
+                )
         else:  # BK-column tiles, the next one requested before the current one is used (two in flight)
             EVEN: tl.constexpr = EVEN_N and K % BK == 0
             rk = tl.arange(0, BK)
@@ -117,9 +203,27 @@ if HAS_TRITON:
             acc = tl.zeros([MP, BN], tl.float32)
             for k0 in tl.range(BK, K, BK):
                 w_next = _gemv_tile(w_ptr, rn, k0 + rk, nmask, s_wn, K, EVEN)
-                acc += _gemv_dot(x_ptr, w, rm, k0 - BK + rk, mmask, s_xm, K)
+                acc += _gemv_dot(
+                    x_ptr, b_ptr, u_ptr, w, rm, k0 - BK + rk, mmask, s_xm, s_bm, s_um, b1, b2, K, KA, ACT
+                )
                 w = w_next
-            acc += _gemv_dot(x_ptr, w, rm, (K - 1) // BK * BK + rk, mmask, s_xm, K)
+            acc += _gemv_dot(
+                x_ptr,
+                b_ptr,
+                u_ptr,
+                w,
+                rm,
+                (K - 1) // BK * BK + rk,
+                mmask,
+                s_xm,
+                s_bm,
+                s_um,
+                b1,
+                b2,
+                K,
+                KA,
+                ACT,
+            )
         y = _round(acc, dtype)
         tl.store(
             y_ptr + rm[:, None] * s_ym + rn[None, :],
@@ -128,28 +232,36 @@ if HAS_TRITON:
         )
 
 
-def triton_gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether :func:`gemv` runs the Triton kernel for ``x`` and ``w``: Triton on CUDA (or the interpreter), a 2-D
-    ``x`` of at most ``GEMV_MAX_ROWS`` rows, a 2-D ``w`` of the same floating dtype and device, row-major."""
+def triton_gemv_ok(x: XInput, w: torch.Tensor) -> bool:
+    """Whether :func:`gemv` runs the Triton kernel for ``x`` and ``w``: Triton on CUDA (or the interpreter), ``x``
+    (a tensor, a :class:`GLU` or a pair, see :func:`gemv`) of 2-D segments of at most ``GEMV_MAX_ROWS`` rows, a 2-D
+    ``w`` of the same floating dtype and device, row-major."""
+    segs = list(x) if isinstance(x, (tuple, list)) else [x]
+    ts = [t for s in segs for t in ((s.gate, s.up) if isinstance(s, GLU) else (s,))]
+    if not HAS_TRITON or not ts or any(not isinstance(t, torch.Tensor) for t in ts):
+        return False
+    t0 = ts[0]
     return (
-        HAS_TRITON
-        and (x.is_cuda or INTERPRET)
-        and x.dim() == 2
-        and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        (t0.is_cuda or INTERPRET)
+        and all(t.dim() == 2 and t.dtype == t0.dtype and t.device == t0.device for t in ts)
+        and 0 < t0.shape[0] <= GEMV_MAX_ROWS
         and w.dim() == 2
-        and x.dtype == w.dtype
-        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and x.device == w.device
+        and t0.dtype == w.dtype
+        and t0.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and t0.device == w.device
         and w.stride(1) == 1
     )
 
 
-def decode_gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+def decode_gemv_ok(x: XInput, w: torch.Tensor) -> bool:
     """Whether the engine's decode step takes :func:`gemv` for ``x @ w.T`` (:func:`triton_gemv_ok` within
     ``GEMV_DECODE``'s rows and weight bytes)."""
+    x0 = x[0] if isinstance(x, (tuple, list)) else x
+    x0 = x0.gate if isinstance(x0, GLU) else x0
     return (
-        x.dim() == 2
-        and x.shape[0] <= GEMV_DECODE["max_rows"]
+        isinstance(x0, torch.Tensor)
+        and x0.dim() == 2
+        and x0.shape[0] <= GEMV_DECODE["max_rows"]
         and w.numel() * w.element_size() <= GEMV_DECODE["max_bytes"]
         and triton_gemv_ok(x, w)
     )
@@ -184,37 +296,56 @@ def _whole_width(K: int) -> int:
 
 
 def gemv(
-    x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: dict | None = None
+    x: XInput, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: dict | None = None
 ) -> torch.Tensor:
     """``F.linear(x, w)`` for ``x [M, K]``, ``w [N, K]`` (optionally as ``out_dtype``, which must be ``x.dtype`` or
-    fp32) in one Triton launch where :func:`triton_gemv_ok`; :func:`gemv_reference` otherwise. ``config``
-    overrides :func:`gemv_config`'s launch parameters (benchmarks; ``wide``: 64-bit weight offsets, which weights of
-    2**31 elements or more take anyway)."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"gemv: x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
-    if out_dtype is not None and out_dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"gemv: out_dtype must be {x.dtype} or torch.float32, got {out_dtype}")
+    fp32) in one Triton launch where :func:`triton_gemv_ok`; :func:`gemv_reference` otherwise. ``x`` may also be a
+    :class:`GLU` (its activation formed in the load) or a pair ``(a, b)`` standing for ``cat([a, b], -1)`` with
+    ``b`` a tensor or a GLU (no concatenated copy). ``config`` overrides :func:`gemv_config`'s launch parameters
+    (benchmarks; ``wide``: 64-bit weight offsets, which weights of 2**31 elements or more take anyway)."""
+    segs = _segments(x)
+    widths = [t.shape[1] for t in segs]
+    if w.dim() != 2 or sum(widths) != w.shape[1]:
+        raise ValueError(
+            f"gemv: x [M, K] and w [N, K] expected, got x of width {'+'.join(map(str, widths))} and w "
+            f"{tuple(w.shape)}"
+        )
+    dtype = segs[0].dtype
+    if out_dtype is not None and out_dtype not in (dtype, torch.float32):
+        raise ValueError(f"gemv: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
     if not triton_gemv_ok(x, w):
         return gemv_reference(x, w, out_dtype)
-    M, K = x.shape
-    N = w.shape[0]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
+    M = segs[0].shape[0]
+    N, K = w.shape
+
+    def rows(t):  # row-major rows (any row stride)
+        return t if t.stride(1) == 1 else t.contiguous()
+
+    last = segs[-1]
+    glu = last if isinstance(last, GLU) else None
+    a = rows(segs[0]) if glu is None or len(segs) == 2 else None
+    b = rows(glu.gate) if glu is not None else rows(segs[1]) if len(segs) == 2 else a
+    u = rows(glu.up) if glu is not None else b
+    KA = 0 if a is None else (K if len(segs) == 1 else widths[0])
+    act = 0 if glu is None else 2 if glu.kind == "situ" else 1
+    b1, b2 = (float(glu.beta1), float(glu.beta2)) if glu is not None else (1.0, 1.0)
+    if a is None:
+        a = b
+    y = torch.empty(M, N, device=w.device, dtype=out_dtype or dtype)
     if N == 0:
         return y
     if K == 0:
         return y.zero_()
-    cfg = dict(gemv_config(M, N, K, x.device))
+    cfg = dict(gemv_config(M, N, K, w.device))
     if config:
         cfg.update(config)
     BN, BK = cfg["BN"], cfg["BK"]
     K1 = 1 << (K.bit_length() - 1)  # the whole-row form's power-of-two head and tail tile
     KT = triton.next_power_of_2(K - K1) if K > K1 else 0
-    pdl = pdl_on(x)
+    pdl = pdl_on(w)
     _gemv_kernel[(triton.cdiv(N, BN),)](
-        x, w, y, N, x.stride(0), w.stride(0), y.stride(0),
-        K=K, K1=K1, KT=KT, M=M, MP=triton.next_power_of_2(M), BN=BN, BK=BK, EVEN_N=N % BN == 0,
+        a, b, u, w, y, N, a.stride(0), b.stride(0), u.stride(0), w.stride(0), y.stride(0), b1, b2,
+        K=K, KA=KA, ACT=act, K1=K1, KT=KT, M=M, MP=triton.next_power_of_2(M), BN=BN, BK=BK, EVEN_N=N % BN == 0,
         WIDE=cfg.get("wide", N * w.stride(0) >= 2**31), PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )  # fmt: skip
