@@ -107,6 +107,15 @@ def test_gemv_interpreted(run_interpreted):
     script = textwrap.dedent(CASES) + textwrap.dedent(
         """
         configs = (None, dict(BN=8, BK=32), dict(BN=2, BK=64, num_warps=8, wide=True))
+        # the engine's rule (GEMV_DECODE): one row, weights of at most max_bytes
+        import torch
+        from openk3.infer.gemv import GEMV_DECODE, GLU, decode_gemv_ok
+        x1, x2, w = torch.randn(1, 64), torch.randn(2, 64), torch.randn(16, 64)
+        assert decode_gemv_ok(x1, w) and decode_gemv_ok(GLU(x1, x1, "silu"), w)
+        assert decode_gemv_ok((x1, x1), torch.randn(16, 128))
+        assert not decode_gemv_ok(x2, w) and not decode_gemv_ok(x1.double(), w)
+        GEMV_DECODE["max_bytes"] = w.numel() * w.element_size() - 1
+        assert not decode_gemv_ok(x1, w)
         print("WORST", cases("cpu", ((5, 7), (33, 96), (64, 200)), configs, rows=(1, 3)))
         """
     )
