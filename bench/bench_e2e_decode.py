@@ -90,13 +90,13 @@ KERNEL_VARIANTS = {
 }
 
 
-def build(preset: str):
-    """Random-weight model of ``preset`` on the GPU in bf16 (SPEC §5.3 fp32 parameters and buffers in fp32),
-    built directly on the device so that large presets need no host copy."""
+def build(preset: str, **over):
+    """Random-weight model of ``preset`` (config fields ``over`` replaced) on the GPU in bf16 (SPEC §5.3 fp32
+    parameters and buffers in fp32), built directly on the device so that large presets need no host copy."""
     from openk3.config import get_preset
     from openk3.model import K3ForCausalLM
 
-    cfg = get_preset(preset)
+    cfg = get_preset(preset).replace(**over)
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16 if DEV == "cuda" else torch.float32)

@@ -14,7 +14,6 @@ programmatic dependent launch: each GEMV requests its weights while the one befo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -34,21 +33,11 @@ def decode_shapes(preset: str, device: str = "cuda") -> list[tuple[int, int]]:
     """Distinct ``(N, K)`` of the weights the engine's decode step multiplies by ``[1, K]`` rows for ``preset`` (cut
     to four layers: a dense, two KDA + MoE and an MLA + MoE layer), from the engine's plan (no decode run: nothing
     else to compile)."""
-    from openk3.config import get_preset
+    import bench_e2e_decode as E2E
     from openk3.infer.engine import Engine
-    from openk3.model import K3ForCausalLM
 
-    cfg = dataclasses.replace(
-        get_preset(preset), num_hidden_layers=4, kda_layers=[1, 2, 3], full_attn_layers=[4]
-    )
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = K3ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    model.requires_grad_(False).eval()
+    E2E.DEV = device
+    model = E2E.build(preset, num_hidden_layers=4, kda_layers=[1, 2, 3], full_attn_layers=[4])
     eng = Engine(model, None, max_seqs=1, max_tokens=256, use_cuda_graphs=False, prefix_cache=False)
     ws = [model.output_weight]
     for i, layer in enumerate(model.model.layers):
@@ -83,7 +72,7 @@ def copy_tbs() -> float:
 def main():
     from diag_mla import graph_us
     from openk3.fast import _triton
-    from openk3.infer.gemv import gemv, gemv_config
+    from openk3.infer.gemv import _whole_width, gemv, gemv_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", default="medium,kimi-linear-48b")
@@ -125,7 +114,7 @@ def main():
             if args.sweep and M == 1:
                 sweep = {}
                 for c in WHOLE + LOOP:
-                    if c["BK"] == 0 and c["BN"] * triton_np2(K) > 32768:
+                    if c["BK"] == 0 and c["BN"] * _whole_width(K) > 32768:
                         continue
                     if c["BK"] and c["BK"] >= K:
                         continue
@@ -147,10 +136,6 @@ def main():
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "copy_tbs": bw, "rows": rows_out}, f, indent=1)
-
-
-def triton_np2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 if __name__ == "__main__":

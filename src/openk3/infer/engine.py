@@ -1165,11 +1165,11 @@ class Engine:
             return self._lin(x, mod.weight)
         return mod(x)
 
-    def _glu_input_ok(self, shared, proj, xf: torch.Tensor, w) -> bool:
-        """Whether the shared experts' activation goes into the GEMV reading it as an ``openk3.infer.gemv.GLU``
-        (fuse_glu_gemv): their gate and up projections computed (``proj``), a plain GLU FFN, and the GEMV taking a
-        row count like ``xf``'s and the weight ``w``."""
-        return (
+    def _shared_glu(self, shared, proj, xf: torch.Tensor, w):
+        """The shared experts' activation as an ``openk3.infer.gemv.GLU`` for the GEMV that reads it
+        (fuse_glu_gemv), or None where it does not apply: their gate and up projections computed (``proj``), a
+        plain GLU FFN, and the GEMV taking a row count like ``xf``'s and the weight ``w``."""
+        ok = (
             self._glu_gemv
             and proj is not None
             and w is not None
@@ -1177,6 +1177,7 @@ class Engine:
             and shared.act in ("situ", "silu", "swiglu")
             and _gemv.decode_gemv_ok(xf, w)
         )
+        return _gemv.GLU(proj[0], proj[1], shared.act, shared.beta1, shared.beta2) if ok else None
 
     def _ffn_parts(self, i: int, layer, x: torch.Tensor) -> list[torch.Tensor]:
         """The FFN output of the normed input ``x [B, 1, D]`` as a list of ``[B, 1, D]`` parts whose left-to-right
@@ -1209,10 +1210,10 @@ class Engine:
             proj = in_proj()
             h = proj.pop(0) if proj is not None else moe.routed_expert_down_proj(xf)
             self._join()
-            s = None
-            if shared is not None and self._glu_input_ok(shared, proj, xf, out):  # formed inside the out GEMV
-                s = _gemv.GLU(proj[0], proj[1], shared.act, shared.beta1, shared.beta2)
-            elif shared is not None:
+            s = (
+                None if shared is None else self._shared_glu(shared, proj, xf, out)
+            )  # formed inside the out GEMV
+            if shared is not None and s is None:
                 with self._branch():
                     s = shared.pre_output(xf, proj)
             u = moe.routed(h, routing)
@@ -1224,13 +1225,11 @@ class Engine:
         if shared is not None:
             with self._branch():
                 proj = in_proj()
-                if self._glu_input_ok(
+                glu = self._shared_glu(
                     shared, proj, xf, shared.down_proj.weight
-                ):  # formed inside the down GEMV
-                    sd = self._lin(
-                        _gemv.GLU(proj[0], proj[1], shared.act, shared.beta1, shared.beta2),
-                        shared.down_proj.weight,
-                    )
+                )  # formed inside the down GEMV
+                if glu is not None:
+                    sd = self._lin(glu, shared.down_proj.weight)
                 else:
                     sd = self._lin_mod(shared.down_proj, shared.pre_output(xf, proj))
         u = moe.routed(xf, moe.route(xf))

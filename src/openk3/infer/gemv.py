@@ -207,22 +207,9 @@ if HAS_TRITON:
                     x_ptr, b_ptr, u_ptr, w, rm, k0 - BK + rk, mmask, s_xm, s_bm, s_um, b1, b2, K, KA, ACT
                 )
                 w = w_next
+            k_last: tl.constexpr = (K - 1) // BK * BK
             acc += _gemv_dot(
-                x_ptr,
-                b_ptr,
-                u_ptr,
-                w,
-                rm,
-                (K - 1) // BK * BK + rk,
-                mmask,
-                s_xm,
-                s_bm,
-                s_um,
-                b1,
-                b2,
-                K,
-                KA,
-                ACT,
+                x_ptr, b_ptr, u_ptr, w, rm, k_last + rk, mmask, s_xm, s_bm, s_um, b1, b2, K, KA, ACT
             )
         y = _round(acc, dtype)
         tl.store(
@@ -232,12 +219,17 @@ if HAS_TRITON:
         )
 
 
+def _leaves(x: XInput) -> list:
+    """The tensors ``x`` is made of (a GLU's gate and up), unchecked."""
+    segs = list(x) if isinstance(x, (tuple, list)) else [x]
+    return [t for s in segs for t in ((s.gate, s.up) if isinstance(s, GLU) else (s,))]
+
+
 def triton_gemv_ok(x: XInput, w: torch.Tensor) -> bool:
     """Whether :func:`gemv` runs the Triton kernel for ``x`` and ``w``: Triton on CUDA (or the interpreter), ``x``
     (a tensor, a :class:`GLU` or a pair, see :func:`gemv`) of 2-D segments of at most ``GEMV_MAX_ROWS`` rows, a 2-D
     ``w`` of the same floating dtype and device, row-major."""
-    segs = list(x) if isinstance(x, (tuple, list)) else [x]
-    ts = [t for s in segs for t in ((s.gate, s.up) if isinstance(s, GLU) else (s,))]
+    ts = _leaves(x)
     if not HAS_TRITON or not ts or any(not isinstance(t, torch.Tensor) for t in ts):
         return False
     t0 = ts[0]
@@ -256,14 +248,10 @@ def triton_gemv_ok(x: XInput, w: torch.Tensor) -> bool:
 def decode_gemv_ok(x: XInput, w: torch.Tensor) -> bool:
     """Whether the engine's decode step takes :func:`gemv` for ``x @ w.T`` (:func:`triton_gemv_ok` within
     ``GEMV_DECODE``'s rows and weight bytes)."""
-    x0 = x[0] if isinstance(x, (tuple, list)) else x
-    x0 = x0.gate if isinstance(x0, GLU) else x0
     return (
-        isinstance(x0, torch.Tensor)
-        and x0.dim() == 2
-        and x0.shape[0] <= GEMV_DECODE["max_rows"]
-        and w.numel() * w.element_size() <= GEMV_DECODE["max_bytes"]
+        w.numel() * w.element_size() <= GEMV_DECODE["max_bytes"]
         and triton_gemv_ok(x, w)
+        and _leaves(x)[0].shape[0] <= GEMV_DECODE["max_rows"]
     )
 
 
@@ -289,10 +277,15 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def _whole_width(K: int) -> int:
-    """Columns the whole-row form holds per weight row: a power-of-two head plus a power-of-two tail tile."""
+def _head_tail(K: int) -> tuple[int, int]:
+    """The whole-row form's tiles for K columns: a power-of-two head and a power-of-two tail (0: none)."""
     k1 = 1 << (K.bit_length() - 1)
-    return k1 + (triton.next_power_of_2(K - k1) if K > k1 else 0)
+    return k1, (triton.next_power_of_2(K - k1) if K > k1 else 0)
+
+
+def _whole_width(K: int) -> int:
+    """Columns the whole-row form holds per weight row (head plus tail tile)."""
+    return sum(_head_tail(K))
 
 
 def gemv(
@@ -321,16 +314,15 @@ def gemv(
     def rows(t):  # row-major rows (any row stride)
         return t if t.stride(1) == 1 else t.contiguous()
 
-    last = segs[-1]
-    glu = last if isinstance(last, GLU) else None
-    a = rows(segs[0]) if glu is None or len(segs) == 2 else None
-    b = rows(glu.gate) if glu is not None else rows(segs[1]) if len(segs) == 2 else a
+    # kernel operands: a = the plain columns below KA, b = the rest (or the GLU's gate), u = the GLU's up
+    glu = segs[-1] if isinstance(segs[-1], GLU) else None
+    plain = [rows(t) for t in segs if not isinstance(t, GLU)]
+    KA = widths[0] if plain else 0
+    b = rows(glu.gate) if glu is not None else plain[-1]
+    a = plain[0] if plain else b
     u = rows(glu.up) if glu is not None else b
-    KA = 0 if a is None else (K if len(segs) == 1 else widths[0])
     act = 0 if glu is None else 2 if glu.kind == "situ" else 1
     b1, b2 = (float(glu.beta1), float(glu.beta2)) if glu is not None else (1.0, 1.0)
-    if a is None:
-        a = b
     y = torch.empty(M, N, device=w.device, dtype=out_dtype or dtype)
     if N == 0:
         return y
@@ -340,8 +332,7 @@ def gemv(
     if config:
         cfg.update(config)
     BN, BK = cfg["BN"], cfg["BK"]
-    K1 = 1 << (K.bit_length() - 1)  # the whole-row form's power-of-two head and tail tile
-    KT = triton.next_power_of_2(K - K1) if K > K1 else 0
+    K1, KT = _head_tail(K)
     pdl = pdl_on(w)
     _gemv_kernel[(triton.cdiv(N, BN),)](
         a, b, u, w, y, N, a.stride(0), b.stride(0), u.stride(0), w.stride(0), y.stride(0), b1, b2,
