@@ -38,6 +38,9 @@ def cases(dev, shapes, configs, rows=None):
                         assert y.shape == (M, N) and y.dtype == (od or dtype), (y.shape, y.dtype)
                         if od is not None:  # the fp32 output holds the values rounded to the operands' dtype
                             assert torch.equal(y, gemv(x, w, None, cfg).float())
+                            # ... unless rounded=False: the fp32 sums (a router's logits), closer than a rounding
+                            yf = gemv(x, w, od, cfg, rounded=False)
+                            assert yf.dtype == torch.float32 and rel(yf, want) <= 2e-6, (dtype, rel(yf, want))
                         e = rel(y, want)
                         assert e <= tol, (dtype, M, N, K, cfg, od, e, gemv_config(M, N, K))
                         worst = max(worst, e if dtype == torch.float32 else 0.0)
@@ -92,6 +95,11 @@ def cases(dev, shapes, configs, rows=None):
     try:
         gemv(x, w, torch.float16)
         raise AssertionError("an output dtype other than x's or fp32 was accepted")
+    except ValueError:
+        pass
+    try:
+        gemv(x, w, rounded=False)
+        raise AssertionError("unrounded sums asked for in the operands' dtype")
     except ValueError:
         pass
     # more rows than one launch takes, or a column-major weight: the reference runs

@@ -48,6 +48,24 @@ SCRIPT = textwrap.dedent(
     i1, _, _ = moe_small.route_small(x, w, None, top_k=3)
     i0, _, _ = route(x, w, None, top_k=3)
     assert int(i1[0, 0]) == 4 == int(i0[0, 0]) and len(set(i1[0].tolist())) == 3, (i1, i0)
+    # ties (equal router rows, a zero row, equal and opposite biases): the lower index first, by the choice's
+    # value, against a plain sort; both the separate and the fused selection
+    for E, K in [(12, 7), (64, 8), (130, 9)]:
+        w = torch.randn(E, 8)
+        w[5] = w[2]
+        w[E - 1] = w[2]
+        w[7] = 0.0
+        w[9] = 0.0
+        bias = torch.randn(E) * 0.1
+        bias[[2, 5, E - 1]] = 0.25
+        bias[7], bias[9] = -0.0, 0.0
+        x = torch.randn(1, 8)
+        choice = (torch.sigmoid(x @ w.t()) + bias)[0].tolist()
+        want = sorted(range(E), key=lambda e: (-choice[e], e))[:K]
+        i1, _, _ = moe_small.route_small(x, w, bias, top_k=K)
+        pr = moe_small.route_logits_small(x, w, bias, top_k=K)
+        moe_small.experts_small(x, pr, None, torch.randn(E, 4, 8), torch.randn(E, 8, 4), torch.randn(E, 4, 8))
+        assert i1[0].tolist() == want == pr.idx[0].tolist(), (E, i1, pr.idx, want)
     # the selection formed inside the experts' gate/up kernel (a PendingRoute): the same routing, bit for bit, and
     # the same output as the separate selection kernel
     for E, K, D, I, N in [(20, 3, 40, 24, 3), (64, 8, 32, 16, 1), (9, 9, 16, 8, 2)]:

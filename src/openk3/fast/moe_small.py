@@ -63,6 +63,10 @@ PAIRS_PER_EXPERT = (
 UP_TILE = (16, 256, 3)
 DOWN_TILE = (32, 128, 3)
 ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few tokens, to fill the SMs)
+# up to this many tokens the router logits come from openk3.infer.gemv's whole-row GEMV (fp32 sums, not rounded),
+# which requests its weight rows before waiting on the kernel before it (programmatic dependent launch); 0: the
+# logits kernel above always
+ROUTER_GEMV_MAX_TOKENS = _env_tokens("OPENK3_MOE_ROUTER_GEMV", 1)
 
 
 def enabled(x: torch.Tensor, top_k: int | None = None, num_experts: int | None = None) -> bool:
@@ -137,20 +141,25 @@ if HAS_TRITON:
         pdl_trigger(PDL)
         n = tl.program_id(0).to(tl.int64)
         _select(
-            logit_ptr, bias_ptr, idx_ptr, wt_ptr, score_ptr, n, E, scaling, True,
+            logit_ptr, bias_ptr, idx_ptr, wt_ptr, score_ptr, n, E, scaling, True, 0,
             K, KP, EP, SOFTMAX, HAS_BIAS, RENORM,
         )  # fmt: skip
 
     @triton.jit
     def _select(
-        logit_ptr, bias_ptr, idx_ptr, wt_ptr, score_ptr, n, E, scaling, STORE,
+        logit_ptr, bias_ptr, idx_ptr, wt_ptr, score_ptr, n, E, scaling, STORE, slot,
         K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
         RENORM: tl.constexpr,
     ):  # fmt: skip
         """Token ``n``'s routing from its fp32 logits: scores, top-k of scores + bias (NaN counts as the largest, as
         in torch.topk; ties: lowest index), mixture weights from the unbiased scores, renormalised (+1e-20) and
-        scaled. Returns the ``[KP]`` expert ids (int32; slots past K are 0); where ``STORE``, also stores the
-        ids, the scaled weights and the scores."""
+        scaled. Returns the expert id of slot ``slot`` (int32); where ``STORE``, also stores the ids, the scaled
+        weights and the scores.
+
+        Each pick is one max-reduction over 64-bit keys (the choice's order-preserving integer bits above, the
+        complement of the expert index below), so the largest key is the largest choice at its lowest index: K
+        reductions where a (max, argmin-index, gather) per pick took 3K, on the path every gate/up program of a
+        fused selection walks before its first weight load."""
         es = tl.arange(0, EP)
         em = es < E
         lg = tl.load(logit_ptr + n * E + es, mask=em, other=float("-inf"))
@@ -163,27 +172,31 @@ if HAS_TRITON:
         choice = s
         if HAS_BIAS:
             choice = s + tl.load(bias_ptr + es, mask=em, other=0.0).to(tl.float32)
-        choice = tl.where(choice != choice, float("inf"), choice)
-        avail = em
+        # NaN as +inf; + 0.0 turns -0.0 into +0.0, which compare equal as floats but not as bits
+        choice = tl.where(choice != choice, float("inf"), choice) + 0.0
+        b = choice.to(tl.int32, bitcast=True)
+        order = b ^ ((b >> 31) & 0x7FFFFFFF)  # signed-integer order == float order
+        low = (EP - 1 - es).to(tl.int64)
+        key = tl.where(em, (order.to(tl.int64) << 32) | low, -9223372036854775807 - 1)
         ks = tl.arange(0, KP)
         sel_i = tl.zeros([KP], dtype=tl.int32)
-        sel_w = tl.zeros([KP], dtype=tl.float32)
+        mine = 0
         for j in tl.static_range(K):
-            m = tl.max(tl.where(avail, choice, float("-inf")), 0)
-            i = tl.min(tl.where(avail & (choice == m), es, EP), 0)
-            hit = es == i
-            wj = tl.sum(tl.where(hit, s, 0.0), 0)
+            top = tl.max(key, 0)
+            i = (EP - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
             sel_i = tl.where(ks == j, i, sel_i)
-            sel_w = tl.where(ks == j, wj, sel_w)
-            avail = avail & (es != i)
-        if RENORM:
-            sel_w = sel_w / (tl.sum(sel_w, 0) + 1e-20)
+            mine = tl.where(slot == j, i, mine)
+            key = tl.where(es == i, -9223372036854775807 - 1, key)
         if STORE:
             km = ks < K
+            hit = (es[None, :] == sel_i[:, None]) & km[:, None]
+            sel_w = tl.sum(tl.where(hit, s[None, :], 0.0), 1)  # one nonzero term per slot: exact
+            if RENORM:
+                sel_w = sel_w / (tl.sum(sel_w, 0) + 1e-20)
             tl.store(score_ptr + n * E + es, s, mask=em)
             tl.store(idx_ptr + n * K + ks, sel_i.to(tl.int64), mask=km)
             tl.store(wt_ptr + n * K + ks, sel_w * scaling, mask=km)
-        return sel_i
+        return mine
 
     @triton.jit
     def _experts_up_kernel(
@@ -234,11 +247,10 @@ if HAS_TRITON:
         if SELECT:
             j = p - n * K
             first = (tl.program_id(1) == 0) & (j == 0)
-            sel = _select(
-                logit_ptr, bias_ptr, idx_ptr, wt_ptr, score_ptr, n, E, scaling, first,
+            e = _select(
+                logit_ptr, bias_ptr, idx_ptr, wt_ptr, score_ptr, n, E, scaling, first, j,
                 K, KP, EP, SOFTMAX, HAS_BIAS, RENORM,
-            )  # fmt: skip
-            e = tl.sum(tl.where(tl.arange(0, KP) == j, sel, 0), 0).to(tl.int64)
+            ).to(tl.int64)  # fmt: skip
         else:
             e = tl.load(idx_ptr + p).to(tl.int64)
         ok = (e >= 0) & (e < E)
@@ -359,6 +371,12 @@ def route_logits_small(
     N = x.shape[0]
     dev = x.device
     x, weight = _row_major(x), _row_major(weight)
+    if 0 < N <= ROUTER_GEMV_MAX_TOKENS:
+        from openk3.infer import gemv as _gemv
+
+        if _gemv.triton_gemv_ok(x, weight):
+            logits = _gemv.gemv(x, weight, out_dtype=torch.float32, rounded=False)
+            return PendingRoute(logits, bias, top_k, activation, bool(renormalize), float(scaling))
     logits = torch.empty(N, E, dtype=torch.float32, device=dev)
     # experts per program: enough programs to spread the weight read over the SMs
     be = 1

@@ -10,7 +10,8 @@ reads overlap the previous kernel's tail, since weights are never written during
 
 Values: fp32 products and sums of the operands, rounded once to ``x.dtype`` (as ``F.linear``; only the order of
 the fp32 sum differs). ``out_dtype=torch.float32`` returns those rounded values as fp32 (the LM head's
-``F.linear(h, w).float()`` in one launch).
+``F.linear(h, w).float()`` in one launch), and with ``rounded=False`` the fp32 sums themselves (a router's
+``F.linear(x.float(), w.float())`` of bf16 operands).
 """
 
 from __future__ import annotations
@@ -115,9 +116,14 @@ def _dense(x: XInput) -> torch.Tensor:
     return segs[0] if len(segs) == 1 else torch.cat(segs, dim=-1)
 
 
-def gemv_reference(x: XInput, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def gemv_reference(
+    x: XInput, w: torch.Tensor, out_dtype: torch.dtype | None = None, rounded: bool = True
+) -> torch.Tensor:
     """``F.linear(x, w)`` (rounded to ``x.dtype``), converted to ``out_dtype`` when given; ``x`` a tensor, a
-    :class:`GLU` or a pair (tensor, tensor or GLU) standing for their concatenation along the row."""
+    :class:`GLU` or a pair (tensor, tensor or GLU) standing for their concatenation along the row. ``rounded=False``
+    (with ``out_dtype=torch.float32``): ``F.linear`` of the operands in fp32, no rounding."""
+    if not rounded:
+        return F.linear(_dense(x).float(), w.float())
     y = F.linear(_dense(x), w)
     return y if out_dtype is None else y.to(out_dtype)
 
@@ -169,7 +175,7 @@ if HAS_TRITON:
     def _gemv_kernel(
         x_ptr, b_ptr, u_ptr, w_ptr, y_ptr, N, s_xm, s_bm, s_um, s_wn, s_ym, b1, b2,
         K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr, K1: tl.constexpr, KT: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
-        BK: tl.constexpr, EVEN_N: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr,
+        BK: tl.constexpr, EVEN_N: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr, ROUND: tl.constexpr = True,
     ):  # fmt: skip
         dtype = x_ptr.dtype.element_ty
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -211,7 +217,7 @@ if HAS_TRITON:
             acc += _gemv_dot(
                 x_ptr, b_ptr, u_ptr, w, rm, k_last + rk, mmask, s_xm, s_bm, s_um, b1, b2, K, KA, ACT
             )
-        y = _round(acc, dtype)
+        y = _round(acc, dtype) if ROUND else acc
         tl.store(
             y_ptr + rm[:, None] * s_ym + rn[None, :],
             y.to(y_ptr.dtype.element_ty),
@@ -289,13 +295,18 @@ def _whole_width(K: int) -> int:
 
 
 def gemv(
-    x: XInput, w: torch.Tensor, out_dtype: torch.dtype | None = None, config: dict | None = None
+    x: XInput,
+    w: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+    rounded: bool = True,
 ) -> torch.Tensor:
     """``F.linear(x, w)`` for ``x [M, K]``, ``w [N, K]`` (optionally as ``out_dtype``, which must be ``x.dtype`` or
     fp32) in one Triton launch where :func:`triton_gemv_ok`; :func:`gemv_reference` otherwise. ``x`` may also be a
     :class:`GLU` (its activation formed in the load) or a pair ``(a, b)`` standing for ``cat([a, b], -1)`` with
     ``b`` a tensor or a GLU (no concatenated copy). ``config`` overrides :func:`gemv_config`'s launch parameters
-    (benchmarks; ``wide``: 64-bit weight offsets, which weights of 2**31 elements or more take anyway)."""
+    (benchmarks; ``wide``: 64-bit weight offsets, which weights of 2**31 elements or more take anyway).
+    ``rounded=False`` (only with ``out_dtype=torch.float32``): the fp32 sums, not rounded to ``x.dtype``."""
     segs = _segments(x)
     widths = [t.shape[1] for t in segs]
     if w.dim() != 2 or sum(widths) != w.shape[1]:
@@ -306,8 +317,10 @@ def gemv(
     dtype = segs[0].dtype
     if out_dtype is not None and out_dtype not in (dtype, torch.float32):
         raise ValueError(f"gemv: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
+    if not rounded and out_dtype != torch.float32:
+        raise ValueError("gemv: rounded=False returns fp32 sums; pass out_dtype=torch.float32")
     if not triton_gemv_ok(x, w):
-        return gemv_reference(x, w, out_dtype)
+        return gemv_reference(x, w, out_dtype, rounded)
     M = segs[0].shape[0]
     N, K = w.shape
 
@@ -337,7 +350,7 @@ def gemv(
     _gemv_kernel[(triton.cdiv(N, BN),)](
         a, b, u, w, y, N, a.stride(0), b.stride(0), u.stride(0), w.stride(0), y.stride(0), b1, b2,
         K=K, KA=KA, ACT=act, K1=K1, KT=KT, M=M, MP=triton.next_power_of_2(M), BN=BN, BK=BK, EVEN_N=N % BN == 0,
-        WIDE=cfg.get("wide", N * w.stride(0) >= 2**31), PDL=pdl,
+        WIDE=cfg.get("wide", N * w.stride(0) >= 2**31), PDL=pdl, ROUND=rounded,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )  # fmt: skip
     return y

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from openk3.fast._triton import HAS_TRITON, INTERPRET, tl, triton
+from openk3.fast._triton import HAS_TRITON, INTERPRET, pdl_launch, pdl_on, tl, triton
 from openk3.ops.norm import rms_norm
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "triton_add_norm_ok"]
@@ -33,17 +33,21 @@ def add_rms_norm_reference(
 
 
 if HAS_TRITON:
+    from openk3.fast._triton import pdl_trigger, pdl_wait
     from openk3.infer.kernels import _rms_norm_vec, _round
 
     @triton.jit
     def _add_norm_kernel(
         r_ptr, p0_ptr, p1_ptr, w_ptr, out_ptr, rout_ptr, s_r, s_p0, s_p1, s_o, s_ro, D, eps,
-        NP: tl.constexpr, BD: tl.constexpr,
+        NP: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         dtype = out_ptr.dtype.element_ty
         c = tl.arange(0, BD)
         m = c < D
+        w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)  # a weight: read before the wait
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         x = tl.load(r_ptr + b * s_r + c, mask=m, other=0.0).to(tl.float32)
         if NP > 0:
             s = tl.load(p0_ptr + b * s_p0 + c, mask=m, other=0.0).to(tl.float32)
@@ -51,7 +55,6 @@ if HAS_TRITON:
                 s = _round(s + tl.load(p1_ptr + b * s_p1 + c, mask=m, other=0.0).to(tl.float32), dtype)
             x = _round(x + s, dtype)
             tl.store(rout_ptr + b * s_ro + c, x.to(dtype), mask=m)
-        w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + b * s_o + c, _rms_norm_vec(x, w, D, eps, dtype).to(dtype), mask=m)
 
 
@@ -82,8 +85,10 @@ def add_rms_norm(
     p0 = parts[0] if parts else r
     p1 = parts[1] if len(parts) > 1 else p0
     if B:
+        pdl = pdl_on(r)
         _add_norm_kernel[(B,)](
             r, p0, p1, weight, out, rout, r.stride(0), p0.stride(0), p1.stride(0), out.stride(0), rout.stride(0),
-            D, float(eps), NP=len(parts), BD=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
+            D, float(eps), NP=len(parts), BD=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8, PDL=pdl,
+            **pdl_launch(pdl),
         )  # fmt: skip
     return out, rout
