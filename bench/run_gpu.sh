@@ -116,6 +116,18 @@ if has gemv; then
     --batches 1 --steps 24 --wall-timing --compare-flags "${GEMV_FLAGS:-fuse_glu_gemv}" --out "$OUT_DIR/e2e_gemv.json" 2>&1 \
     | grep -v "^\[.*{'preset" | tail -20
 fi
+if has moe1; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_fast_ops.py tests/gpu/test_engine_gpu.py \
+    -k "moe_small_down_combine or moe_small_fused_select or moe_small_router or moe_small_experts or parallel_ffn_add_norm or moe_small_decode" \
+    >"$OUT_DIR/tests_moe1.log" 2>&1
+  echo "one-token MoE tests: exit $? ($(tail -1 "$OUT_DIR/tests_moe1.log"))"
+  for v in "" OPENK3_MOE_DOWN_COMBINE=0 OPENK3_MOE_ROUTER_GEMV=0; do
+    echo "== ${v:-defaults}"
+    env $v timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1 --steps 24 \
+      --wall-timing --out "$OUT_DIR/e2e_moe1${v:+_${v%%=*}}.json" 2>&1 | grep "^| [mk]"
+  done
+  timeout "$T_DECODE" python3 bench/diag_decode_step.py --chain 0 --out "$OUT_DIR" 2>&1 | grep -v -i warn | tail -50
+fi
 if has attnres_ab; then
   BENCH_MODEL_KERNEL_AB=5 timeout "$T_TRAIN" python3 bench/run_all.py --sections ceil,model --out "$OUT_DIR" \
     2>&1 | tail -25

@@ -944,8 +944,14 @@ def test_cli_engine_flag_defaults_match_engine_config():
     args = vars(p.parse_args([]))
     fields = {f.name: f.default for f in dataclasses.fields(EngineConfig) if isinstance(f.default, bool)}
     checked = {name for name in fields if name in args}
-    assert {"pdl", "triton_gemv", "fuse_glu_gemv", "parallel_ffn", "overlap", "fuse_mla_glue"} <= checked, (
-        checked
-    )
+    assert {
+        "pdl",
+        "triton_gemv",
+        "fuse_glu_gemv",
+        "fuse_norm_gemv",
+        "parallel_ffn",
+        "overlap",
+        "fuse_mla_glue",
+    } <= checked, checked
     for name in checked:
         assert args[name] == fields[name], (name, args[name], fields[name])

@@ -440,8 +440,11 @@ def test_engine_triton_gemv(graphs, layout, monkeypatch):
     for on in (True, False):
         calls = []
         real = G.gemv
-        spy = lambda x, w, od=None, config=None, calls=calls, real=real: (
-            calls.append(od) or real(x, w, od, config)
+        spy = lambda x, w, *a, calls=calls, real=real, **k: (
+            (  # the router's unrounded logits: not counted
+                k.get("rounded", True) and calls.append(k.get("out_dtype", a[0] if a else None))
+            )
+            or real(x, w, *a, **k)
         )  # noqa: E731
         monkeypatch.setattr(G, "gemv", spy)
         err = _greedy_fp32_decode_err(
@@ -464,11 +467,34 @@ def test_engine_fuse_glu_gemv(graphs, layout, monkeypatch):
     over = {} if layout == "small" else dict(attn_res_block_size=None, routed_expert_hidden_size=None)
     kinds = []
     real = G.gemv
-    monkeypatch.setattr(
-        G, "gemv", lambda x, w, od=None, config=None: kinds.append(type(x)) or real(x, w, od, config)
-    )
+    monkeypatch.setattr(G, "gemv", lambda x, w, *a, **k: kinds.append(type(x)) or real(x, w, *a, **k))
     err = _greedy_fp32_decode_err(
         graphs, seed=11, max_tokens=(18, 9, 14), model_over=over, fuse_glu_gemv=True
     )
     assert (tuple if layout == "small" else G.GLU) in kinds, set(kinds)
     assert err < 1e-3, err
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_fuse_norm_gemv(graphs, monkeypatch):
+    """EngineConfig.fuse_norm_gemv on CUDA: a latent MoE's RMSNorm of the routed mixture formed inside the output
+    GEMV that reads it (`small`: latent MoE with its norm), alone and with fuse_glu_gemv, at one row; fp32 decode
+    logits against a full forward of the same model, tightly."""
+    from openk3.infer import gemv as G
+
+    monkeypatch.setitem(G.GEMV_DECODE, "max_bytes", 1 << 40)
+    real = G.gemv
+    for glu in (False, True):
+        firsts = []
+        monkeypatch.setattr(
+            G,
+            "gemv",
+            lambda x, w, *a, firsts=firsts, **k: (
+                firsts.append(type(x[0]) if isinstance(x, tuple) else None) or real(x, w, *a, **k)
+            ),
+        )
+        err = _greedy_fp32_decode_err(
+            graphs, seed=12, max_tokens=(18, 9, 14), fuse_norm_gemv=True, fuse_glu_gemv=glu
+        )
+        assert G.Normed in firsts, set(firsts)
+        assert err < 1e-3, (glu, err)

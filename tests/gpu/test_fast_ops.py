@@ -384,6 +384,27 @@ def test_moe_small_fused_select(N, E, K, D, I):
     assert torch.equal(y1, y0)
 
 
+@pytest.mark.parametrize("E,K,W,I", [(64, 8, 1024, 640), (256, 8, 2304, 1024), (64, 16, 3584, 3072)])
+@pytest.mark.parametrize("ppsm", [4, 8])
+def test_moe_small_down_combine(E, K, W, I, ppsm, check, monkeypatch):
+    """One token: the down projection + combine kernel against the per-pair down kernel + combine2 (the same
+    roundings; only the fp32 order inside each dot differs), bf16, compiled, at the medium / 48B / K3 expert shapes."""
+    from openk3.fast import moe_small
+
+    g = _fresh()
+    x = _rand(1, W, dtype=torch.bfloat16, scale=2.0, g=g)
+    idx = torch.randperm(E, device=DEV, generator=g)[:K][None]
+    wt = torch.rand(1, K, device=DEV, generator=g)
+    w13 = _rand(E, 2 * I, W, dtype=torch.bfloat16, scale=W**-0.5, g=g)
+    w2 = _rand(E, W, I, dtype=torch.bfloat16, scale=I**-0.5, g=g)
+    monkeypatch.setitem(moe_small.DOWN_COMBINE, "programs_per_sm", ppsm)
+    with torch.no_grad():
+        y = moe_small.experts_small(x, idx, wt, w13[:, :I], w2, w13[:, I:], act="situ")
+        monkeypatch.setattr(moe_small, "DOWN_COMBINE_MAX_TOKENS", 0)
+        y0 = moe_small.experts_small(x, idx, wt, w13[:, :I], w2, w13[:, I:], act="situ")
+    check(f"moe_small.down_combine.E{E}.W{W}.I{I}.p{ppsm}", y, y0, 4e-3)
+
+
 @pytest.mark.parametrize(
     "up,down", [((16, 256, 1), (32, 128, 1)), ((8, 512, 4), (16, 256, 4)), ((32, 128, 3), (64, 64, 2))]
 )

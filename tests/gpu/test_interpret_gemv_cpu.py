@@ -69,6 +69,43 @@ def cases(dev, shapes, configs, rows=None):
                         got = gemv(GLU(gt, up, kind, 4.0, 25.0), eye)
                         # bf16: fp32 tanh / sigmoid of another library may put a rare value one rounding away
                         assert rel(got, bv) <= (1e-6 if dtype == torch.float32 else 4e-3), (kind, rel(got, bv))
+    # an RMS-normed first segment (alone, before a plain segment, before a GLU), formed in the load
+    from openk3.infer.gemv import Normed
+    from openk3.ops.norm import rms_norm
+
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 6e-3)):
+        for M in rows or (1, 2):
+            for KA, KB, second in ((40, 0, None), (24, 40, "plain"), (48, 24, "situ"), (shapes[0][1], 8, "plain")):
+                a = (3 * torch.randn(M, KA, generator=g)).to(dev, dtype)
+                gain = (1 + 0.3 * torch.randn(KA, generator=g)).to(dev, dtype)
+                gt = torch.randn(M, KB, generator=g).to(dev, dtype)
+                up = torch.randn(M, KB, generator=g).to(dev, dtype)
+                w = (torch.randn(17, KA + KB, generator=g) / (KA + KB) ** 0.5).to(dev, dtype)
+                nx = Normed(a, gain, 1e-6)
+                if second is None:
+                    x, full = nx, rms_norm(a, gain, 1e-6)
+                elif second == "plain":
+                    x, full = (nx, gt), torch.cat([rms_norm(a, gain, 1e-6), gt], -1)
+                else:
+                    x = (nx, GLU(gt, up, second, 4.0, 25.0))
+                    full = torch.cat([rms_norm(a, gain, 1e-6), glu_act(gt, up, second, 4.0, 25.0)], -1)
+                e = rel(gemv(x, w), F.linear(full.double(), w.double()))
+                assert e <= tol, (dtype, M, KA, KB, second, e)
+        # the normed values themselves: an identity weight returns them
+        a = (3 * torch.randn(2, 40, generator=g)).to(dev, dtype)
+        gain = (1 + 0.3 * torch.randn(40, generator=g)).to(dev, dtype)
+        got = gemv(Normed(a, gain, 1e-5), torch.eye(40, device=dev, dtype=dtype))
+        assert rel(got, rms_norm(a, gain, 1e-5)) <= (1e-6 if dtype == torch.float32 else 4e-3)
+    for bad in (
+        lambda: gemv((a, Normed(a, gain, 1e-6)), torch.randn(4, 80).to(dev, dtype)),
+        lambda: gemv(Normed(a, gain[:-1], 1e-6), torch.randn(4, 40).to(dev, dtype)),
+        lambda: gemv(Normed(a, gain, -1.0), torch.randn(4, 40).to(dev, dtype)),
+    ):
+        try:
+            bad()
+            raise AssertionError("a misplaced or malformed Normed segment was accepted")
+        except ValueError:
+            pass
     try:
         gemv((GLU(gt, up, "situ"), a), torch.randn(4, KA + KB).to(dev, dtype))
         raise AssertionError("a GLU before a plain segment was accepted")
@@ -155,12 +192,17 @@ def test_engine_triton_gemv_interpreted(run_interpreted, layout):
         model = K3ForCausalLM(get_preset("tiny").replace(**OVER)).eval().requires_grad_(False)
         calls = []
         inner = G.gemv
-        G.gemv = lambda x, w, od=None, config=None: calls.append((type(x), od)) or inner(x, w, od, config)
+        kind = lambda x: "+".join(type(t).__name__ for t in (x if isinstance(x, tuple) else (x,)))
+        od_of = lambda a, k: k.get("out_dtype", a[0] if a else None)
+        # the engine's projections (the few-token router's unrounded logits also take the GEMV: not counted)
+        G.gemv = lambda x, w, *a, **k: (
+            k.get("rounded", True) and calls.append((kind(x), od_of(a, k)))
+        ) or inner(x, w, *a, **k)
         runs = {}
-        for on in (False, True, "glu"):
+        for on in (False, True, "glu", "norm", "glu+norm"):
             calls.clear()
             eng = Engine(model, None, max_seqs=4, max_tokens=2048, prefix_cache=False, triton_gemv=bool(on),
-                         fuse_glu_gemv=on == "glu", record_logits=True)
+                         fuse_glu_gemv="glu" in str(on), fuse_norm_gemv="norm" in str(on), record_logits=True)
             ps = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 3, 5)]
             reqs = eng.generate([list(range(1, 6 + 7 * i)) for i in range(3)], ps)
             runs[on] = ([r.output_ids for r in reqs], [torch.stack(r.logits_log) for r in reqs], list(calls))
@@ -168,13 +210,22 @@ def test_engine_triton_gemv_interpreted(run_interpreted, layout):
         n_lin = len(runs[True][2])
         assert n_lin > 0 and any(od is torch.float32 for _, od in runs[True][2]), runs[True][2][:4]
         # fuse_glu_gemv: the shared experts' activation goes into the GEMV (latent MoE: with the routed output as
-        # a pair of segments; plain MoE: the down projection's GLU input); never without it
-        want = tuple if "attn_res_block_size" not in OVER_TEXT else G.GLU
-        assert want in {t for t, _ in runs["glu"][2]} and want not in {t for t, _ in runs[True][2]}
-        assert runs[True][0] == runs[False][0] == runs["glu"][0], (runs[True][0], runs[False][0], runs["glu"][0])
+        # a pair of segments; plain MoE: the down projection's GLU input); never without it. fuse_norm_gemv (latent
+        # MoE with its norm): the routed mixture's RMSNorm goes into the output GEMV, beside the shared experts'
+        # output or their GLU
+        kinds = {on: {t for t, _ in runs[on][2]} for on in runs}
+        latent = "attn_res_block_size" not in OVER_TEXT
+        want = "Tensor+GLU" if latent else "GLU"
+        assert want in kinds["glu"] and want not in kinds[True], kinds
+        if latent:
+            assert "Normed+Tensor" in kinds["norm"] and "Normed+GLU" in kinds["glu+norm"], kinds
+        assert not any("Normed" in k for on in (True, "glu") for k in kinds[on]), kinds
+        if not latent:
+            assert kinds["norm"] == kinds[True], kinds
+        assert all(runs[on][0] == runs[False][0] for on in runs), {on: runs[on][0] for on in runs}
         worst = max(
             float((a - b).norm() / b.norm())
-            for on in (True, "glu") for a, b in zip(runs[on][1], runs[False][1])
+            for on in runs if on is not False for a, b in zip(runs[on][1], runs[False][1])
         )
         print("WORST", worst)
         """

@@ -126,6 +126,27 @@ SCRIPT = textwrap.dedent(
     got = moe_small.experts_small(x, idx, wt, w1, w2, w3)
     assert torch.isnan(got[1:]).all() and torch.isfinite(got[0]).all()
     assert rel(got[0], experts_reference(x[:1], idx[:1], wt[:1], w1, w2, w3)[0]) < 1e-5
+    # one token: the down projection and the combine in one kernel (DOWN_COMBINE_MAX_TOKENS) against the per-pair
+    # kernel + combine2, several launch widths, I not a power of two; a bad id gives NaN there too
+    assert moe_small.DOWN_COMBINE_MAX_TOKENS >= 1
+    for E, I, W, K in [(10, 40, 200, 3), (6, 17, 33, 6), (4, 64, 256, 1)]:
+        for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+            w1, w3 = (torch.randn(E, I, W) / W**0.5).to(dtype), (torch.randn(E, I, W) / W**0.5).to(dtype)
+            w2 = (torch.randn(E, W, I) / I**0.5).to(dtype)
+            x = torch.randn(1, W).to(dtype)
+            idx = torch.randperm(E)[:K][None]
+            wt = torch.rand(1, K)
+            for ppsm in (1, 4, 64):
+                moe_small.DOWN_COMBINE["programs_per_sm"] = ppsm
+                got = moe_small.experts_small(x, idx, wt, w1, w2, w3)
+                saved, moe_small.DOWN_COMBINE_MAX_TOKENS = moe_small.DOWN_COMBINE_MAX_TOKENS, 0
+                want = moe_small.experts_small(x, idx, wt, w1, w2, w3)
+                moe_small.DOWN_COMBINE_MAX_TOKENS = saved
+                assert got.dtype == dtype and rel(got, want) <= tol, (E, I, W, K, dtype, ppsm, rel(got, want))
+            moe_small.DOWN_COMBINE["programs_per_sm"] = 4
+            bad = idx.clone()
+            bad[0, -1] = E + 3
+            assert torch.isnan(moe_small.experts_small(x, bad, wt, w1, w2, w3)).all()
     # when the path applies
     x = torch.randn(3, 8)
     with torch.no_grad():

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openk3.fast._triton import HAS_TRITON, pdl_launch, pdl_on, tanh_f32, tl, triton, triton_ok
+from openk3.fast._triton import HAS_TRITON, pdl_launch, pdl_on, sm_count, tanh_f32, tl, triton, triton_ok
 from openk3.fast.moe import combine2
 
 
@@ -63,6 +63,13 @@ PAIRS_PER_EXPERT = (
 UP_TILE = (16, 256, 3)
 DOWN_TILE = (32, 128, 3)
 ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few tokens, to fill the SMs)
+# up to this many tokens the down projection and the weighted combine run as one kernel: each program owns
+# BLOCK_O output columns of one token and walks the token's K experts, each expert's whole row of I columns one
+# tile, the next expert's tile requested before the current one is used (no per-pair output round trip, no
+# combine launch). BLOCK_O: the largest power of two (at most "max_bo") that leaves "programs_per_sm" programs per
+# SM; 0 tokens: the per-pair down kernel and combine2 always
+DOWN_COMBINE_MAX_TOKENS = _env_tokens("OPENK3_MOE_DOWN_COMBINE", 1)
+DOWN_COMBINE = {"programs_per_sm": 4, "max_bo": 16, "num_warps": 4}
 # up to this many tokens the router logits come from openk3.infer.gemv's whole-row GEMV (fp32 sums, not rounded),
 # which requests its weight rows before waiting on the kernel before it (programmatic dependent launch); 0: the
 # logits kernel above always
@@ -320,6 +327,61 @@ if HAS_TRITON:
         tl.store(y_ptr + p * W + oo, y.to(y_ptr.dtype.element_ty), mask=om)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _experts_down_combine_kernel(
+        a_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, E, W, I, s2_e, s2_w,
+        K: tl.constexpr, BLOCK_O: tl.constexpr, IP: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """out[n, o] = sum_j wt[n, j] * round(a[n * K + j] . w2[e_j, o]), the sum in fp32 in slot order (the
+        per-pair down kernel followed by combine2, in one pass; NaN for an expert id outside [0, E))."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+        n = tl.program_id(0).to(tl.int64)
+        oo = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+        om = oo < W
+        ii = tl.arange(0, IP)
+        im = ii < I
+        dt = out_ptr.dtype.element_ty
+        e = tl.load(idx_ptr + n * K).to(tl.int64)
+        ok = (e >= 0) & (e < E)
+        e = tl.where(ok, e, 0)
+        m = om[:, None] & im[None, :]
+        w = tl.load(w2_ptr + e * s2_e + oo[:, None] * s2_w + ii[None, :], mask=m & ok, other=0.0)
+        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+        for j in tl.static_range(K):
+            if j + 1 < K:  # the next expert's tile in flight while this one is used
+                e2 = tl.load(idx_ptr + n * K + j + 1).to(tl.int64)
+                ok2 = (e2 >= 0) & (e2 < E)
+                e2 = tl.where(ok2, e2, 0)
+                w2 = tl.load(w2_ptr + e2 * s2_e + oo[:, None] * s2_w + ii[None, :], mask=m & ok2, other=0.0)
+            av = tl.load(a_ptr + (n * K + j) * I + ii, mask=im, other=0.0).to(tl.float32)
+            y = tl.sum(w.to(tl.float32) * av[None, :], 1)
+            y = tl.where(ok, y, float("nan")).to(dt).to(tl.float32)
+            acc += y * tl.load(wt_ptr + n * K + j)
+            if j + 1 < K:
+                w = w2
+                ok = ok2
+        tl.store(out_ptr + n * W + oo, acc.to(dt), mask=om)
+
+
+def _down_combine(a, idx, weights, w2, N, K, E, W, I, dtype) -> torch.Tensor:
+    """The down projection and weighted combine of :func:`experts_small` in one launch (``DOWN_COMBINE``)."""
+    c = DOWN_COMBINE
+    slots = c["programs_per_sm"] * sm_count(a.device)
+    bo = 1
+    while bo * 2 <= c["max_bo"] and N * triton.cdiv(W, bo * 2) >= slots:
+        bo *= 2
+    out = torch.empty(N, W, dtype=dtype, device=a.device)
+    pdl = pdl_on(a)
+    _experts_down_combine_kernel[(N, triton.cdiv(W, bo))](
+        a, idx, weights, w2, out, E, W, I, w2.stride(0), w2.stride(1),
+        K=K, BLOCK_O=bo, IP=triton.next_power_of_2(I), PDL=pdl, num_warps=c["num_warps"], **pdl_launch(pdl),
+    )  # fmt: skip
+    return out
+
+
 def _row_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` with unit stride along its last dimension (the kernels take the other strides as arguments)."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -520,6 +582,8 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
         **sel,
         **pdl_launch(pdl),
     )
+    if N <= DOWN_COMBINE_MAX_TOKENS:
+        return _down_combine(a, idx, weights.float().contiguous(), w2, N, K, E, W, I, x.dtype)
     y = torch.empty(N * K, W, dtype=x.dtype, device=dev)
     bo, bk, dns = DOWN_TILE
     bk = min(bk, triton.next_power_of_2(I))

@@ -147,7 +147,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=False,
         help="decode on CUDA, one row, with --triton-gemv and --parallel-ffn: the shared experts' gated activation "
         "formed inside the GEMV that reads it, and a latent MoE's output GEMM reading its two inputs in place; "
-        "default off (not measured yet)",
+        "default off (measured slower on an H200)",
+    )
+    g.add_argument(
+        "--fuse-norm-gemv",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode on CUDA, one row, with --triton-gemv: a latent MoE's RMSNorm of the routed experts' mixture "
+        "formed inside the FFN output GEMV that reads it (no norm launch, no concatenation)",
     )
     g.add_argument(
         "--backend",
@@ -225,6 +232,7 @@ def _load(args):
         fuse_add_norm=args.fuse_add_norm,
         triton_gemv=args.triton_gemv,
         fuse_glu_gemv=args.fuse_glu_gemv,
+        fuse_norm_gemv=args.fuse_norm_gemv,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     if args.moe_small_tokens is not None:

@@ -147,8 +147,13 @@ class EngineConfig:
     # decode step, with triton_gemv and parallel_ffn, where the GEMV takes the step (one row): a MoE layer's shared
     # experts' gated activation formed inside the GEMV that reads it (`openk3.infer.gemv.GLU`), and a latent MoE's
     # FFN output GEMM reading its two inputs in place instead of concatenated: one to two launches fewer per MoE
-    # layer (the activation kernel, the concatenation). Same roundings as the separate ops. Off: not measured yet
+    # layer (the activation kernel, the concatenation). Same roundings as the separate ops. Off: on an H200 it
+    # measured medium 1.29 -> 1.33 ms per step and the 48B shape 2.61 -> 2.59 at batch 1 (bench/NOTES.md v15)
     fuse_glu_gemv: bool = False
+    # decode step, with triton_gemv, where the GEMV takes the step (one row): a latent MoE's RMSNorm of the routed
+    # experts' mixture formed inside the FFN output GEMV that reads it (`openk3.infer.gemv.Normed`), which reads its
+    # inputs in place: the norm kernel and the concatenation go. Same roundings as the separate ops
+    fuse_norm_gemv: bool = False
 
 
 # EngineConfig.pdl applies to decode steps of at most this many rows: on an H200 it took 0.02-0.07 ms off a batch-1
@@ -408,6 +413,7 @@ class Engine:
         # triton_gemv: projections of few rows through openk3.infer.gemv (CUDA, or the Triton interpreter)
         self._gemv = bool(cfg.triton_gemv and (self.device.type == "cuda" or _gemv.INTERPRET))
         self._glu_gemv = bool(self._gemv and cfg.fuse_glu_gemv and cfg.parallel_ffn)
+        self._norm_gemv = bool(self._gemv and cfg.fuse_norm_gemv)
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
         if self.graphs_enabled and any(layer.is_moe for layer in inner.layers):
@@ -1192,7 +1198,7 @@ class Engine:
 
         def out_parts(pre):  # the output projections: one GEMM over their inputs side by side, or one each
             if out is not None:
-                if len(pre) == 2 and isinstance(pre[1], _gemv.GLU):  # read in place by the GEMV
+                if isinstance(pre[0], _gemv.Normed) or isinstance(pre[-1], _gemv.GLU):  # read in place
                     return [self._lin(tuple(pre), out)[:, None]]
                 return [self._lin(torch.cat([_gemv._dense(p) for p in pre], dim=-1), out)[:, None]]
             return [
@@ -1216,7 +1222,12 @@ class Engine:
             if shared is not None and s is None:
                 with self._branch():
                     s = shared.pre_output(xf, proj)
-            u = moe.routed(h, routing)
+            # fuse_norm_gemv: the mixture's RMSNorm left to the output GEMV that reads it
+            norm = moe.routed_expert_norm
+            fold = self._norm_gemv and norm is not None and out is not None and _gemv.decode_gemv_ok(xf, out)
+            u = moe.routed(h, routing, norm=not fold)
+            if fold:
+                u = _gemv.Normed(u, norm.weight, norm.eps)
             self._join()
             return out_parts([u] if s is None else [u, s])
         # plain MoE (no output projection to fuse): the shared experts' whole chain beside the router and the

@@ -23,9 +23,11 @@ import torch.nn.functional as F
 
 from openk3.fast._triton import HAS_TRITON, INTERPRET, pdl_launch, pdl_on, sm_count, tl, triton
 from openk3.ops.activations import glu_act
+from openk3.ops.norm import rms_norm
 
 __all__ = [
     "GLU",
+    "Normed",
     "GEMV_CONFIG",
     "GEMV_DECODE",
     "GEMV_MAX_ROWS",
@@ -82,17 +84,49 @@ class GLU:
         return glu_act(self.gate, self.up, self.kind, self.beta1, self.beta2)
 
 
-XInput = torch.Tensor | GLU | tuple
+@dataclass
+class Normed:
+    """``openk3.ops.norm.rms_norm(x, weight, eps)`` of ``x [M, K]`` as a GEMV input (the first or only segment):
+    the GEMV forms the norm of each row while loading it instead of a kernel of its own."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    def value(self) -> torch.Tensor:
+        return rms_norm(self.x, self.weight, self.eps)
+
+
+XInput = torch.Tensor | GLU | Normed | tuple
 
 
 def _segments(x: XInput) -> list:
-    """``x`` as a list of one or two row segments (a GLU last only)."""
+    """``x`` as a list of one or two row segments (a GLU last only, a Normed first only)."""
     segs = list(x) if isinstance(x, (tuple, list)) else [x]
-    if not 1 <= len(segs) <= 2 or any(not isinstance(t, (torch.Tensor, GLU)) for t in segs):
-        raise ValueError("gemv: x must be a tensor, a GLU, or a pair (tensor, tensor or GLU)")
+    if not 1 <= len(segs) <= 2 or any(not isinstance(t, (torch.Tensor, GLU, Normed)) for t in segs):
+        raise ValueError(
+            "gemv: x must be a tensor, a GLU, a Normed, or a pair (tensor or Normed, tensor or GLU)"
+        )
     if isinstance(segs[0], GLU) and len(segs) == 2:
         raise ValueError("gemv: a GLU segment must come last")
+    if len(segs) == 2 and isinstance(segs[1], Normed):
+        raise ValueError("gemv: a Normed segment must come first")
     for t in segs:
+        if isinstance(t, Normed):
+            if t.x.dim() != 2 or t.weight.shape != (t.x.shape[-1],) or t.weight.device != t.x.device:
+                raise ValueError(
+                    f"gemv: Normed x {tuple(t.x.shape)} and weight {tuple(t.weight.shape)} do not match"
+                )
+            if not t.weight.is_floating_point() or not float(t.eps) >= 0:
+                raise ValueError(f"gemv: Normed needs a floating weight and eps >= 0, got eps {t.eps!r}")
         if isinstance(t, GLU):
             if t.gate.shape != t.up.shape or t.gate.dtype != t.up.dtype or t.gate.device != t.up.device:
                 raise ValueError(
@@ -100,7 +134,9 @@ def _segments(x: XInput) -> list:
                 )
             if t.kind not in ("situ", "silu", "swiglu"):
                 raise ValueError(f"gemv: unknown activation {t.kind!r}; expected 'situ' or 'silu'")
-        if (t.dim() if isinstance(t, torch.Tensor) else t.gate.dim()) != 2:
+        if (
+            t.dim() if isinstance(t, torch.Tensor) else t.x.dim() if isinstance(t, Normed) else t.gate.dim()
+        ) != 2:
             raise ValueError(f"gemv: x segments must be [M, K], got {tuple(t.shape)}")
     if len(segs) == 2 and (segs[0].shape[0] != segs[1].shape[0] or segs[0].dtype != segs[1].dtype):
         raise ValueError(
@@ -112,7 +148,7 @@ def _segments(x: XInput) -> list:
 
 def _dense(x: XInput) -> torch.Tensor:
     """The row(s) ``x`` stands for, materialised (segments concatenated, GLUs applied)."""
-    segs = [t.value() if isinstance(t, GLU) else t for t in _segments(x)]
+    segs = [t if isinstance(t, torch.Tensor) else t.value() for t in _segments(x)]
     return segs[0] if len(segs) == 1 else torch.cat(segs, dim=-1)
 
 
@@ -143,19 +179,23 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv_dot(
-        x_ptr, b_ptr, u_ptr, w, rm, kk, mmask, s_xm, s_bm, s_um, b1, b2,
-        K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr,
+        x_ptr, b_ptr, u_ptr, w, rm, kk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv,
+        K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
     ):  # fmt: skip
         """``[MP, BN]`` fp32 partial products of the rows ``rm`` of x over the columns ``kk`` with the tile ``w``.
         x: columns below ``KA`` from ``x_ptr``, the rest from ``b_ptr`` (``ACT`` 0), or the gated activation of
         ``b_ptr`` (gate) and ``u_ptr`` (up): 1 SwiGLU (``F.silu(g) * u``, each rounded), 2 SiTU-GLU (fp32, one
-        rounding)."""
+        rounding). ``NORM``: the columns below ``KA`` are RMS-normed with the rows' ``rinv`` and the gain at
+        ``nw_ptr`` (``openk3.ops.norm.rms_norm``'s roundings)."""
         dtype = x_ptr.dtype.element_ty
         m = mmask[:, None] & (kk < K)[None, :]
         x = tl.zeros([rm.shape[0], kk.shape[0]], tl.float32)
         if KA > 0:
             x = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=m & (kk < KA)[None, :], other=0.0)
             x = x.to(tl.float32)
+            if NORM:
+                gain = _round(tl.load(nw_ptr + kk, mask=kk < KA, other=0.0).to(tl.float32), dtype)
+                x = _round(gain[None, :] * _round(x * rinv[:, None], dtype), dtype)
         if KA < K:
             mb = m & (kk >= KA)[None, :]
             kb = kk - KA
@@ -172,9 +212,22 @@ if HAS_TRITON:
         return tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
 
     @triton.jit
+    def _gemv_rinv(x_ptr, rm, mmask, s_xm, eps, KA: tl.constexpr, KAP: tl.constexpr, NORM: tl.constexpr):
+        """``[MP]``: 1 / RMS (+ eps) of the first ``KA`` columns of each row where ``NORM``; ones otherwise."""
+        if NORM:
+            ka = tl.arange(0, KAP)
+            xa = tl.load(
+                x_ptr + rm[:, None] * s_xm + ka[None, :], mask=mmask[:, None] & (ka < KA)[None, :], other=0.0
+            )
+            xa = xa.to(tl.float32)
+            return tl.rsqrt(tl.sum(xa * xa, axis=1) / KA + eps)
+        return tl.full([rm.shape[0]], 1.0, tl.float32)
+
+    @triton.jit
     def _gemv_kernel(
-        x_ptr, b_ptr, u_ptr, w_ptr, y_ptr, N, s_xm, s_bm, s_um, s_wn, s_ym, b1, b2,
-        K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr, K1: tl.constexpr, KT: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
+        x_ptr, b_ptr, u_ptr, w_ptr, y_ptr, N, s_xm, s_bm, s_um, s_wn, s_ym, b1, b2, nw_ptr, eps,
+        K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, KAP: tl.constexpr,
+        K1: tl.constexpr, KT: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
         BK: tl.constexpr, EVEN_N: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr, ROUND: tl.constexpr = True,
     ):  # fmt: skip
         dtype = x_ptr.dtype.element_ty
@@ -195,28 +248,52 @@ if HAS_TRITON:
                 w2 = _gemv_tile(w_ptr, rn, rk2, nmask, s_wn, K, EVEN_N and K1 + KT == K)
             pdl_wait(PDL)
             pdl_trigger(PDL)
-            acc = _gemv_dot(x_ptr, b_ptr, u_ptr, w, rm, rk, mmask, s_xm, s_bm, s_um, b1, b2, K, KA, ACT)
+            rinv = _gemv_rinv(x_ptr, rm, mmask, s_xm, eps, KA, KAP, NORM)
+            acc = _gemv_dot(
+                x_ptr,
+                b_ptr,
+                u_ptr,
+                w,
+                rm,
+                rk,
+                mmask,
+                s_xm,
+                s_bm,
+                s_um,
+                b1,
+                b2,
+                nw_ptr,
+                rinv,
+                K,
+                KA,
+                ACT,
+                NORM,
+            )
             if KT > 0:
                 acc += _gemv_dot(
-                    x_ptr, b_ptr, u_ptr, w2, rm, rk2, mmask, s_xm, s_bm, s_um, b1, b2, K, KA, ACT
-                )
+                    x_ptr, b_ptr, u_ptr, w2, rm, rk2, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv,
+                    K, KA, ACT, NORM,
+                )  # fmt: skip
         else:  # BK-column tiles, the next one requested before the current one is used (two in flight)
             EVEN: tl.constexpr = EVEN_N and K % BK == 0
             rk = tl.arange(0, BK)
             w = _gemv_tile(w_ptr, rn, rk, nmask, s_wn, K, EVEN)
             pdl_wait(PDL)
             pdl_trigger(PDL)
+            rinv = _gemv_rinv(x_ptr, rm, mmask, s_xm, eps, KA, KAP, NORM)
             acc = tl.zeros([MP, BN], tl.float32)
             for k0 in tl.range(BK, K, BK):
                 w_next = _gemv_tile(w_ptr, rn, k0 + rk, nmask, s_wn, K, EVEN)
                 acc += _gemv_dot(
-                    x_ptr, b_ptr, u_ptr, w, rm, k0 - BK + rk, mmask, s_xm, s_bm, s_um, b1, b2, K, KA, ACT
-                )
+                    x_ptr, b_ptr, u_ptr, w, rm, k0 - BK + rk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv,
+                    K, KA, ACT, NORM,
+                )  # fmt: skip
                 w = w_next
             k_last: tl.constexpr = (K - 1) // BK * BK
             acc += _gemv_dot(
-                x_ptr, b_ptr, u_ptr, w, rm, k_last + rk, mmask, s_xm, s_bm, s_um, b1, b2, K, KA, ACT
-            )
+                x_ptr, b_ptr, u_ptr, w, rm, k_last + rk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv,
+                K, KA, ACT, NORM,
+            )  # fmt: skip
         y = _round(acc, dtype) if ROUND else acc
         tl.store(
             y_ptr + rm[:, None] * s_ym + rn[None, :],
@@ -228,7 +305,11 @@ if HAS_TRITON:
 def _leaves(x: XInput) -> list:
     """The tensors ``x`` is made of (a GLU's gate and up), unchecked."""
     segs = list(x) if isinstance(x, (tuple, list)) else [x]
-    return [t for s in segs for t in ((s.gate, s.up) if isinstance(s, GLU) else (s,))]
+    return [
+        t
+        for s in segs
+        for t in ((s.gate, s.up) if isinstance(s, GLU) else (s.x,) if isinstance(s, Normed) else (s,))
+    ]
 
 
 def triton_gemv_ok(x: XInput, w: torch.Tensor) -> bool:
@@ -329,7 +410,8 @@ def gemv(
 
     # kernel operands: a = the plain columns below KA, b = the rest (or the GLU's gate), u = the GLU's up
     glu = segs[-1] if isinstance(segs[-1], GLU) else None
-    plain = [rows(t) for t in segs if not isinstance(t, GLU)]
+    normed = segs[0] if isinstance(segs[0], Normed) else None
+    plain = [rows(t.x if isinstance(t, Normed) else t) for t in segs if not isinstance(t, GLU)]
     KA = widths[0] if plain else 0
     b = rows(glu.gate) if glu is not None else plain[-1]
     a = plain[0] if plain else b
@@ -349,7 +431,8 @@ def gemv(
     pdl = pdl_on(w)
     _gemv_kernel[(triton.cdiv(N, BN),)](
         a, b, u, w, y, N, a.stride(0), b.stride(0), u.stride(0), w.stride(0), y.stride(0), b1, b2,
-        K=K, KA=KA, ACT=act, K1=K1, KT=KT, M=M, MP=triton.next_power_of_2(M), BN=BN, BK=BK, EVEN_N=N % BN == 0,
+        normed.weight.contiguous() if normed is not None else w, float(normed.eps) if normed is not None else 0.0,
+        K=K, KA=KA, ACT=act, NORM=normed is not None, KAP=triton.next_power_of_2(max(KA, 1)), K1=K1, KT=KT, M=M, MP=triton.next_power_of_2(M), BN=BN, BK=BK, EVEN_N=N % BN == 0,
         WIDE=cfg.get("wide", N * w.stride(0) >= 2**31), PDL=pdl, ROUND=rounded,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )  # fmt: skip

@@ -221,9 +221,9 @@ class SparseMoE(nn.Module):
             self.last_router = (scores.detach(), idx.detach())
         return idx, w, fn
 
-    def routed(self, h: torch.Tensor, routing: tuple) -> torch.Tensor:
+    def routed(self, h: torch.Tensor, routing: tuple, norm: bool = True) -> torch.Tensor:
         """The routed experts' mixture of ``h`` (the tokens, or their latent for a latent MoE) under ``routing``
-        (:meth:`route`), normed for a latent MoE with the norm."""
+        (:meth:`route`), normed for a latent MoE with the norm (unless ``norm=False``: the caller applies it)."""
         idx, w, fn = routing
         u = fn(
             h,
@@ -236,6 +236,6 @@ class SparseMoE(nn.Module):
             beta1=self.beta1,
             beta2=self.beta2,
         )
-        if self.latent and self.routed_expert_norm is not None:
+        if norm and self.latent and self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)
         return u
