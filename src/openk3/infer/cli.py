@@ -152,9 +152,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--fuse-norm-gemv",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="decode on CUDA, one row, with --triton-gemv: a latent MoE's RMSNorm of the routed experts' mixture "
-        "formed inside the FFN output GEMV that reads it (no norm launch, no concatenation)",
+        "formed inside the FFN output GEMV that reads it (no norm launch, no concatenation); default on",
     )
     g.add_argument(
         "--backend",

@@ -152,8 +152,9 @@ class EngineConfig:
     fuse_glu_gemv: bool = False
     # decode step, with triton_gemv, where the GEMV takes the step (one row): a latent MoE's RMSNorm of the routed
     # experts' mixture formed inside the FFN output GEMV that reads it (`openk3.infer.gemv.Normed`), which reads its
-    # inputs in place: the norm kernel and the concatenation go. Same roundings as the separate ops
-    fuse_norm_gemv: bool = False
+    # inputs in place: the norm kernel and the concatenation go. Same roundings as the separate ops. H200, `medium`
+    # at batch 1: 1.24 -> 1.20-1.21 ms per step in two runs (bench/NOTES.md v15)
+    fuse_norm_gemv: bool = True
 
 
 # EngineConfig.pdl applies to decode steps of at most this many rows: on an H200 it took 0.02-0.07 ms off a batch-1
