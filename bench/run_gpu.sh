@@ -21,7 +21,10 @@
 # bench/diag_mla.py's least-chunk configs at batch 1, and the engine A/B --compare-flags fuse_mla_glue ->
 # e2e_mla_glue.json; gemv: the GPU tests of the Triton GEMV and of EngineConfig.triton_gemv, bench/diag_gemv.py
 # --sweep (each decode projection shape: cuBLAS, the GEMV, a launch sweep, with PDL) -> gemv.json, and the engine A/B
-# --compare-flags $GEMV_FLAGS (default fuse_glu_gemv; v14: triton_gemv,pdl) at batch 1 (wall timing) -> e2e_gemv.json).
+# --compare-flags $GEMV_FLAGS (default fuse_glu_gemv; v14: triton_gemv,pdl) at batch 1 (wall timing) -> e2e_gemv.json;
+# moe1: the few-token MoE GPU tests and the engine's add + norm / MoE tests, then the batch-1 engine bench with the
+# defaults, with OPENK3_MOE_DOWN_COMBINE=0 and with OPENK3_MOE_ROUTER_GEMV=0 -> e2e_moe1*.json, and
+# bench/diag_decode_step.py -> step_*.txt).
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
