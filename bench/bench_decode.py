@@ -629,16 +629,10 @@ MOE_TOKENS = (1, 4, 16)
 MOE_TILE_SWEEP = [
     ((16, 256, 3), (32, 128, 3)),
     ((16, 256, 1), (32, 128, 1)),
-    ((16, 256, 4), (32, 128, 4)),
     ((8, 512, 3), (32, 128, 3)),
-    ((32, 128, 3), (32, 128, 3)),
-    ((16, 256, 3), (16, 256, 3)),
-    ((16, 256, 3), (64, 64, 3)),
-    ((8, 256, 3), (16, 128, 3)),
-    ((16, 256, 3), (32, 256, 3)),
-    ((16, 256, 3), (64, 128, 3)),
-    ((16, 512, 2), (16, 512, 2)),
-    ((32, 256, 2), (32, 256, 2)),
+    ((4, 0, 1), (32, 128, 3)),  # gate/up whole rows (columns 0)
+    ((2, 0, 1), (32, 128, 3)),
+    ((1, 0, 1), (32, 128, 3)),
 ]
 
 
@@ -795,8 +789,16 @@ def main():
         default="tiles,splits",
         help="MLA sweeps at the target shapes: tiles (launch tiles), splits (split counts)",
     )
+    ap.add_argument("--moe-tokens", default="", help="MoE: only these token counts, e.g. 1")
+    ap.add_argument("--moe-shapes", default="", help="MoE: only these expert shapes, e.g. medium,48b")
     args = ap.parse_args()
     BUDGET = args.budget_s
+    global MOE_TOKENS, MOE_SHAPES
+    if args.moe_tokens:
+        MOE_TOKENS = tuple(int(v) for v in args.moe_tokens.split(","))
+    if args.moe_shapes:
+        names = args.moe_shapes.split(",")
+        MOE_SHAPES = [sh for sh in MOE_SHAPES if sh[0] in names]
     sweeps = set(args.mla_sweeps.split(","))
     for name, table_ in (("tiles", MLA_SWEEP), ("splits", MLA_SPLIT_SWEEP)):
         if name not in sweeps:

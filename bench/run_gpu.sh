@@ -24,7 +24,10 @@
 # --compare-flags $GEMV_FLAGS (default fuse_glu_gemv; v14: triton_gemv,pdl) at batch 1 (wall timing) -> e2e_gemv.json;
 # moe1: the few-token MoE GPU tests and the engine's add + norm / MoE tests, then the batch-1 engine bench with the
 # defaults, with OPENK3_MOE_DOWN_COMBINE=0 and with OPENK3_MOE_ROUTER_GEMV=0 -> e2e_moe1*.json, and
-# bench/diag_decode_step.py -> step_*.txt).
+# bench/diag_decode_step.py -> step_*.txt); res: the GPU tests of the GEMV (gemv_gpu), of EngineConfig.gemv_residual and
+# of the few-token gate/up tiles, bench/bench_decode.py's one-token MoE sweep (medium and 48B experts, whole-row gate/up
+# tiles among them) -> decode_moe1.json, the medium A/B --compare-flags gemv_residual -> e2e_res.json, and the
+# batch-1 engine bench with the default gate/up tile and OPENK3_MOE_UP_TILE=4,0,1 / 2,0,1 -> e2e_up*.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -130,6 +133,22 @@ if has moe1; then
       --wall-timing --out "$OUT_DIR/e2e_moe1${v:+_${v%%=*}}.json" 2>&1 | grep "^| [mk]"
   done
   timeout "$T_DECODE" python3 bench/diag_decode_step.py --chain 0 --out "$OUT_DIR" 2>&1 | grep -v -i warn | tail -50
+fi
+if has res; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_interpret_gemv_cpu.py tests/gpu/test_engine_gpu.py \
+    tests/gpu/test_fast_ops.py -k "gemv_gpu or gemv_residual or moe_small_experts_tiles or moe_small_fused_select" \
+    >"$OUT_DIR/tests_res.log" 2>&1
+  echo "GEMV residual / gate-up tile tests: exit $? ($(tail -1 "$OUT_DIR/tests_res.log"))"
+  timeout "$T_DECODE" python3 bench/bench_decode.py --sections moe --moe-tokens 1 --moe-shapes medium,48b \
+    --budget-s $((T_DECODE - 30)) --out "$OUT_DIR/decode_moe1.json" 2>&1 | grep "^moe experts"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium --batches 1 --steps 24 --wall-timing \
+    --compare-flags gemv_residual --out "$OUT_DIR/e2e_res.json" 2>&1 | grep "^| [mk]"
+  for v in "" OPENK3_MOE_UP_TILE=4,0,1 OPENK3_MOE_UP_TILE=2,0,1; do
+    echo "== ${v:-defaults}"
+    tag=$(echo "${v:+_${v##*=}}" | tr , x)
+    env $v timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1 --steps 24 \
+      --wall-timing --out "$OUT_DIR/e2e_up$tag.json" 2>&1 | grep "^| [mk]"
+  done
 fi
 if has attnres_ab; then
   BENCH_MODEL_KERNEL_AB=5 timeout "$T_TRAIN" python3 bench/run_all.py --sections ceil,model --out "$OUT_DIR" \

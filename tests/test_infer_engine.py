@@ -949,6 +949,7 @@ def test_cli_engine_flag_defaults_match_engine_config():
         "triton_gemv",
         "fuse_glu_gemv",
         "fuse_norm_gemv",
+        "gemv_residual",
         "parallel_ffn",
         "overlap",
         "fuse_mla_glue",

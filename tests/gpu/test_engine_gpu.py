@@ -498,3 +498,28 @@ def test_engine_fuse_norm_gemv(graphs, monkeypatch):
         )
         assert G.Normed in firsts, set(firsts)
         assert err < 1e-3, (glu, err)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_gemv_residual(graphs, monkeypatch):
+    """EngineConfig.gemv_residual on CUDA (`small`: AttnRes, latent MoE): the residual adds after the output GEMVs
+    done in their stores, with and without fuse_norm_gemv, at one row; fp32 decode logits against a full forward of
+    the same model, tightly; off, no GEMV gets a residual."""
+    from openk3.infer import gemv as G
+
+    monkeypatch.setitem(G.GEMV_DECODE, "max_bytes", 1 << 40)
+    real = G.gemv
+    for on, norm in ((True, True), (True, False), (False, True)):
+        seen = []
+        monkeypatch.setattr(
+            G,
+            "gemv",
+            lambda x, w, *a, seen=seen, **k: (
+                seen.append(k.get("residual") is not None) or real(x, w, *a, **k)
+            ),
+        )
+        err = _greedy_fp32_decode_err(
+            graphs, seed=13, max_tokens=(18, 9, 14), gemv_residual=on, fuse_norm_gemv=norm
+        )
+        assert any(seen) == on, (on, norm, sum(seen))
+        assert err < 1e-3, (on, norm, err)

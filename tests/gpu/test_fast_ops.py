@@ -406,7 +406,14 @@ def test_moe_small_down_combine(E, K, W, I, ppsm, check, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "up,down", [((16, 256, 1), (32, 128, 1)), ((8, 512, 4), (16, 256, 4)), ((32, 128, 3), (64, 64, 2))]
+    "up,down",
+    [
+        ((16, 256, 1), (32, 128, 1)),
+        ((8, 512, 4), (16, 256, 4)),
+        ((32, 128, 3), (64, 64, 2)),
+        ((4, 0, 1), (32, 128, 3)),
+        ((1, 0, 1), (32, 128, 3)),
+    ],
 )
 def test_moe_small_experts_tiles(up, down, check, monkeypatch):
     """Every launch-tile / pipeline-stage combination the benchmark sweeps gives the reference's result."""

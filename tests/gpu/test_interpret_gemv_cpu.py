@@ -15,6 +15,7 @@ def cases(dev, shapes, configs, rows=None):
     import torch
     import torch.nn.functional as F
     from openk3.infer.gemv import GEMV_MAX_ROWS, gemv, gemv_config, triton_gemv_ok
+    from openk3.infer.gemv import _dense as _dense_ref
 
     def rel(a, b):
         a, b = a.detach().double().cpu(), b.detach().double().cpu()
@@ -96,6 +97,39 @@ def cases(dev, shapes, configs, rows=None):
         gain = (1 + 0.3 * torch.randn(40, generator=g)).to(dev, dtype)
         got = gemv(Normed(a, gain, 1e-5), torch.eye(40, device=dev, dtype=dtype))
         assert rel(got, rms_norm(a, gain, 1e-5)) <= (1e-6 if dtype == torch.float32 else 4e-3)
+    # a residual added in the store: bit for bit the separate add of the rounded product (any segment kind)
+    for dt in (torch.float32, torch.bfloat16):
+        for M in rows or (1, 3):
+            N, K = shapes[-1]
+            x = torch.randn(M, K, generator=g).to(dev, dt)
+            w = (torch.randn(N, K, generator=g) / K**0.5).to(dev, dt)
+            rb = (4 * torch.randn(M, N + 5, generator=g)).to(dev, dt)
+            res = rb[:, 2 : 2 + N]  # a row stride that is not N
+            gn = (1 + 0.3 * torch.randn(K, generator=g)).to(dev, dt)
+            for xin in (x, Normed(x, gn, 1e-6), (x[:, : K // 2], x[:, K // 2 :])):
+                for cfg in configs:
+                    y = gemv(xin, w, None, cfg, residual=res)
+                    assert y.dtype == dt and y.shape == (M, N)
+                    assert torch.equal(y, res + gemv(xin, w, None, cfg)), (dt, M, cfg)
+                    e = rel(y, res.double() + F.linear(_dense_ref(xin).double(), w.double()))
+                    assert e <= (2e-6 if dt == torch.float32 else 6e-3), (dt, M, e)
+            # -0.0 + 0.0 and large cancellations round as the add does
+            z = torch.zeros(M, K, device=dev, dtype=dt)
+            assert torch.equal(gemv(z, w, residual=-torch.zeros_like(res)), -torch.zeros_like(res) + gemv(z, w))
+    x1, w1 = torch.randn(2, 8).to(dev), torch.randn(4, 8).to(dev)
+    for bad_res, kw in (
+        (torch.randn(2, 5), {}),
+        (torch.randn(1, 4), {}),
+        (torch.randn(2, 4).double(), {}),
+        (torch.randn(2, 4), dict(out_dtype=torch.float32, rounded=False)),
+        ("not a tensor", {}),
+    ):
+        try:
+            gemv(x1, w1, residual=bad_res.to(dev) if isinstance(bad_res, torch.Tensor) else bad_res, **kw)
+            raise AssertionError("a malformed residual was accepted")
+        except ValueError:
+            pass
+    assert torch.equal(gemv(x1[:, :0], w1[:, :0], residual=x1[:, :4]), x1[:, :4] + 0.0)
     for bad in (
         lambda: gemv((a, Normed(a, gain, 1e-6)), torch.randn(4, 80).to(dev, dtype)),
         lambda: gemv(Normed(a, gain[:-1], 1e-6), torch.randn(4, 40).to(dev, dtype)),
@@ -195,14 +229,16 @@ def test_engine_triton_gemv_interpreted(run_interpreted, layout):
         kind = lambda x: "+".join(type(t).__name__ for t in (x if isinstance(x, tuple) else (x,)))
         od_of = lambda a, k: k.get("out_dtype", a[0] if a else None)
         # the engine's projections (the few-token router's unrounded logits also take the GEMV: not counted)
+        res = lambda k: "+res" if k.get("residual") is not None else ""
         G.gemv = lambda x, w, *a, **k: (
-            k.get("rounded", True) and calls.append((kind(x), od_of(a, k)))
+            k.get("rounded", True) and calls.append((kind(x) + res(k), od_of(a, k)))
         ) or inner(x, w, *a, **k)
         runs = {}
-        for on in (False, True, "glu", "norm", "glu+norm"):
+        for on in (False, True, "glu", "norm", "glu+norm", "nores"):
             calls.clear()
             eng = Engine(model, None, max_seqs=4, max_tokens=2048, prefix_cache=False, triton_gemv=bool(on),
-                         fuse_glu_gemv="glu" in str(on), fuse_norm_gemv="norm" in str(on), record_logits=True)
+                         fuse_glu_gemv="glu" in str(on), fuse_norm_gemv="norm" in str(on),
+                         gemv_residual=on != "nores", record_logits=True)
             ps = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 3, 5)]
             reqs = eng.generate([list(range(1, 6 + 7 * i)) for i in range(3)], ps)
             runs[on] = ([r.output_ids for r in reqs], [torch.stack(r.logits_log) for r in reqs], list(calls))
@@ -213,8 +249,18 @@ def test_engine_triton_gemv_interpreted(run_interpreted, layout):
         # a pair of segments; plain MoE: the down projection's GLU input); never without it. fuse_norm_gemv (latent
         # MoE with its norm): the routed mixture's RMSNorm goes into the output GEMV, beside the shared experts'
         # output or their GLU
-        kinds = {on: {t for t, _ in runs[on][2]} for on in runs}
+        # gemv_residual (AttnRes walk): the residual adds go into the output GEMVs' stores (bit for bit the separate
+        # add: test_gemv_interpreted); the walk without AttnRes adds them in its add + norm kernels
+        with_res = {on: {t for t, _ in runs[on][2] if t.endswith("+res")} for on in runs}
         latent = "attn_res_block_size" not in OVER_TEXT
+        if latent:
+            assert with_res[True] and "Normed+Tensor+res" in with_res["norm"], with_res
+            assert not with_res["nores"], with_res
+            # (a dense layer's down projection also moves from its module to the GEMV)
+            assert len(runs["nores"][2]) <= len(runs[True][2]), (len(runs["nores"][2]), len(runs[True][2]))
+        else:
+            assert not any(with_res.values()), with_res
+        kinds = {on: {t.removesuffix("+res") for t, _ in runs[on][2]} for on in runs}
         want = "Tensor+GLU" if latent else "GLU"
         assert want in kinds["glu"] and want not in kinds[True], kinds
         if latent:
@@ -240,15 +286,9 @@ def test_engine_triton_gemv_interpreted(run_interpreted, layout):
 def test_gemv_gpu():
     ns: dict = {}
     exec(textwrap.dedent(CASES), ns)
-    # decode projections of the 48B shape (o_proj, shared experts' gate/up) and medium (shared experts' down)
-    shapes = (
-        (8736, 2048),
-        (2048, 2048),
-        (2304, 4096),
-        (2048, 2304),
-        (2304, 1024),
-        (8192, 2304),
-        (1536, 1280),
-    )
-    configs = (None, dict(BN=2, BK=0, num_warps=8), dict(BN=16, BK=256), dict(BN=32, BK=512))
-    assert ns["cases"]("cuda", shapes, configs) < 2e-6
+    # decode projection shapes (K a power of two; a head + tail of 2048 + 256 as the 48B shape's; 1024 + 256):
+    # each (dtype, rows, K, launch form, output kind) is its own compile, so the set is kept small enough to
+    # compile within a few minutes
+    shapes = ((8736, 2048), (2048, 2304), (1536, 1280))
+    configs = (None, dict(BN=16, BK=256))
+    assert ns["cases"]("cuda", shapes, configs, rows=(1, 3)) < 2e-6

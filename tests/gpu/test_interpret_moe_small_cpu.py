@@ -16,6 +16,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 SCRIPT = textwrap.dedent(
     """
+    import itertools
+
     import torch
     from openk3.fast import moe_small
     from openk3.ops.moe import experts_reference, route
@@ -91,7 +93,12 @@ SCRIPT = textwrap.dedent(
     except ValueError:
         pass
     # experts: packed (two halves of one buffer, as openk3.modules.moe.Experts stores them) and separate gate/up
-    for E, I, W, N, K in [(10, 40, 200, 1, 3), (6, 17, 33, 4, 2), (4, 64, 256, 2, 4), (3, 8, 16, 2, 1)]:
+    # (the streamed gate/up tiles, and whole rows: W = 200 as a 128 head + 128 tail, 33 as 32 + 1, 256 and 16 whole)
+    up_default = moe_small.UP_TILE
+    for (E, I, W, N, K), up in itertools.product(
+        [(10, 40, 200, 1, 3), (6, 17, 33, 4, 2), (4, 64, 256, 2, 4), (3, 8, 16, 2, 1)], (up_default, (4, 0, 1))
+    ):
+        moe_small.UP_TILE = up
         for act in ("situ", "silu"):
             for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
                 for packed in (True, False):
@@ -115,17 +122,21 @@ SCRIPT = textwrap.dedent(
                         f = [t.float() for t in (x, w1, w2, w3)]
                         want = experts_reference(f[0], idx, wt, f[1], f[2], f[3], act=act, beta1=4.0, beta2=25.0)
                     e = rel(got, want)
-                    assert e <= tol, (E, I, W, act, dtype, packed, e)
+                    assert e <= tol, (E, I, W, act, dtype, packed, up, e)
                     worst = max(worst, e / tol)
+    moe_small.UP_TILE = up_default
     # an expert id out of range: NaN on that token only (no out-of-bounds read), the other tokens exact
     w1, w3 = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
     w2 = torch.randn(4, 8, 6)
     x = torch.randn(3, 8)
     idx = torch.tensor([[0, 1], [2, 7], [3, -1]])
     wt = torch.rand(3, 2)
-    got = moe_small.experts_small(x, idx, wt, w1, w2, w3)
-    assert torch.isnan(got[1:]).all() and torch.isfinite(got[0]).all()
-    assert rel(got[0], experts_reference(x[:1], idx[:1], wt[:1], w1, w2, w3)[0]) < 1e-5
+    for up in (up_default, (2, 0, 1)):
+        moe_small.UP_TILE = up
+        got = moe_small.experts_small(x, idx, wt, w1, w2, w3)
+        assert torch.isnan(got[1:]).all() and torch.isfinite(got[0]).all()
+        assert rel(got[0], experts_reference(x[:1], idx[:1], wt[:1], w1, w2, w3)[0]) < 1e-5
+    moe_small.UP_TILE = up_default
     # one token: the down projection and the combine in one kernel (DOWN_COMBINE_MAX_TOKENS) against the per-pair
     # kernel + combine2, several launch widths, I not a power of two; a bad id gives NaN there too
     assert moe_small.DOWN_COMBINE_MAX_TOKENS >= 1

@@ -59,8 +59,19 @@ PAIRS_PER_EXPERT = (
 )
 # tiles: (gate/up rows per program, input columns per step, pipeline stages), (down-projection rows per program,
 # columns per step, stages); stages >= 2 stream the weight tiles through shared memory (Triton's pipeliner), 1 loads
-# them straight into registers
+# them straight into registers; gate/up columns per step 0: whole rows, every weight byte of a program requested at
+# once (a power-of-two head and tail tile)
 UP_TILE = (16, 256, 3)
+_ut = os.environ.get("OPENK3_MOE_UP_TILE", "").strip()  # "rows,columns,stages", e.g. "4,0,1" (benchmarks)
+if _ut:
+    try:
+        UP_TILE = tuple(int(v) for v in _ut.split(","))
+        assert len(UP_TILE) == 3 and UP_TILE[0] >= 1 and UP_TILE[1] >= 0 and UP_TILE[2] >= 1
+        assert all(v & (v - 1) == 0 for v in UP_TILE[:2])
+    except (ValueError, AssertionError):
+        raise ValueError(
+            f"OPENK3_MOE_UP_TILE must be 'rows,columns,stages' (powers of two, columns 0 = whole rows), got {_ut!r}"
+        ) from None
 DOWN_TILE = (32, 128, 3)
 ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few tokens, to fill the SMs)
 # up to this many tokens the down projection and the weighted combine run as one kernel: each program owns
@@ -242,11 +253,15 @@ if HAS_TRITON:
         SOFTMAX: tl.constexpr = False,
         HAS_BIAS: tl.constexpr = False,
         RENORM: tl.constexpr = False,
+        K1: tl.constexpr = 0,
+        KT: tl.constexpr = 0,
     ):
         """a[p, i] = act(round(x[p // K] . w1[e_p, i]), round(x[p // K] . w3[e_p, i])) for pair p, expert e_p (NaN
         for an expert id outside [0, E): no out-of-bounds read, and the bad id shows in the output). ``SELECT``: the
         routing is formed here from the router logits (:func:`_select`, every program its own token's), and the
-        first program of each token stores it (ids, scaled weights, scores) for the down projection and combine."""
+        first program of each token stores it (ids, scaled weights, scores) for the down projection and combine.
+        ``BLOCK_W`` 0: whole rows, as a power-of-two head of ``K1`` columns and a tail tile of ``KT`` (0: none),
+        every weight byte of the program requested at once instead of streamed in ``BLOCK_W``-column steps."""
         pdl_wait(PDL)
         pdl_trigger(PDL)
         p = tl.program_id(0).to(tl.int64)
@@ -264,20 +279,40 @@ if HAS_TRITON:
         e = tl.where(ok, e, 0)
         ii = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         im = ii < I
-        g_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
-        u_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
-        for t in tl.range(NW, num_stages=STAGES):
-            cols = t * BLOCK_W + tl.arange(0, BLOCK_W)
-            cm = cols < W
-            m2 = im[:, None] & cm[None, :] & ok
-            xv = tl.load(x_ptr + n * s_x + cols, mask=cm, other=0.0).to(tl.float32)
-            wg = tl.load(w1_ptr + e * s1_e + ii[:, None] * s1_i + cols[None, :], mask=m2, other=0.0)
-            wu = tl.load(w3_ptr + e * s3_e + ii[:, None] * s3_i + cols[None, :], mask=m2, other=0.0)
-            g_acc += wg.to(tl.float32) * xv[None, :]
-            u_acc += wu.to(tl.float32) * xv[None, :]
+        if BLOCK_W == 0:
+            c1 = tl.arange(0, K1)
+            m1 = im[:, None] & (c1 < W)[None, :] & ok
+            wg = tl.load(w1_ptr + e * s1_e + ii[:, None] * s1_i + c1[None, :], mask=m1, other=0.0)
+            wu = tl.load(w3_ptr + e * s3_e + ii[:, None] * s3_i + c1[None, :], mask=m1, other=0.0)
+            if KT > 0:
+                c2 = K1 + tl.arange(0, KT)
+                mt = im[:, None] & (c2 < W)[None, :] & ok
+                wg2 = tl.load(w1_ptr + e * s1_e + ii[:, None] * s1_i + c2[None, :], mask=mt, other=0.0)
+                wu2 = tl.load(w3_ptr + e * s3_e + ii[:, None] * s3_i + c2[None, :], mask=mt, other=0.0)
+            xv = tl.load(x_ptr + n * s_x + c1, mask=c1 < W, other=0.0).to(tl.float32)
+            gs = tl.sum(wg.to(tl.float32) * xv[None, :], 1)
+            us = tl.sum(wu.to(tl.float32) * xv[None, :], 1)
+            if KT > 0:
+                x2 = tl.load(x_ptr + n * s_x + c2, mask=c2 < W, other=0.0).to(tl.float32)
+                gs += tl.sum(wg2.to(tl.float32) * x2[None, :], 1)
+                us += tl.sum(wu2.to(tl.float32) * x2[None, :], 1)
+        else:
+            g_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
+            u_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
+            for t in tl.range(NW, num_stages=STAGES):
+                cols = t * BLOCK_W + tl.arange(0, BLOCK_W)
+                cm = cols < W
+                m2 = im[:, None] & cm[None, :] & ok
+                xv = tl.load(x_ptr + n * s_x + cols, mask=cm, other=0.0).to(tl.float32)
+                wg = tl.load(w1_ptr + e * s1_e + ii[:, None] * s1_i + cols[None, :], mask=m2, other=0.0)
+                wu = tl.load(w3_ptr + e * s3_e + ii[:, None] * s3_i + cols[None, :], mask=m2, other=0.0)
+                g_acc += wg.to(tl.float32) * xv[None, :]
+                u_acc += wu.to(tl.float32) * xv[None, :]
+            gs = tl.sum(g_acc, 1)
+            us = tl.sum(u_acc, 1)
         dt = a_ptr.dtype.element_ty
-        g = tl.sum(g_acc, 1).to(dt).to(tl.float32)
-        u = tl.sum(u_acc, 1).to(dt).to(tl.float32)
+        g = gs.to(dt).to(tl.float32)
+        u = us.to(dt).to(tl.float32)
         sg = tl.sigmoid(g)
         if SITU:
             a = (b1 * tanh_f32(g * ib1)) * sg * (b2 * tanh_f32(u * ib2))
@@ -552,7 +587,12 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
     dev = x.device
     a = torch.empty(N * K, I, dtype=x.dtype, device=dev)
     bi, bw, ups = UP_TILE
-    bw = min(bw, triton.next_power_of_2(W))
+    if bw:
+        bw = min(bw, triton.next_power_of_2(W))
+        k1 = kt = 0
+    else:  # whole rows: a power-of-two head and tail (W = 2304: 2048 + 256)
+        k1 = 1 << (W.bit_length() - 1)
+        kt = triton.next_power_of_2(W - k1) if W > k1 else 0
     pdl = pdl_on(x)
     _experts_up_kernel[(N * K, triton.cdiv(I, bi))](
         x,
@@ -576,9 +616,11 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
         SITU=act == "situ",
         BLOCK_I=bi,
         BLOCK_W=bw,
-        NW=triton.cdiv(W, bw),
+        NW=triton.cdiv(W, bw) if bw else 1,
         STAGES=ups,
         PDL=pdl,
+        K1=k1,
+        KT=kt,
         **sel,
         **pdl_launch(pdl),
     )

@@ -157,6 +157,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "formed inside the FFN output GEMV that reads it (no norm launch, no concatenation); default on",
     )
     g.add_argument(
+        "--gemv-residual",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode on CUDA, one row, with --triton-gemv, AttnRes models: the residual add after an output "
+        "projection done in the GEMV's store (same values, one launch less per layer half); default on",
+    )
+    g.add_argument(
         "--backend",
         action="append",
         default=[],
@@ -233,6 +240,7 @@ def _load(args):
         triton_gemv=args.triton_gemv,
         fuse_glu_gemv=args.fuse_glu_gemv,
         fuse_norm_gemv=args.fuse_norm_gemv,
+        gemv_residual=args.gemv_residual,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     if args.moe_small_tokens is not None:

@@ -155,6 +155,10 @@ class EngineConfig:
     # inputs in place: the norm kernel and the concatenation go. Same roundings as the separate ops. H200, `medium`
     # at batch 1: 1.24 -> 1.20-1.21 ms per step in two runs (bench/NOTES.md v15)
     fuse_norm_gemv: bool = True
+    # decode step of an AttnRes model, with triton_gemv, where the GEMV takes an attention or FFN output projection
+    # (one row): the residual add after it done in the GEMV's store, with the separate add's roundings (the same
+    # values bit for bit): one add launch less per layer half
+    gemv_residual: bool = True
 
 
 # EngineConfig.pdl applies to decode steps of at most this many rows: on an H200 it took 0.02-0.07 ms off a batch-1
@@ -415,6 +419,7 @@ class Engine:
         self._gemv = bool(cfg.triton_gemv and (self.device.type == "cuda" or _gemv.INTERPRET))
         self._glu_gemv = bool(self._gemv and cfg.fuse_glu_gemv and cfg.parallel_ffn)
         self._norm_gemv = bool(self._gemv and cfg.fuse_norm_gemv)
+        self._res_gemv = bool(self._gemv and cfg.gemv_residual)
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
         if self.graphs_enabled and any(layer.is_moe for layer in inner.layers):
@@ -1186,10 +1191,27 @@ class Engine:
         )
         return _gemv.GLU(proj[0], proj[1], shared.act, shared.beta1, shared.beta2) if ok else None
 
-    def _ffn_parts(self, i: int, layer, x: torch.Tensor) -> list[torch.Tensor]:
+    def _res_gemv_ok(self, x, w: torch.Tensor, res: torch.Tensor | None) -> bool:
+        """Whether ``res + x @ w.T`` goes through the GEMV with the add in its store (gemv_residual)."""
+        return res is not None and self._res_gemv and _gemv.decode_gemv_ok(x, w)
+
+    def _ffn_parts(
+        self, i: int, layer, x: torch.Tensor, res: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """The FFN output of the normed input ``x [B, 1, D]`` as a list of ``[B, 1, D]`` parts whose left-to-right
         sum (rounded after each add, as the model sums them) is the output; MoE branches on two streams with
-        ``parallel_ffn``."""
+        ``parallel_ffn``. With a residual ``res [B, 1, D]``: one part, ``res`` plus that sum (added in the output
+        GEMV's store where one GEMV reads every part, gemv_residual)."""
+        folded = []
+        parts = self._ffn_parts_of(i, layer, x, res, folded)
+        if res is None or folded:
+            return parts
+        y = parts[0]
+        for p in parts[1:]:
+            y = y + p
+        return [res + y]
+
+    def _ffn_parts_of(self, i: int, layer, x: torch.Tensor, res, folded: list) -> list[torch.Tensor]:
         xf = x[:, 0]
         fused = self._fused_ffn.get(i)
         out = self._fused_ffn_out.get(i)
@@ -1200,8 +1222,13 @@ class Engine:
         def out_parts(pre):  # the output projections: one GEMM over their inputs side by side, or one each
             if out is not None:
                 if isinstance(pre[0], _gemv.Normed) or isinstance(pre[-1], _gemv.GLU):  # read in place
-                    return [self._lin(tuple(pre), out)[:, None]]
-                return [self._lin(torch.cat([_gemv._dense(p) for p in pre], dim=-1), out)[:, None]]
+                    xin = tuple(pre)
+                else:
+                    xin = torch.cat([_gemv._dense(p) for p in pre], dim=-1)
+                if self._res_gemv_ok(xin, out, res):
+                    folded.append(True)
+                    return [_gemv.gemv(xin, out, residual=res[:, 0])[:, None]]
+                return [self._lin(xin, out)[:, None]]
             return [
                 (p if m is None else self._lin_mod(m, p))[:, None]
                 for m, p in zip(layer.ffn_output_projections(), pre)
@@ -1252,10 +1279,14 @@ class Engine:
         pool, lay = self.pool, self.pool.layout
         dc = lay.kv_lora_rank
 
-        def out_proj(w, y, res):  # y @ w^T [B, D] -> [B, 1, D], plus res [B, 1, D] when given (one addmm)
+        def out_proj(w, y, res):  # y @ w^T [B, D] -> [B, 1, D], plus res [B, 1, D] when given
             if res is None:
                 return self._lin(y, w)[:, None]
-            return torch.addmm(res[:, 0], y, w.t())[:, None]
+            if self._res_gemv_ok(y, w, res):  # the add in the GEMV's store, the separate add's roundings
+                return _gemv.gemv(y, w, residual=res[:, 0])[:, None]
+            if self.cfg.fuse_residual:  # one addmm: one rounding instead of two
+                return torch.addmm(res[:, 0], y, w.t())[:, None]
+            return res + self._lin(y, w)[:, None]
 
         def attn(i, layer, x, res=None):
             xx = x[:, 0]
@@ -1326,11 +1357,11 @@ class Engine:
 
         def ffn(i, layer, x, res=None):
             if self.cfg.parallel_ffn and layer.is_moe:
-                parts = self._ffn_parts(i, layer, x)
+                parts = self._ffn_parts(i, layer, x, res)
                 y = parts[0]
                 for p in parts[1:]:
                     y = y + p
-                return y if res is None else res + y
+                return y
             fused = self._fused_ffn.get(i)
             proj = None if fused is None else list(self._lin(x[:, 0], fused[0]).split(fused[1], dim=-1))
             out = self._fused_ffn_out.get(i)
@@ -1346,7 +1377,13 @@ class Engine:
         if self.cfg.fuse_add_norm and not self.mcfg.use_attn_res:
             h = self._walk_add_norm(r, attn)
         else:
-            h = self._walk(r, attn, ffn, residual=self.cfg.fuse_residual, read_norm=self.cfg.fuse_read_norm)
+            h = self._walk(
+                r,
+                attn,
+                ffn,
+                residual=self.cfg.fuse_residual or self._res_gemv,
+                read_norm=self.cfg.fuse_read_norm,
+            )
         return self._lin(h[:, 0], self.model.output_weight, torch.float32)
 
     def _walk_add_norm(self, r: torch.Tensor, attn: Callable) -> torch.Tensor:

@@ -153,14 +153,21 @@ def _dense(x: XInput) -> torch.Tensor:
 
 
 def gemv_reference(
-    x: XInput, w: torch.Tensor, out_dtype: torch.dtype | None = None, rounded: bool = True
+    x: XInput,
+    w: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    rounded: bool = True,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, w)`` (rounded to ``x.dtype``), converted to ``out_dtype`` when given; ``x`` a tensor, a
     :class:`GLU` or a pair (tensor, tensor or GLU) standing for their concatenation along the row. ``rounded=False``
-    (with ``out_dtype=torch.float32``): ``F.linear`` of the operands in fp32, no rounding."""
+    (with ``out_dtype=torch.float32``): ``F.linear`` of the operands in fp32, no rounding. ``residual``:
+    ``residual + F.linear(x, w)``, both in ``x.dtype``."""
     if not rounded:
         return F.linear(_dense(x).float(), w.float())
     y = F.linear(_dense(x), w)
+    if residual is not None:
+        y = residual + y
     return y if out_dtype is None else y.to(out_dtype)
 
 
@@ -225,10 +232,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, b_ptr, u_ptr, w_ptr, y_ptr, N, s_xm, s_bm, s_um, s_wn, s_ym, b1, b2, nw_ptr, eps,
+        x_ptr, b_ptr, u_ptr, w_ptr, y_ptr, N, s_xm, s_bm, s_um, s_wn, s_ym, b1, b2, nw_ptr, eps, r_ptr, s_rm,
         K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, KAP: tl.constexpr,
         K1: tl.constexpr, KT: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
         BK: tl.constexpr, EVEN_N: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr, ROUND: tl.constexpr = True,
+        RES: tl.constexpr = False,
     ):  # fmt: skip
         dtype = x_ptr.dtype.element_ty
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -295,11 +303,11 @@ if HAS_TRITON:
                 K, KA, ACT, NORM,
             )  # fmt: skip
         y = _round(acc, dtype) if ROUND else acc
-        tl.store(
-            y_ptr + rm[:, None] * s_ym + rn[None, :],
-            y.to(y_ptr.dtype.element_ty),
-            mask=mmask[:, None] & nmask[None, :],
-        )
+        omask = mmask[:, None] & nmask[None, :]
+        if RES:  # a residual added to the rounded product and rounded again: a separate add's two roundings
+            r = tl.load(r_ptr + rm[:, None] * s_rm + rn[None, :], mask=omask, other=0.0)
+            y = _round(y + r.to(tl.float32), dtype)
+        tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=omask)
 
 
 def _leaves(x: XInput) -> list:
@@ -381,13 +389,16 @@ def gemv(
     out_dtype: torch.dtype | None = None,
     config: dict | None = None,
     rounded: bool = True,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, w)`` for ``x [M, K]``, ``w [N, K]`` (optionally as ``out_dtype``, which must be ``x.dtype`` or
     fp32) in one Triton launch where :func:`triton_gemv_ok`; :func:`gemv_reference` otherwise. ``x`` may also be a
     :class:`GLU` (its activation formed in the load) or a pair ``(a, b)`` standing for ``cat([a, b], -1)`` with
     ``b`` a tensor or a GLU (no concatenated copy). ``config`` overrides :func:`gemv_config`'s launch parameters
     (benchmarks; ``wide``: 64-bit weight offsets, which weights of 2**31 elements or more take anyway).
-    ``rounded=False`` (only with ``out_dtype=torch.float32``): the fp32 sums, not rounded to ``x.dtype``."""
+    ``rounded=False`` (only with ``out_dtype=torch.float32``): the fp32 sums, not rounded to ``x.dtype``.
+    ``residual [M, N]`` (``x.dtype``, output in ``x.dtype``): ``residual + F.linear(x, w)`` with the separate add's
+    roundings (the product rounded, then the sum), read and added in the store instead of a kernel of its own."""
     segs = _segments(x)
     widths = [t.shape[1] for t in segs]
     if w.dim() != 2 or sum(widths) != w.shape[1]:
@@ -400,8 +411,25 @@ def gemv(
         raise ValueError(f"gemv: out_dtype must be {dtype} or torch.float32, got {out_dtype}")
     if not rounded and out_dtype != torch.float32:
         raise ValueError("gemv: rounded=False returns fp32 sums; pass out_dtype=torch.float32")
+    if residual is not None:
+        M0 = segs[0].shape[0]
+        if not isinstance(residual, torch.Tensor) or residual.shape != (M0, w.shape[0]):
+            raise ValueError(
+                f"gemv: residual must be [{M0}, {w.shape[0]}], got "
+                f"{tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__}"
+            )
+        if (
+            not rounded
+            or residual.dtype != dtype
+            or out_dtype not in (None, dtype)
+            or residual.device != w.device
+        ):
+            raise ValueError(
+                f"gemv: a residual is added in the operands' dtype {dtype} on {w.device}, got {residual.dtype} on "
+                f"{residual.device} (out_dtype {out_dtype})"
+            )
     if not triton_gemv_ok(x, w):
-        return gemv_reference(x, w, out_dtype, rounded)
+        return gemv_reference(x, w, out_dtype, rounded, residual)
     M = segs[0].shape[0]
     N, K = w.shape
 
@@ -422,18 +450,20 @@ def gemv(
     if N == 0:
         return y
     if K == 0:
-        return y.zero_()
+        return y.zero_() if residual is None else gemv_reference(x, w, out_dtype, rounded, residual)
     cfg = dict(gemv_config(M, N, K, w.device))
     if config:
         cfg.update(config)
     BN, BK = cfg["BN"], cfg["BK"]
     K1, KT = _head_tail(K)
     pdl = pdl_on(w)
+    res = y if residual is None else rows(residual)
     _gemv_kernel[(triton.cdiv(N, BN),)](
         a, b, u, w, y, N, a.stride(0), b.stride(0), u.stride(0), w.stride(0), y.stride(0), b1, b2,
         normed.weight.contiguous() if normed is not None else w, float(normed.eps) if normed is not None else 0.0,
+        res, res.stride(0),
         K=K, KA=KA, ACT=act, NORM=normed is not None, KAP=triton.next_power_of_2(max(KA, 1)), K1=K1, KT=KT, M=M, MP=triton.next_power_of_2(M), BN=BN, BK=BK, EVEN_N=N % BN == 0,
-        WIDE=cfg.get("wide", N * w.stride(0) >= 2**31), PDL=pdl, ROUND=rounded,
+        WIDE=cfg.get("wide", N * w.stride(0) >= 2**31), PDL=pdl, ROUND=rounded, RES=residual is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )  # fmt: skip
     return y
