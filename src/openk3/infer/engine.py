@@ -99,7 +99,7 @@ class EngineConfig:
     # 0.3-0.5 ms off the step (bench/bench_e2e_decode.py --compare-fusion, bench/NOTES.md)
     fuse_ffn_projections: bool = True
     # the residual adds of the decode step folded into the last GEMM of the attention and FFN outputs (addmm: one
-    # rounding instead of two). Off: within 1-2 % either way on an H200
+    # rounding instead of two) where gemv_residual does not take them. Off: within 1-2 % either way on an H200
     fuse_residual: bool = False
     # decode step: each AttnRes read followed by its layer's RMSNorm as one launch (the fast reader writes the normed
     # rows; `TritonAttnResReader.read_normed`), one norm kernel less per read. H200, batch 1: medium forward
@@ -157,7 +157,8 @@ class EngineConfig:
     fuse_norm_gemv: bool = True
     # decode step of an AttnRes model, with triton_gemv, where the GEMV takes an attention or FFN output projection
     # (one row): the residual add after it done in the GEMV's store, with the separate add's roundings (the same
-    # values bit for bit): one add launch less per layer half
+    # values bit for bit): one add launch less per layer half. H200, `medium` at batch 1: 1.21 -> 1.17 ms per step
+    # (bench/NOTES.md v16)
     gemv_residual: bool = True
 
 
