@@ -112,3 +112,10 @@ def sm_count(device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+def head_tail(K: int) -> tuple[int, int]:
+    """A row of ``K >= 1`` columns as a power-of-two head tile and a power-of-two tail tile (0: none), the tiles of
+    the kernels that hold whole rows (K = 2304: 2048 + 256, no masked lanes)."""
+    k1 = 1 << (K.bit_length() - 1)
+    return k1, (1 << (K - k1 - 1).bit_length() if K > k1 else 0)

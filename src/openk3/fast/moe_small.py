@@ -31,7 +31,17 @@ from dataclasses import dataclass
 
 import torch
 
-from openk3.fast._triton import HAS_TRITON, pdl_launch, pdl_on, sm_count, tanh_f32, tl, triton, triton_ok
+from openk3.fast._triton import (
+    HAS_TRITON,
+    head_tail,
+    pdl_launch,
+    pdl_on,
+    sm_count,
+    tanh_f32,
+    tl,
+    triton,
+    triton_ok,
+)
 from openk3.fast.moe import combine2
 
 
@@ -64,14 +74,15 @@ PAIRS_PER_EXPERT = (
 UP_TILE = (16, 256, 3)
 _ut = os.environ.get("OPENK3_MOE_UP_TILE", "").strip()  # "rows,columns,stages", e.g. "4,0,1" (benchmarks)
 if _ut:
-    try:
-        UP_TILE = tuple(int(v) for v in _ut.split(","))
-        assert len(UP_TILE) == 3 and UP_TILE[0] >= 1 and UP_TILE[1] >= 0 and UP_TILE[2] >= 1
-        assert all(v & (v - 1) == 0 for v in UP_TILE[:2])
-    except (ValueError, AssertionError):
+    _parts = _ut.split(",")
+    _ok = len(_parts) == 3 and all(v.strip().isdigit() for v in _parts)
+    if _ok:
+        UP_TILE = tuple(int(v) for v in _parts)
+        _ok = UP_TILE[0] >= 1 and UP_TILE[2] >= 1 and all(v & (v - 1) == 0 for v in UP_TILE[:2])
+    if not _ok:
         raise ValueError(
             f"OPENK3_MOE_UP_TILE must be 'rows,columns,stages' (powers of two, columns 0 = whole rows), got {_ut!r}"
-        ) from None
+        )
 DOWN_TILE = (32, 128, 3)
 ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few tokens, to fill the SMs)
 # up to this many tokens the down projection and the weighted combine run as one kernel: each program owns
@@ -590,9 +601,8 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
     if bw:
         bw = min(bw, triton.next_power_of_2(W))
         k1 = kt = 0
-    else:  # whole rows: a power-of-two head and tail (W = 2304: 2048 + 256)
-        k1 = 1 << (W.bit_length() - 1)
-        kt = triton.next_power_of_2(W - k1) if W > k1 else 0
+    else:  # whole rows: a power-of-two head and tail tile
+        k1, kt = head_tail(W)
     pdl = pdl_on(x)
     _experts_up_kernel[(N * K, triton.cdiv(I, bi))](
         x,

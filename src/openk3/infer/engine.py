@@ -1203,8 +1203,7 @@ class Engine:
         sum (rounded after each add, as the model sums them) is the output; MoE branches on two streams with
         ``parallel_ffn``. With a residual ``res [B, 1, D]``: one part, ``res`` plus that sum (added in the output
         GEMV's store where one GEMV reads every part, gemv_residual)."""
-        folded = []
-        parts = self._ffn_parts_of(i, layer, x, res, folded)
+        parts, folded = self._ffn_parts_of(i, layer, x, res)
         if res is None or folded:
             return parts
         y = parts[0]
@@ -1212,7 +1211,8 @@ class Engine:
             y = y + p
         return [res + y]
 
-    def _ffn_parts_of(self, i: int, layer, x: torch.Tensor, res, folded: list) -> list[torch.Tensor]:
+    def _ffn_parts_of(self, i: int, layer, x: torch.Tensor, res) -> tuple[list[torch.Tensor], bool]:
+        """:meth:`_ffn_parts`'s parts, and whether ``res`` is already added (inside the output GEMV)."""
         xf = x[:, 0]
         fused = self._fused_ffn.get(i)
         out = self._fused_ffn_out.get(i)
@@ -1227,13 +1227,13 @@ class Engine:
                 else:
                     xin = torch.cat([_gemv._dense(p) for p in pre], dim=-1)
                 if self._res_gemv_ok(xin, out, res):
-                    folded.append(True)
-                    return [_gemv.gemv(xin, out, residual=res[:, 0])[:, None]]
-                return [self._lin(xin, out)[:, None]]
-            return [
+                    return [_gemv.gemv(xin, out, residual=res[:, 0])[:, None]], True
+                return [self._lin(xin, out)[:, None]], False
+            parts = [
                 (p if m is None else self._lin_mod(m, p))[:, None]
                 for m, p in zip(layer.ffn_output_projections(), pre)
             ]
+            return parts, False
 
         if not layer.is_moe or not self.cfg.parallel_ffn:
             return out_parts(layer.ffn_pre_output(x, in_proj()))
@@ -1274,7 +1274,7 @@ class Engine:
                     sd = self._lin_mod(shared.down_proj, shared.pre_output(xf, proj))
         u = moe.routed(xf, moe.route(xf))
         self._join()
-        return [u[:, None]] if sd is None else [u[:, None], sd[:, None]]
+        return ([u[:, None]] if sd is None else [u[:, None], sd[:, None]]), False
 
     def _decode_forward_body(self, ids, slots, table, lengths, rows) -> torch.Tensor:
         pool, lay = self.pool, self.pool.layout

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from openk3.fast._triton import HAS_TRITON, INTERPRET, pdl_launch, pdl_on, sm_count, tl, triton
+from openk3.fast._triton import HAS_TRITON, INTERPRET, head_tail, pdl_launch, pdl_on, sm_count, tl, triton
 from openk3.ops.activations import glu_act
 from openk3.ops.norm import rms_norm
 
@@ -372,15 +372,9 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def _head_tail(K: int) -> tuple[int, int]:
-    """The whole-row form's tiles for K columns: a power-of-two head and a power-of-two tail (0: none)."""
-    k1 = 1 << (K.bit_length() - 1)
-    return k1, (triton.next_power_of_2(K - k1) if K > k1 else 0)
-
-
 def _whole_width(K: int) -> int:
     """Columns the whole-row form holds per weight row (head plus tail tile)."""
-    return sum(_head_tail(K))
+    return sum(head_tail(K))
 
 
 def gemv(
@@ -455,7 +449,7 @@ def gemv(
     if config:
         cfg.update(config)
     BN, BK = cfg["BN"], cfg["BK"]
-    K1, KT = _head_tail(K)
+    K1, KT = head_tail(K)
     pdl = pdl_on(w)
     res = y if residual is None else rows(residual)
     _gemv_kernel[(triton.cdiv(N, BN),)](
