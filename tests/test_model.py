@@ -24,6 +24,7 @@ def _model(**over):
 
 @pytest.fixture(scope="module")
 def tiny():
+    torch.manual_seed(0)
     return _model()
 
 
@@ -186,7 +187,9 @@ def test_checkpoint_errors(tiny, tmp_path):
 
 
 def test_generate_greedy_matches_argmax(tiny):
-    ids = torch.randint(0, tiny.config.vocab_size, (2, 5))
+    # fixed inputs: the cached decode and the full forward agree to fp32 rounding, so unseeded random weights and
+    # ids could (rarely) put two logits within that noise and flip the argmax
+    ids = torch.randint(0, tiny.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
     out = tiny.generate(ids, max_new_tokens=6)
     assert out.shape == (2, 11)
     with torch.no_grad():
