@@ -27,6 +27,11 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 WHOLE = [dict(BN=bn, BK=0, num_warps=w, num_stages=1) for bn in (2, 4, 8) for w in (4, 8)]
 LOOP = [dict(BN=bn, BK=bk, num_warps=4, num_stages=1) for bn, bk in ((16, 256), (32, 256), (16, 512))]
+# the persistent whole-row form: (rows per tile, programs per SM)
+PERSIST = [
+    dict(BN=bn, BK=0, num_warps=4, num_stages=1, persist=p)
+    for bn, p in ((2, 4), (4, 2), (4, 4), (2, 8), (8, 2))
+]
 
 
 def decode_shapes(preset: str, device: str = "cuda") -> list[tuple[int, int]]:
@@ -72,13 +77,22 @@ def copy_tbs() -> float:
 def main():
     from diag_mla import graph_us
     from openk3.fast import _triton
-    from openk3.infer.gemv import _whole_width, gemv, gemv_config
+    from openk3.infer.gemv import Normed, _whole_width, gemv, gemv_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", default="medium,kimi-linear-48b")
     ap.add_argument("--rows", default="1")
     ap.add_argument(
         "--sweep", action="store_true", help="also time the WHOLE and LOOP launch configurations (1 row)"
+    )
+    ap.add_argument(
+        "--sweep-set",
+        default="whole,loop",
+        help="comma-separated sets of --sweep: whole, loop, persist (the persistent whole-row form)",
+    )
+    ap.add_argument("--min-mb", type=float, default=0.0, help="only weights of at least this many MB")
+    ap.add_argument(
+        "--normed", action="store_true", help="also time the product of an RMS-normed row (gemv.Normed)"
     )
     ap.add_argument(
         "--out", default=os.path.join(os.environ.get("OUT", os.path.join(ROOT, "bench", "out")), "gemv.json")
@@ -92,8 +106,12 @@ def main():
             shapes.setdefault(nk, []).append(p)
     rows_out = []
     g = torch.Generator(device="cuda").manual_seed(0)
+    sets = {"whole": WHOLE, "loop": LOOP, "persist": PERSIST}
+    configs = [c for name in args.sweep_set.split(",") if name for c in sets[name]]
     for (N, K), who in sorted(shapes.items()):
         nbytes = N * K * 2
+        if nbytes < args.min_mb * 1e6:
+            continue
         copies = max(2, min(64, -(-256 * 2**20 // nbytes)))
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(copies)]
         reps = max(1, -(-24 // copies))
@@ -111,14 +129,19 @@ def main():
             row["config"] = gemv_config(M, N, K, x.device)
             with _triton.pdl_scope(True):
                 row["gemv_pdl_us"] = t(lambda w, x=x: gemv(x, w))
+            if args.normed:
+                gain = torch.ones(K, device="cuda", dtype=torch.bfloat16)
+                row["gemv_normed_us"] = t(lambda w, x=x, gain=gain: gemv(Normed(x, gain, 1e-6), w))
             if args.sweep and M == 1:
                 sweep = {}
-                for c in WHOLE + LOOP:
+                for c in configs:
                     if c["BK"] == 0 and c["BN"] * _whole_width(K) > 32768:
                         continue
                     if c["BK"] and c["BK"] >= K:
                         continue
                     name = f"{'W' if c['BK'] == 0 else 'L' + str(c['BK'])}bn{c['BN']}w{c['num_warps']}"
+                    if c.get("persist"):
+                        name = f"P{c['persist']}bn{c['BN']}"
                     sweep[name] = t(lambda w, c=c, x=x: gemv(x, w, config=c))
                 best = min(sweep, key=sweep.get)
                 row.update(sweep=sweep, best=best, best_us=sweep[best])
@@ -127,7 +150,13 @@ def main():
                 f"N {N:6d} K {K:5d} M {M} {row['MB']:7.1f} MB | cuBLAS {row['cublas_us']:7.1f} us "
                 f"({row['MB'] / row['cublas_us']:.2f} TB/s) | gemv {row['gemv_us']:7.1f} "
                 f"({row['MB'] / row['gemv_us']:.2f}) pdl {row['gemv_pdl_us']:7.1f} | roof {row['roof_us']:6.1f} | "
+                + (f"normed {row['gemv_normed_us']:.1f} | " if "gemv_normed_us" in row else "")
                 + (f"best {row['best']} {row['best_us']:.1f} | " if "best" in row else "")
+                + (
+                    " ".join(f"{k} {v:.1f}" for k, v in row["sweep"].items()) + " | "
+                    if "sweep" in row
+                    else ""
+                )
                 + f"err {err:.1e} {row['config']}",
                 flush=True,
             )

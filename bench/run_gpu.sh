@@ -27,7 +27,11 @@
 # bench/diag_decode_step.py -> step_*.txt); res: the GPU tests of the GEMV (gemv_gpu), of EngineConfig.gemv_residual and
 # of the few-token gate/up tiles, bench/bench_decode.py's one-token MoE sweep (medium and 48B experts, whole-row gate/up
 # tiles among them) -> decode_moe1.json, the medium A/B --compare-flags gemv_residual -> e2e_res.json, and the
-# batch-1 engine bench with the default gate/up tile and OPENK3_MOE_UP_TILE=4,0,1 / 2,0,1 -> e2e_up*.json.
+# batch-1 engine bench with the default gate/up tile and OPENK3_MOE_UP_TILE=4,0,1 / 2,0,1 -> e2e_up*.json; fold: the
+# GPU tests of the GEMV (persistent form, Normed rows written out), the down + combine adds and EngineConfig.fold_norms,
+# bench/diag_gemv.py's persistent-form sweep and Normed products on the 48B shape's weights of 16 MB and more ->
+# gemv_fold.json, the 48B batch-1 A/B --compare-flags fold_norms -> e2e_fold.json, then with the KDA input GEMVs
+# forming their norm (OPENK3_GEMV_NORMED_MAX_MB=64), alone and with the persistent form -> e2e_fold*.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -148,6 +152,22 @@ if has res; then
     tag=$(echo "${v:+_${v##*=}}" | tr , x)
     env $v timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1 --steps 24 \
       --wall-timing --out "$OUT_DIR/e2e_up$tag.json" 2>&1 | grep "^| [mk]"
+  done
+fi
+if has fold; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_interpret_gemv_cpu.py tests/gpu/test_engine_gpu.py \
+    tests/gpu/test_fast_ops.py -k "gemv_gpu or fold_norms or moe_small_down_combine or moe_small_fused_select" \
+    >"$OUT_DIR/tests_fold.log" 2>&1
+  echo "GEMV / fold_norms tests: exit $? ($(tail -1 "$OUT_DIR/tests_fold.log"))"
+  timeout "$T_DECODE" python3 bench/diag_gemv.py --presets kimi-linear-48b --sweep --sweep-set persist --min-mb 16 \
+    --normed --out "$OUT_DIR/gemv_fold.json" 2>&1 | grep "^N \|copy"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1 --steps 24 --wall-timing \
+    --compare-flags fold_norms --out "$OUT_DIR/e2e_fold.json" 2>&1 | grep "^| [mk]"
+  for v in OPENK3_GEMV_NORMED_MAX_MB=64 "OPENK3_GEMV_NORMED_MAX_MB=64 OPENK3_GEMV_PERSIST_MIN_MB=48"; do
+    echo "== $v"
+    tag=$(echo "$v" | tr -cd '0-9')
+    env $v timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1 --steps 24 \
+      --wall-timing --out "$OUT_DIR/e2e_fold$tag.json" 2>&1 | grep "^| [mk]"
   done
 fi
 if has attnres_ab; then

@@ -528,3 +528,32 @@ def test_engine_gemv_residual(graphs, monkeypatch):
         )
         assert any(seen) == on, (on, norm, sum(seen))
         assert err < 1e-3, (on, norm, err)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_fold_norms(graphs, monkeypatch):
+    """EngineConfig.fold_norms on CUDA (`small` without AttnRes and with a plain MoE: the Kimi Linear layout): at
+    one row the router GEMV forms the post-attention norm and writes the normed row, the experts' down + combine
+    kernel adds the shared experts' output and the residual, the attention inputs' norms go into their GEMVs; fp32
+    decode logits against a full forward of the same model, tightly; off, no experts call gets a residual."""
+    from openk3.fast import moe_small
+    from openk3.infer import gemv as G
+
+    monkeypatch.setitem(G.GEMV_DECODE, "normed_max_bytes", 1 << 40)
+    real = moe_small.experts_small
+    for on in (True, False):
+        seen = []
+        monkeypatch.setattr(
+            moe_small,
+            "experts_small",
+            lambda *a, seen=seen, **k: seen.append(k.get("residual") is not None) or real(*a, **k),
+        )
+        err = _greedy_fp32_decode_err(
+            graphs,
+            seed=17,
+            max_tokens=(18, 9, 14),
+            model_over=dict(attn_res_block_size=None, routed_expert_hidden_size=None),
+            fold_norms=on,
+        )
+        assert any(seen) == on, (on, sum(seen))
+        assert err < 1e-3, (on, err)

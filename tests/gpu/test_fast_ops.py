@@ -403,6 +403,13 @@ def test_moe_small_down_combine(E, K, W, I, ppsm, check, monkeypatch):
         monkeypatch.setattr(moe_small, "DOWN_COMBINE_MAX_TOKENS", 0)
         y0 = moe_small.experts_small(x, idx, wt, w13[:, :I], w2, w13[:, I:], act="situ")
     check(f"moe_small.down_combine.E{E}.W{W}.I{I}.p{ppsm}", y, y0, 4e-3)
+    # the shared experts' output and the residual added in the store: bit for bit r + (y + s), the model's order
+    sh = _rand(1, W, dtype=torch.bfloat16, scale=1.0, g=g)
+    res = _rand(1, W, dtype=torch.bfloat16, scale=4.0, g=g)
+    monkeypatch.setattr(moe_small, "DOWN_COMBINE_MAX_TOKENS", 1)
+    with torch.no_grad():
+        ya = moe_small.experts_small(x, idx, wt, w13[:, :I], w2, w13[:, I:], act="situ", add=sh, residual=res)
+    assert torch.equal(ya, res + (y + sh))
 
 
 @pytest.mark.parametrize(

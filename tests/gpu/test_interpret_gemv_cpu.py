@@ -97,6 +97,32 @@ def cases(dev, shapes, configs, rows=None):
         gain = (1 + 0.3 * torch.randn(40, generator=g)).to(dev, dtype)
         got = gemv(Normed(a, gain, 1e-5), torch.eye(40, device=dev, dtype=dtype))
         assert rel(got, rms_norm(a, gain, 1e-5)) <= (1e-6 if dtype == torch.float32 else 4e-3)
+    # a Normed segment with an output: the normed rows written beside the product (every launch form), the product
+    # unchanged
+    for dt, tol_n in ((torch.float32, 1e-6), (torch.bfloat16, 4e-3)):
+        for M in rows or (1, 2):
+            N, K = shapes[-1]
+            a = (3 * torch.randn(M, K, generator=g)).to(dev, dt)
+            gain = (1 + 0.3 * torch.randn(K, generator=g)).to(dev, dt)
+            w = (torch.randn(N, K, generator=g) / K**0.5).to(dev, dt)
+            for cfg in configs:
+                o = torch.full((M, K), float("nan"), device=dev, dtype=dt)
+                y = gemv(Normed(a, gain, 1e-6, out=o), w, None, cfg)
+                assert rel(o, rms_norm(a, gain, 1e-6)) <= tol_n, (dt, M, cfg, rel(o, rms_norm(a, gain, 1e-6)))
+                assert torch.equal(y, gemv(Normed(a, gain, 1e-6), w, None, cfg)), (dt, M, cfg)
+            # the reference path (more rows than a launch takes) fills it too
+            big = (3 * torch.randn(GEMV_MAX_ROWS + 1, K, generator=g)).to(dev, dt)
+            o = torch.full_like(big, float("nan"))
+            gemv(Normed(big, gain, 1e-6, out=o), w)
+            assert torch.equal(o, rms_norm(big, gain, 1e-6))
+    for bad_out in (torch.empty(1, 40), torch.empty(2, 40, dtype=torch.float64), torch.empty(40, 2).t(), "x"):
+        try:
+            gemv(Normed(torch.randn(2, 40).to(dev), torch.ones(40).to(dev), 1e-6,
+                        out=bad_out.to(dev) if isinstance(bad_out, torch.Tensor) else bad_out),
+                 torch.randn(4, 40).to(dev))  # fmt: skip
+            raise AssertionError("a malformed Normed out was accepted")
+        except ValueError:
+            pass
     # a residual added in the store: bit for bit the separate add of the rounded product (any segment kind)
     for dt in (torch.float32, torch.bfloat16):
         for M in rows or (1, 3):
@@ -185,7 +211,10 @@ def cases(dev, shapes, configs, rows=None):
 def test_gemv_interpreted(run_interpreted):
     script = textwrap.dedent(CASES) + textwrap.dedent(
         """
-        configs = (None, dict(BN=8, BK=32), dict(BN=2, BK=64, num_warps=8, wide=True))
+        configs = (
+            None, dict(BN=8, BK=32), dict(BN=2, BK=64, num_warps=8, wide=True),
+            dict(BN=2, BK=0, num_warps=4, num_stages=1, persist=1),  # persistent: several tiles per program
+        )
         # the engine's rule (GEMV_DECODE): one row, weights of at most max_bytes
         import torch
         from openk3.infer.gemv import GEMV_DECODE, GLU, decode_gemv_ok
@@ -290,5 +319,79 @@ def test_gemv_gpu():
     # each (dtype, rows, K, launch form, output kind) is its own compile, so the set is kept small enough to
     # compile within a few minutes
     shapes = ((8736, 2048), (2048, 2304), (1536, 1280))
-    configs = (None, dict(BN=16, BK=256))
+    configs = (None, dict(BN=16, BK=256), dict(BN=4, BK=0, num_warps=4, num_stages=1, persist=2))
     assert ns["cases"]("cuda", shapes, configs, rows=(1, 3)) < 2e-6
+
+
+def test_engine_fold_norms_interpreted(run_interpreted):
+    """EngineConfig.fold_norms under the interpreter on a tiny model without AttnRes and with a plain MoE (the Kimi
+    Linear layout), the "moe" op resolved to the few-token kernels as on CUDA: one-row decode steps run the folded
+    layer halves (the router GEMV forming the post-attention norm and writing the normed row, the experts' down +
+    combine adding the shared output and the residual, the attention inputs' norm inside their GEMV), with fewer
+    add + norm launches, the same tokens, and decode logits within fp32 sum-order noise of the unfolded engine;
+    batched steps keep the unfolded walk."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from openk3.config import get_preset
+        from openk3.fast import moe_small
+        from openk3.infer import engine as E
+        from openk3.infer import gemv as G
+        from openk3.infer.engine import Engine
+        from openk3.infer.sampling import SamplingParams
+        from openk3.model import K3ForCausalLM
+        from openk3.ops import backend
+
+        G.GEMV_DECODE.update(max_rows=G.GEMV_MAX_ROWS, max_bytes=1 << 40, normed_max_bytes=1 << 40)
+        G.GEMV_CONFIG["programs_per_sm"] = 1
+        resolve = backend.resolve
+        backend.resolve = lambda op, cuda, req=None: "grouped_mm" if op == "moe" else resolve(op, cuda, req)
+        torch.manual_seed(0)
+        cfg = get_preset("tiny").replace(attn_res_block_size=None, routed_expert_hidden_size=None)
+        model = K3ForCausalLM(cfg).eval().requires_grad_(False)
+        n_moe = sum(layer.is_moe for layer in model.model.layers)
+        n_layers = len(model.model.layers)
+        assert n_moe > 0 and not any(l.block_sparse_moe.latent for l in model.model.layers if l.is_moe)
+        log = []
+        norms, experts0, add_norm0 = G.Normed, moe_small.experts_small, E.add_rms_norm
+        moe_small.experts_small = lambda *a, **k: log.append(
+            ("experts", k.get("add") is not None, k.get("residual") is not None)
+        ) or experts0(*a, **k)
+        E.add_rms_norm = lambda *a, **k: log.append(("add_norm", a[0].shape[0])) or add_norm0(*a, **k)
+
+        class Spy(norms):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                log.append(("normed", self.out is not None))
+
+        G.Normed = Spy
+        runs = {}
+        for fold in (False, True):
+            log.clear()
+            eng = Engine(model, None, max_seqs=4, max_tokens=2048, prefix_cache=False, triton_gemv=True,
+                         fold_norms=fold, record_logits=True)
+            ps = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+            r1 = eng.generate([list(range(1, 9))], [ps])  # one row: the folded walk
+            one = list(log)
+            log.clear()
+            r3 = eng.generate([list(range(1, 6 + 7 * i)) for i in range(3)], [ps] * 3)  # three rows, then fewer
+            runs[fold] = ([r.output_ids for r in r1 + r3], [torch.stack(r.logits_log) for r in r1 + r3], one)
+        off, on = runs[False][2], runs[True][2]
+        assert not any(e[0] == "normed" for e in off), off[:8]
+        # unfolded: two add + norm launches per layer and one final per one-row decode step
+        steps, rest = divmod(sum(e[0] == "add_norm" and e[1] == 1 for e in off), 2 * n_layers + 1)
+        assert steps >= 4 and rest == 0, (steps, rest, off)
+        # folded: the MoE layers' post-attention add + norm go (the router forms that norm and writes the row), and
+        # so do the attention inputs' norms after them (formed in the fused input GEMV)
+        assert on.count(("normed", True)) == steps * n_moe, on
+        assert on.count(("experts", True, True)) == steps * n_moe, on
+        assert off.count(("experts", False, False)) == (steps + 1) * n_moe, off  # (the prefill's too)
+        n_add = sum(e[0] == "add_norm" and e[1] == 1 for e in on)
+        assert n_add <= steps * (2 * n_layers + 1 - 2 * n_moe), (n_add, n_layers, n_moe)
+        assert on.count(("normed", False)) >= steps * n_moe - steps, on  # the attention inputs' norms
+        assert runs[True][0] == runs[False][0], (runs[True][0], runs[False][0])
+        worst = max(float((a - b).norm() / b.norm()) for a, b in zip(runs[True][1], runs[False][1]))
+        print("WORST", worst)
+        """
+    )
+    assert run_interpreted(script, hide_cuda=True) < 1e-5

@@ -158,6 +158,52 @@ SCRIPT = textwrap.dedent(
             bad = idx.clone()
             bad[0, -1] = E + 3
             assert torch.isnan(moe_small.experts_small(x, bad, wt, w1, w2, w3)).all()
+    # the shared experts' output and the residual added in the store (one token: the down + combine kernel; three:
+    # the per-pair kernel + combine2 + adds): bit for bit the separate adds in the model's order, r + (u + s);
+    # before_down called once, between the launches
+    for N, dtype in ((1, torch.float32), (1, torch.bfloat16), (3, torch.bfloat16)):
+        E, I, W, K = 6, 24, 40, 2
+        w1, w3 = (torch.randn(E, I, W) / W**0.5).to(dtype), (torch.randn(E, I, W) / W**0.5).to(dtype)
+        w2 = (torch.randn(E, W, I) / I**0.5).to(dtype)
+        x = torch.randn(N, W).to(dtype)
+        idx = torch.stack([torch.randperm(E)[:K] for _ in range(N)])
+        wt = torch.rand(N, K)
+        sh = (2 * torch.randn(N, W + 3))[:, 1 : 1 + W].to(dtype)  # a row stride that is not W
+        res = (4 * torch.randn(N, W)).to(dtype)
+        hook = []
+        got = moe_small.experts_small(x, idx, wt, w1, w2, w3, add=sh, residual=res, before_down=lambda: hook.append(1))
+        u = moe_small.experts_small(x, idx, wt, w1, w2, w3)
+        assert hook == [1] and torch.equal(got, res + (u + sh)), (N, dtype)
+        assert torch.equal(moe_small.experts_small(x, idx, wt, w1, w2, w3, add=sh), u + sh)
+        assert torch.equal(moe_small.experts_small(x, idx, wt, w1, w2, w3, residual=res), res + u)
+        for kw in (dict(add=sh[:, :-1]), dict(residual=res.double()), dict(add="x")):
+            try:
+                moe_small.experts_small(x, idx, wt, w1, w2, w3, **kw)
+                raise AssertionError("a malformed addend was accepted")
+            except ValueError:
+                pass
+    # the router's input as a Normed (its RMSNorm formed in the router GEMV, the normed rows written to its out):
+    # the logits and the rows of the norm applied first; the logits kernel's path (more tokens) applies it first
+    from openk3.infer.gemv import Normed
+    from openk3.ops.norm import rms_norm
+
+    for N in (1, 3):
+        for dtype in (torch.float32, torch.bfloat16):
+            E, D = 20, 48
+            r = (3 * torch.randn(N, D)).to(dtype)
+            gain = (1 + 0.2 * torch.randn(D)).to(dtype)
+            w = (torch.randn(E, D) / D**0.5).to(dtype)
+            out = torch.full_like(r, float("nan"))
+            pr = moe_small.route_logits_small(Normed(r, gain, 1e-6, out=out), w, None, top_k=4)
+            xn = rms_norm(r, gain, 1e-6)
+            want = moe_small.route_logits_small(xn, w, None, top_k=4).logits
+            assert rel(out, xn) <= (1e-6 if dtype == torch.float32 else 4e-3), (N, dtype, rel(out, xn))
+            assert rel(pr.logits, want) <= (2e-6 if dtype == torch.float32 else 8e-3), (N, dtype)
+    try:
+        moe_small.route_logits_small(Normed(torch.randn(1, 8), torch.ones(7), 1e-6), torch.randn(4, 8), None, top_k=2)
+        raise AssertionError("a malformed Normed router input was accepted")
+    except ValueError:
+        pass
     # when the path applies
     x = torch.randn(3, 8)
     with torch.no_grad():

@@ -114,6 +114,7 @@ def enabled(x: torch.Tensor, top_k: int | None = None, num_experts: int | None =
 
 if HAS_TRITON:
     from openk3.fast._triton import pdl_trigger, pdl_wait
+    from openk3.infer.kernels import _round
 
     @triton.jit
     def _router_logits_kernel(
@@ -377,11 +378,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _experts_down_combine_kernel(
-        a_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, E, W, I, s2_e, s2_w,
-        K: tl.constexpr, BLOCK_O: tl.constexpr, IP: tl.constexpr, PDL: tl.constexpr,
+        a_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, E, W, I, s2_e, s2_w, add_ptr, s_add, res_ptr, s_res,
+        K: tl.constexpr, BLOCK_O: tl.constexpr, IP: tl.constexpr, PDL: tl.constexpr, ADD: tl.constexpr = False,
+        RES: tl.constexpr = False,
     ):  # fmt: skip
         """out[n, o] = sum_j wt[n, j] * round(a[n * K + j] . w2[e_j, o]), the sum in fp32 in slot order (the
-        per-pair down kernel followed by combine2, in one pass; NaN for an expert id outside [0, E))."""
+        per-pair down kernel followed by combine2, in one pass; NaN for an expert id outside [0, E)). ``ADD``: then
+        ``+ add[n, o]``, ``RES``: then ``res[n, o] +``, each rounded to the output dtype (separate adds' roundings)."""
         pdl_wait(PDL)
         pdl_trigger(PDL)
         n = tl.program_id(0).to(tl.int64)
@@ -409,11 +412,17 @@ if HAS_TRITON:
             if j + 1 < K:
                 w = w2
                 ok = ok2
-        tl.store(out_ptr + n * W + oo, acc.to(dt), mask=om)
+        y = _round(acc, dt)
+        if ADD:
+            y = _round(y + tl.load(add_ptr + n * s_add + oo, mask=om, other=0.0).to(tl.float32), dt)
+        if RES:
+            y = _round(tl.load(res_ptr + n * s_res + oo, mask=om, other=0.0).to(tl.float32) + y, dt)
+        tl.store(out_ptr + n * W + oo, y.to(dt), mask=om)
 
 
-def _down_combine(a, idx, weights, w2, N, K, E, W, I, dtype) -> torch.Tensor:
-    """The down projection and weighted combine of :func:`experts_small` in one launch (``DOWN_COMBINE``)."""
+def _down_combine(a, idx, weights, w2, N, K, E, W, I, dtype, add=None, residual=None) -> torch.Tensor:
+    """The down projection and weighted combine of :func:`experts_small` in one launch (``DOWN_COMBINE``), with the
+    addend and the residual of :func:`experts_small` added in its store."""
     c = DOWN_COMBINE
     slots = c["programs_per_sm"] * sm_count(a.device)
     bo = 1
@@ -421,9 +430,12 @@ def _down_combine(a, idx, weights, w2, N, K, E, W, I, dtype) -> torch.Tensor:
         bo *= 2
     out = torch.empty(N, W, dtype=dtype, device=a.device)
     pdl = pdl_on(a)
+    ad = out if add is None else add
+    rs = out if residual is None else residual
     _experts_down_combine_kernel[(N, triton.cdiv(W, bo))](
-        a, idx, weights, w2, out, E, W, I, w2.stride(0), w2.stride(1),
-        K=K, BLOCK_O=bo, IP=triton.next_power_of_2(I), PDL=pdl, num_warps=c["num_warps"], **pdl_launch(pdl),
+        a, idx, weights, w2, out, E, W, I, w2.stride(0), w2.stride(1), ad, ad.stride(0), rs, rs.stride(0),
+        K=K, BLOCK_O=bo, IP=triton.next_power_of_2(I), PDL=pdl, ADD=add is not None, RES=residual is not None,
+        num_warps=c["num_warps"], **pdl_launch(pdl),
     )  # fmt: skip
     return out
 
@@ -467,24 +479,37 @@ def route_logits_small(
     scaling: float = 1.0,
 ) -> PendingRoute:
     """The router logits of :func:`route_small` (one kernel); the selection is left to :func:`experts_small`, which
-    forms it in its gate/up kernel (one launch fewer on the path from the router to the experts)."""
+    forms it in its gate/up kernel (one launch fewer on the path from the router to the experts).
+
+    ``x`` may be an ``openk3.infer.gemv.Normed`` (the tokens' RMSNorm, written to its ``out`` when given): where the
+    logits come from the GEMV, the norm is formed there and the normed rows written by the same launch; otherwise
+    it is applied first."""
     if activation not in ("sigmoid", "softmax"):
         raise ValueError(f"unknown router activation {activation!r}")
     E, D = weight.shape
-    _check_2d("router input", x, D)
+    from openk3.infer import gemv as _gemv
+
+    normed = x if isinstance(x, _gemv.Normed) else None
+    if normed is not None:
+        _gemv._segments(normed)  # validated (shapes, gain, eps, out)
+    elif not isinstance(x, torch.Tensor):
+        raise ValueError(f"router input: expected a tensor or a Normed, got {type(x).__name__}")
+    _check_2d("router input", x if normed is None else normed.x, D)
     if not 0 < top_k <= E:
         raise ValueError(f"top_k must be in [1, {E}], got {top_k}")
     if bias is not None and bias.shape != (E,):
         raise ValueError(f"correction bias: expected shape ({E},), got {tuple(bias.shape)}")
     N = x.shape[0]
+    weight = _row_major(weight)
+    if 0 < N <= ROUTER_GEMV_MAX_TOKENS and _gemv.triton_gemv_ok(x, weight):
+        logits = _gemv.gemv(x, weight, out_dtype=torch.float32, rounded=False)
+        return PendingRoute(logits, bias, top_k, activation, bool(renormalize), float(scaling))
+    if normed is not None:
+        x = normed.value()
+        if normed.out is not None:
+            normed.out.copy_(x)
+    x = _row_major(x)
     dev = x.device
-    x, weight = _row_major(x), _row_major(weight)
-    if 0 < N <= ROUTER_GEMV_MAX_TOKENS:
-        from openk3.infer import gemv as _gemv
-
-        if _gemv.triton_gemv_ok(x, weight):
-            logits = _gemv.gemv(x, weight, out_dtype=torch.float32, rounded=False)
-            return PendingRoute(logits, bias, top_k, activation, bool(renormalize), float(scaling))
     logits = torch.empty(N, E, dtype=torch.float32, device=dev)
     # experts per program: enough programs to spread the weight read over the SMs
     be = 1
@@ -559,12 +584,31 @@ def route_small(
     return idx, w, scores
 
 
-def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=25.0) -> torch.Tensor:
+def experts_small(
+    x,
+    idx,
+    weights,
+    w1,
+    w2,
+    w3,
+    *,
+    act="situ",
+    beta1=4.0,
+    beta2=25.0,
+    add=None,
+    residual=None,
+    before_down=None,
+) -> torch.Tensor:
     """``openk3.ops.moe.experts_reference`` for a few tokens (no autograd). x: [N, W]; idx, weights: [N, k];
     w1, w3: [E, I, W]; w2: [E, W, I] (unit stride along the last dimension). Returns [N, W] in x.dtype. A token
     routed to an expert id outside [0, E) gets NaN (checked in the kernels: no host synchronisation, no
     out-of-bounds read). ``idx`` may instead be a :class:`PendingRoute` (``weights`` None): the selection is then
-    formed in the gate/up kernel and left in the route's ``idx`` / ``weights`` / ``scores``."""
+    formed in the gate/up kernel and left in the route's ``idx`` / ``weights`` / ``scores``.
+
+    ``add``, ``residual`` ([N, W], x.dtype): returns ``residual + (mixture + add)`` instead, each add rounded to
+    x.dtype (a MoE layer's shared-expert output and its residual; in the down + combine kernel's store where it
+    runs). ``before_down``: called between the gate/up and the down launches (e.g. a stream wait for the kernels
+    that write ``add``)."""
     if act not in ("situ", "silu", "swiglu"):
         raise ValueError(f"unknown activation {act!r}; expected 'situ' or 'silu'")
     E, I, W = w1.shape
@@ -590,8 +634,18 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
         raise ValueError(f"idx {tuple(idx.shape)} and weights {tuple(weights.shape)} must both be [{N}, k]")
     if w3.shape != w1.shape or w2.shape != (E, W, I):
         raise ValueError(f"expert weights: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)}")
+    for name, t in (("add", add), ("residual", residual)):
+        if t is not None and (
+            not isinstance(t, torch.Tensor) or t.shape != (N, W) or t.dtype != x.dtype or t.device != x.device
+        ):
+            raise ValueError(
+                f"experts_small: {name} must be a [{N}, {W}] {x.dtype} tensor on {x.device}, got "
+                + (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else repr(t))
+            )
     K = idx.shape[1]
     if N == 0:
+        if before_down is not None:
+            before_down()
         return x.new_zeros(x.shape)
     x, w1, w2, w3 = (_row_major(t) for t in (x, w1, w2, w3))
     idx = idx.contiguous()
@@ -634,8 +688,13 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
         **sel,
         **pdl_launch(pdl),
     )
+    if before_down is not None:
+        before_down()
     if N <= DOWN_COMBINE_MAX_TOKENS:
-        return _down_combine(a, idx, weights.float().contiguous(), w2, N, K, E, W, I, x.dtype)
+        return _down_combine(
+            a, idx, weights.float().contiguous(), w2, N, K, E, W, I, x.dtype,
+            None if add is None else _row_major(add), None if residual is None else _row_major(residual),
+        )  # fmt: skip
     y = torch.empty(N * K, W, dtype=x.dtype, device=dev)
     bo, bk, dns = DOWN_TILE
     bk = min(bk, triton.next_power_of_2(I))
@@ -656,4 +715,7 @@ def experts_small(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
         PDL=pdl,
         **pdl_launch(pdl),
     )
-    return combine2(y, None, weights.float().contiguous(), x.dtype, shape=(N, K))
+    out = combine2(y, None, weights.float().contiguous(), x.dtype, shape=(N, K))
+    if add is not None:
+        out = out + add
+    return out if residual is None else residual + out

@@ -160,6 +160,15 @@ class EngineConfig:
     # values bit for bit): one add launch less per layer half. H200, `medium` at batch 1: 1.21 -> 1.17 ms per step
     # (bench/NOTES.md v16)
     gemv_residual: bool = True
+    # decode step of a model without AttnRes, with triton_gemv and gemv_residual, at one row: the add + norm launches
+    # between the layer halves folded into their neighbours. After attention: the output projection's GEMV adds the
+    # residual in its store, and a plain MoE layer's router GEMV forms the RMSNorm of that sum while reading it and
+    # writes the normed row for the experts and the shared experts; the routed experts' down + combine kernel then
+    # adds the shared experts' output and the residual in its store. Before attention: the next layer's fused input
+    # projection forms its RMSNorm in the GEMV (`openk3.infer.gemv.Normed`) where the GEMV takes that weight
+    # (`GEMV_DECODE["normed_max_bytes"]`). Same roundings as the separate ops (the norm's fp32 sum of squares in
+    # another order)
+    fold_norms: bool = True
 
 
 # EngineConfig.pdl applies to decode steps of at most this many rows: on an H200 it took 0.02-0.07 ms off a batch-1
@@ -170,6 +179,9 @@ KDA_LOWRANK_MAX_ROWS = 16
 # above this many rows the fused MLA post step's programs (one per row and head, or a share of a head's outputs)
 # would each re-read their head's W_UV rows (from L2): the unfused glue is kept (EngineConfig.fuse_mla_glue)
 MLA_GLUE_MAX_ROWS = 16
+# EngineConfig.fold_norms applies to decode steps of at most this many rows (the router GEMV and the fused routing
+# selection take one token)
+FOLD_NORMS_MAX_ROWS = 1
 
 
 @dataclass
@@ -421,6 +433,9 @@ class Engine:
         self._glu_gemv = bool(self._gemv and cfg.fuse_glu_gemv and cfg.parallel_ffn)
         self._norm_gemv = bool(self._gemv and cfg.fuse_norm_gemv)
         self._res_gemv = bool(self._gemv and cfg.gemv_residual)
+        self._fold_norms = bool(
+            self._res_gemv and cfg.fold_norms and cfg.fuse_add_norm and not self.mcfg.use_attn_res
+        )
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
         if self.graphs_enabled and any(layer.is_moe for layer in inner.layers):
@@ -1264,17 +1279,21 @@ class Engine:
         sd = None
         if shared is not None:
             with self._branch():
-                proj = in_proj()
-                glu = self._shared_glu(
-                    shared, proj, xf, shared.down_proj.weight
-                )  # formed inside the down GEMV
-                if glu is not None:
-                    sd = self._lin(glu, shared.down_proj.weight)
-                else:
-                    sd = self._lin_mod(shared.down_proj, shared.pre_output(xf, proj))
+                sd = self._shared_out(i, shared, xf)
         u = moe.routed(xf, moe.route(xf))
         self._join()
         return ([u[:, None]] if sd is None else [u[:, None], sd[:, None]]), False
+
+    def _shared_out(self, i: int, shared, xf: torch.Tensor) -> torch.Tensor:
+        """A plain MoE layer's shared experts' output ``[B, D]`` for the normed tokens ``xf [B, D]``: their
+        gate/up projections (the layer's fused FFN input GEMM where there is one), the activation (inside the down
+        GEMV with fuse_glu_gemv) and the down projection."""
+        fused = self._fused_ffn.get(i)
+        proj = None if fused is None else list(self._lin(xf, fused[0]).split(fused[1], dim=-1))
+        glu = self._shared_glu(shared, proj, xf, shared.down_proj.weight)  # formed inside the down GEMV
+        if glu is not None:
+            return self._lin(glu, shared.down_proj.weight)
+        return self._lin_mod(shared.down_proj, shared.pre_output(xf, proj))
 
     def _decode_forward_body(self, ids, slots, table, lengths, rows) -> torch.Tensor:
         pool, lay = self.pool, self.pool.layout
@@ -1290,7 +1309,8 @@ class Engine:
             return res + self._lin(y, w)[:, None]
 
         def attn(i, layer, x, res=None):
-            xx = x[:, 0]
+            # x [B, 1, D], or a Normed [B, D] whose norm the fused input projection forms (fold_norms)
+            xx = x if isinstance(x, _gemv.Normed) else x[:, 0]
             B = xx.shape[0]
             m = layer.self_attn
             j = pool.pool_index[i]
@@ -1397,13 +1417,73 @@ class Engine:
             x, r = add_rms_norm(r[:, 0], [p[:, 0] for p in parts], norm.weight, norm.eps)
             return x[:, None], r[:, None]
 
+        fold = self._fold_norms and r.shape[0] <= FOLD_NORMS_MAX_ROWS
         pending: list[torch.Tensor] = []
         for i, layer in enumerate(inner.layers):
-            x, r = add_norm(r, pending, layer.input_layernorm)
-            pending = [attn(i, layer, x)]
-            x, r = add_norm(r, pending, layer.post_attention_layernorm)
-            pending = self._ffn_parts(i, layer, x)
+            # the attention input: the pending adds and the norm in one launch, or (fold_norms, nothing pending) the
+            # norm left to the fused input projection's GEMV
+            x = self._normed_input(i, layer, r) if fold and not pending else None
+            if x is None:
+                x, r = add_norm(r, pending, layer.input_layernorm)
+            small = self._fold_moe(i, layer, r) if fold else None
+            if small is not None:
+                r = attn(i, layer, x, res=r)  # the residual added in the output projection's store
+                r = self._moe_folded(i, small, layer, r)
+                pending = []
+            else:
+                pending = [attn(i, layer, x)]
+                x, r = add_norm(r, pending, layer.post_attention_layernorm)
+                pending = self._ffn_parts(i, layer, x)
         return add_norm(r, pending, inner.norm)[0]
+
+    def _normed_input(self, i: int, layer, r: torch.Tensor):
+        """fold_norms: ``Normed(r, input_layernorm)`` for layer ``i``'s fused input projection where the GEMV
+        takes it (and forms the norm while reading ``r [B, 1, D]``); None otherwise."""
+        fused = self._fused.get(i)
+        if fused is None:
+            return None
+        norm = layer.input_layernorm
+        nx = _gemv.Normed(r[:, 0], norm.weight, norm.eps)
+        return nx if _gemv.decode_gemv_ok(nx, fused[0]) else None
+
+    def _fold_moe(self, i: int, layer, r: torch.Tensor):
+        """fold_norms: ``openk3.fast.moe_small`` where layer ``i`` is a plain MoE layer whose router, experts and
+        attention output projection take the one-row kernels that fold the add + norm between the layer halves
+        (:meth:`_moe_folded`); None otherwise."""
+        if not layer.is_moe or not _gemv.decode_gemv_ok(r[:, 0], layer.self_attn.o_proj.weight):
+            return None
+        moe = layer.block_sparse_moe
+        small = moe.fused_small_path(r[:, 0])
+        if small is None or not _gemv.triton_gemv_ok(r[:, 0], moe.gate.weight):
+            return None
+        return small
+
+    def _moe_folded(self, i: int, small, layer, r: torch.Tensor) -> torch.Tensor:
+        """``r + MoE(post_attention_layernorm(r))`` for ``r [B, 1, D]`` (fold_norms, see :meth:`_fold_moe`): the
+        router GEMV forms the norm and writes the normed row; the shared experts read it on the side stream; the
+        routed experts' down + combine kernel adds their output and ``r`` in its store (the model's order and
+        roundings: ``r + (routed + shared)``)."""
+        moe = layer.block_sparse_moe
+        norm = layer.post_attention_layernorm
+        r0 = r[:, 0]
+        xn = torch.empty_like(r0)
+        gate = moe.gate
+        routing = small.route_logits_small(
+            _gemv.Normed(r0, norm.weight, norm.eps, out=xn),
+            gate.weight,
+            gate.e_score_correction_bias,
+            **gate.options(),
+        )
+        sd = None
+        if moe.shared_experts is not None:
+            with self._branch():  # after the router: reads its normed row
+                sd = self._shared_out(i, moe.shared_experts, xn)
+        e = moe.experts
+        y = small.experts_small(
+            xn, routing, None, e.w1, e.w2, e.w3, act=moe.act, beta1=moe.beta1, beta2=moe.beta2,
+            add=sd, residual=r0, before_down=self._join,
+        )  # fmt: skip
+        return y[:, None]
 
     def _graph_decode(self, bucket, meta, lengths, table, B: int, ids_from=None) -> torch.Tensor:
         if bucket not in self._graphs:

@@ -16,6 +16,7 @@ the fp32 sum differs). ``out_dtype=torch.float32`` returns those rounded values 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,14 @@ GEMV_MAX_ROWS = 4
 # rows and weights of at most `max_bytes`. H200 (bench/diag_gemv.py, bench/NOTES.md v14): the GEMV is ahead at one
 # row for weights of up to ~20 MB, where a launch's fixed latency is a large share; cuBLAS is ahead on larger
 # weights and at 4 rows.
-GEMV_DECODE = {"max_rows": 1, "max_bytes": 32 << 20}
+GEMV_DECODE = {"max_rows": 1, "max_bytes": 32 << 20, "normed_max_bytes": 32 << 20}
+# "normed_max_bytes": the cap for a product whose input is a `Normed` (the engine's fold_norms: the GEMV then also
+# replaces a norm launch); OPENK3_GEMV_NORMED_MAX_MB overrides it (benchmarks)
+_nm = os.environ.get("OPENK3_GEMV_NORMED_MAX_MB", "").strip()
+if _nm:
+    if not _nm.isdigit():
+        raise ValueError(f"OPENK3_GEMV_NORMED_MAX_MB must be a non-negative integer (MB), got {_nm!r}")
+    GEMV_DECODE["normed_max_bytes"] = int(_nm) << 20
 
 # Launch parameters (`gemv_config`): the whole-row form (BK 0) up to `whole_max_k` columns, with BN rows per
 # program chosen so that the grid has at least `programs_per_sm` programs per SM; otherwise a loop over BK-column
@@ -58,7 +66,19 @@ GEMV_CONFIG = {
     "bk": 512,
     "num_warps": 4,
     "num_stages": 3,
+    # the persistent whole-row form for weights of at least `persist_min_bytes`: `persist` programs per SM walk the
+    # row tiles of `persist_bn` rows, each requesting its next tile before using the current one
+    "persist_min_bytes": 1 << 62,
+    "persist": 4,
+    "persist_bn": 4,
 }
+_pm = os.environ.get(
+    "OPENK3_GEMV_PERSIST_MIN_MB", ""
+).strip()  # benchmarks: the persistent form from this size on
+if _pm:
+    if not _pm.isdigit():
+        raise ValueError(f"OPENK3_GEMV_PERSIST_MIN_MB must be a non-negative integer (MB), got {_pm!r}")
+    GEMV_CONFIG["persist_min_bytes"] = int(_pm) << 20
 
 
 @dataclass
@@ -87,11 +107,14 @@ class GLU:
 @dataclass
 class Normed:
     """``openk3.ops.norm.rms_norm(x, weight, eps)`` of ``x [M, K]`` as a GEMV input (the first or only segment):
-    the GEMV forms the norm of each row while loading it instead of a kernel of its own."""
+    the GEMV forms the norm of each row while loading it instead of a kernel of its own. ``out`` (``[M, K]``, x's
+    dtype and device, unit column stride): the GEMV also writes the normed rows there, for a later kernel that reads
+    them (one program of the launch stores them)."""
 
     x: torch.Tensor
     weight: torch.Tensor
     eps: float
+    out: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -127,6 +150,23 @@ def _segments(x: XInput) -> list:
                 )
             if not t.weight.is_floating_point() or not float(t.eps) >= 0:
                 raise ValueError(f"gemv: Normed needs a floating weight and eps >= 0, got eps {t.eps!r}")
+            o = t.out
+            if o is not None and (
+                not isinstance(o, torch.Tensor)
+                or o.shape != t.x.shape
+                or o.dtype != t.x.dtype
+                or o.device != t.x.device
+                or (o.numel() > 0 and o.stride(1) != 1)
+            ):
+                raise ValueError(
+                    f"gemv: Normed out must be a row-major [{', '.join(map(str, t.x.shape))}] {t.x.dtype} tensor "
+                    f"on {t.x.device}, got "
+                    + (
+                        f"{tuple(o.shape)} {o.dtype} on {o.device}"
+                        if isinstance(o, torch.Tensor)
+                        else repr(o)
+                    )
+                )
         if isinstance(t, GLU):
             if t.gate.shape != t.up.shape or t.gate.dtype != t.up.dtype or t.gate.device != t.up.device:
                 raise ValueError(
@@ -152,6 +192,13 @@ def _dense(x: XInput) -> torch.Tensor:
     return segs[0] if len(segs) == 1 else torch.cat(segs, dim=-1)
 
 
+def _fill_outs(x: XInput) -> None:
+    """Write the normed rows of a :class:`Normed` segment with an ``out`` (the reference path's share of it)."""
+    for t in _segments(x):
+        if isinstance(t, Normed) and t.out is not None:
+            t.out.copy_(t.value())
+
+
 def gemv_reference(
     x: XInput,
     w: torch.Tensor,
@@ -163,6 +210,7 @@ def gemv_reference(
     :class:`GLU` or a pair (tensor, tensor or GLU) standing for their concatenation along the row. ``rounded=False``
     (with ``out_dtype=torch.float32``): ``F.linear`` of the operands in fp32, no rounding. ``residual``:
     ``residual + F.linear(x, w)``, both in ``x.dtype``."""
+    _fill_outs(x)
     if not rounded:
         return F.linear(_dense(x).float(), w.float())
     y = F.linear(_dense(x), w)
@@ -185,24 +233,32 @@ if HAS_TRITON:
         )
 
     @triton.jit
-    def _gemv_dot(
-        x_ptr, b_ptr, u_ptr, w, rm, kk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv,
-        K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
+    def _gemv_x(
+        x_ptr, b_ptr, u_ptr, rm, kk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr, s_xom,
+        K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, XOUT: tl.constexpr,
     ):  # fmt: skip
-        """``[MP, BN]`` fp32 partial products of the rows ``rm`` of x over the columns ``kk`` with the tile ``w``.
-        x: columns below ``KA`` from ``x_ptr``, the rest from ``b_ptr`` (``ACT`` 0), or the gated activation of
-        ``b_ptr`` (gate) and ``u_ptr`` (up): 1 SwiGLU (``F.silu(g) * u``, each rounded), 2 SiTU-GLU (fp32, one
-        rounding). ``NORM``: the columns below ``KA`` are RMS-normed with the rows' ``rinv`` and the gain at
-        ``nw_ptr`` (``openk3.ops.norm.rms_norm``'s roundings)."""
+        """``[MP, BK]`` fp32: the rows ``rm`` of x at the columns ``kk`` (zeros outside). Columns below ``KA`` from
+        ``x_ptr``, the rest from ``b_ptr`` (``ACT`` 0), or the gated activation of ``b_ptr`` (gate) and ``u_ptr``
+        (up): 1 SwiGLU (``F.silu(g) * u``, each rounded), 2 SiTU-GLU (fp32, one rounding). ``NORM``: the columns
+        below ``KA`` are RMS-normed with the rows' ``rinv`` and the gain at ``nw_ptr``
+        (``openk3.ops.norm.rms_norm``'s roundings); ``XOUT``: program 0 also stores those normed values at
+        ``xo_ptr``."""
         dtype = x_ptr.dtype.element_ty
         m = mmask[:, None] & (kk < K)[None, :]
         x = tl.zeros([rm.shape[0], kk.shape[0]], tl.float32)
         if KA > 0:
-            x = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=m & (kk < KA)[None, :], other=0.0)
+            ma = m & (kk < KA)[None, :]
+            x = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=ma, other=0.0)
             x = x.to(tl.float32)
             if NORM:
                 gain = _round(tl.load(nw_ptr + kk, mask=kk < KA, other=0.0).to(tl.float32), dtype)
                 x = _round(gain[None, :] * _round(x * rinv[:, None], dtype), dtype)
+                if XOUT:
+                    tl.store(
+                        xo_ptr + rm[:, None] * s_xom + kk[None, :],
+                        x.to(dtype),
+                        mask=ma & (tl.program_id(0) == 0),
+                    )
         if KA < K:
             mb = m & (kk >= KA)[None, :]
             kb = kk - KA
@@ -216,7 +272,25 @@ if HAS_TRITON:
                 else:
                     xb = _round((b1 * tanh_f32(g / b1)) * tl.sigmoid(g) * (b2 * tanh_f32(u / b2)), dtype)
             x = tl.where(mb, xb, x)
+        return x
+
+    @triton.jit
+    def _gemv_mul(w, x):
+        """``[MP, BN]`` fp32: the tile ``w [BN, BK]`` times the rows ``x [MP, BK]``, summed over the columns."""
         return tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
+
+    @triton.jit
+    def _gemv_dot(
+        x_ptr, b_ptr, u_ptr, w, rm, kk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr, s_xom,
+        K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, XOUT: tl.constexpr,
+    ):  # fmt: skip
+        """``[MP, BN]`` fp32 partial products of the rows ``rm`` of x (:func:`_gemv_x`) over the columns ``kk``
+        with the tile ``w``."""
+        x = _gemv_x(
+            x_ptr, b_ptr, u_ptr, rm, kk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr, s_xom,
+            K, KA, ACT, NORM, XOUT,
+        )  # fmt: skip
+        return _gemv_mul(w, x)
 
     @triton.jit
     def _gemv_rinv(x_ptr, rm, mmask, s_xm, eps, KA: tl.constexpr, KAP: tl.constexpr, NORM: tl.constexpr):
@@ -231,21 +305,73 @@ if HAS_TRITON:
         return tl.full([rm.shape[0]], 1.0, tl.float32)
 
     @triton.jit
+    def _gemv_store(
+        acc, y_ptr, r_ptr, rm, rn, mmask, nmask, s_ym, s_rm, dtype: tl.constexpr, ROUND: tl.constexpr,
+        RES: tl.constexpr,
+    ):  # fmt: skip
+        """Store the ``[MP, BN]`` sums: rounded to ``dtype`` (``ROUND``), plus a residual (``RES``: added to the
+        rounded product and rounded again, a separate add's two roundings)."""
+        y = _round(acc, dtype) if ROUND else acc
+        omask = mmask[:, None] & nmask[None, :]
+        if RES:
+            r = tl.load(r_ptr + rm[:, None] * s_rm + rn[None, :], mask=omask, other=0.0)
+            y = _round(y + r.to(tl.float32), dtype)
+        tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=omask)
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr, b_ptr, u_ptr, w_ptr, y_ptr, N, s_xm, s_bm, s_um, s_wn, s_ym, b1, b2, nw_ptr, eps, r_ptr, s_rm,
+        xo_ptr, s_xom, NT,
         K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, KAP: tl.constexpr,
         K1: tl.constexpr, KT: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
         BK: tl.constexpr, EVEN_N: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr, ROUND: tl.constexpr = True,
-        RES: tl.constexpr = False,
+        RES: tl.constexpr = False, XOUT: tl.constexpr = False, PERSIST: tl.constexpr = False,
     ):  # fmt: skip
         dtype = x_ptr.dtype.element_ty
-        rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        pid = tl.program_id(0)
+        rn = pid * BN + tl.arange(0, BN)
         if WIDE:  # weight offsets past 2**31 elements
             rn = rn.to(tl.int64)
         rm = tl.arange(0, MP)
         nmask = rn < N
         mmask = rm < M
-        if BK == 0:
+        if PERSIST:
+            # whole rows (head + tail tile), a fixed grid walking the row tiles pid, pid + G, ...: the next tile's
+            # weights requested before the current one is used, the input rows formed once
+            G = tl.num_programs(0)
+            rk = tl.arange(0, K1)
+            w = _gemv_tile(w_ptr, rn, rk, nmask, s_wn, K, False)
+            if KT > 0:
+                rk2 = K1 + tl.arange(0, KT)
+                w2 = _gemv_tile(w_ptr, rn, rk2, nmask, s_wn, K, False)
+            pdl_wait(PDL)
+            pdl_trigger(PDL)
+            rinv = _gemv_rinv(x_ptr, rm, mmask, s_xm, eps, KA, KAP, NORM)
+            xh = _gemv_x(
+                x_ptr, b_ptr, u_ptr, rm, rk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr, s_xom,
+                K, KA, ACT, NORM, XOUT,
+            )  # fmt: skip
+            if KT > 0:
+                xt = _gemv_x(
+                    x_ptr, b_ptr, u_ptr, rm, rk2, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr, s_xom,
+                    K, KA, ACT, NORM, XOUT,
+                )  # fmt: skip
+            t = pid
+            while t < NT:  # (a while loop: the CPU interpreter cannot take a program id as a range() bound)
+                rn_next = rn + G * BN
+                nmask_next = rn_next < N
+                w_next = _gemv_tile(w_ptr, rn_next, rk, nmask_next, s_wn, K, False)
+                acc = _gemv_mul(w, xh)
+                if KT > 0:
+                    w2_next = _gemv_tile(w_ptr, rn_next, rk2, nmask_next, s_wn, K, False)
+                    acc += _gemv_mul(w2, xt)
+                    w2 = w2_next
+                _gemv_store(acc, y_ptr, r_ptr, rm, rn, mmask, nmask, s_ym, s_rm, dtype, ROUND, RES)
+                w = w_next
+                rn = rn_next
+                nmask = nmask_next
+                t += G
+        elif BK == 0:
             # whole rows, as a power-of-two head of K1 columns and a tail tile of KT (K = 2304: 2048 + 256, no
             # masked-off lanes when the tail is a power of two): every weight byte of the program requested before
             # the previous kernel is waited on
@@ -258,30 +384,15 @@ if HAS_TRITON:
             pdl_trigger(PDL)
             rinv = _gemv_rinv(x_ptr, rm, mmask, s_xm, eps, KA, KAP, NORM)
             acc = _gemv_dot(
-                x_ptr,
-                b_ptr,
-                u_ptr,
-                w,
-                rm,
-                rk,
-                mmask,
-                s_xm,
-                s_bm,
-                s_um,
-                b1,
-                b2,
-                nw_ptr,
-                rinv,
-                K,
-                KA,
-                ACT,
-                NORM,
-            )
+                x_ptr, b_ptr, u_ptr, w, rm, rk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr, s_xom,
+                K, KA, ACT, NORM, XOUT,
+            )  # fmt: skip
             if KT > 0:
                 acc += _gemv_dot(
-                    x_ptr, b_ptr, u_ptr, w2, rm, rk2, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv,
-                    K, KA, ACT, NORM,
+                    x_ptr, b_ptr, u_ptr, w2, rm, rk2, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr,
+                    s_xom, K, KA, ACT, NORM, XOUT,
                 )  # fmt: skip
+            _gemv_store(acc, y_ptr, r_ptr, rm, rn, mmask, nmask, s_ym, s_rm, dtype, ROUND, RES)
         else:  # BK-column tiles, the next one requested before the current one is used (two in flight)
             EVEN: tl.constexpr = EVEN_N and K % BK == 0
             rk = tl.arange(0, BK)
@@ -294,20 +405,15 @@ if HAS_TRITON:
                 w_next = _gemv_tile(w_ptr, rn, k0 + rk, nmask, s_wn, K, EVEN)
                 acc += _gemv_dot(
                     x_ptr, b_ptr, u_ptr, w, rm, k0 - BK + rk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv,
-                    K, KA, ACT, NORM,
+                    xo_ptr, s_xom, K, KA, ACT, NORM, XOUT,
                 )  # fmt: skip
                 w = w_next
             k_last: tl.constexpr = (K - 1) // BK * BK
             acc += _gemv_dot(
                 x_ptr, b_ptr, u_ptr, w, rm, k_last + rk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv,
-                K, KA, ACT, NORM,
+                xo_ptr, s_xom, K, KA, ACT, NORM, XOUT,
             )  # fmt: skip
-        y = _round(acc, dtype) if ROUND else acc
-        omask = mmask[:, None] & nmask[None, :]
-        if RES:  # a residual added to the rounded product and rounded again: a separate add's two roundings
-            r = tl.load(r_ptr + rm[:, None] * s_rm + rn[None, :], mask=omask, other=0.0)
-            y = _round(y + r.to(tl.float32), dtype)
-        tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=omask)
+            _gemv_store(acc, y_ptr, r_ptr, rm, rn, mmask, nmask, s_ym, s_rm, dtype, ROUND, RES)
 
 
 def _leaves(x: XInput) -> list:
@@ -342,9 +448,11 @@ def triton_gemv_ok(x: XInput, w: torch.Tensor) -> bool:
 
 def decode_gemv_ok(x: XInput, w: torch.Tensor) -> bool:
     """Whether the engine's decode step takes :func:`gemv` for ``x @ w.T`` (:func:`triton_gemv_ok` within
-    ``GEMV_DECODE``'s rows and weight bytes)."""
+    ``GEMV_DECODE``'s rows and weight bytes: ``normed_max_bytes`` where ``x`` starts with a :class:`Normed`)."""
+    first = x[0] if isinstance(x, (tuple, list)) and x else x
+    cap = GEMV_DECODE["normed_max_bytes" if isinstance(first, Normed) else "max_bytes"]
     return (
-        w.numel() * w.element_size() <= GEMV_DECODE["max_bytes"]
+        w.numel() * w.element_size() <= cap
         and triton_gemv_ok(x, w)
         and _leaves(x)[0].shape[0] <= GEMV_DECODE["max_rows"]
     )
@@ -352,10 +460,14 @@ def decode_gemv_ok(x: XInput, w: torch.Tensor) -> bool:
 
 def gemv_config(M: int, N: int, K: int, device=None) -> dict:
     """Launch parameters for ``[M, K] x [N, K]^T`` from ``GEMV_CONFIG``: ``BN`` rows per program, ``BK`` columns per
-    loop step (0: whole rows in one tile), ``num_warps``, ``num_stages``."""
+    loop step (0: whole rows in one tile), ``num_warps``, ``num_stages``, ``persist`` (programs per SM of the
+    persistent whole-row form; 0: one tile per program)."""
     c = GEMV_CONFIG
     sms = sm_count(device) if device is not None else 132
     kp = _whole_width(K)
+    if K <= c["whole_max_k"] and N * K * 2 >= c["persist_min_bytes"]:
+        bn = min(c["persist_bn"], _pow2_floor(c["whole_max_elems"] // kp))
+        return dict(BN=bn, BK=0, num_warps=c["num_warps"], num_stages=1, persist=c["persist"])
     bn = 1
     while bn * 2 <= c["max_bn"] and triton.cdiv(N, bn * 2) >= c["programs_per_sm"] * sms:
         bn *= 2
@@ -442,6 +554,7 @@ def gemv(
     b1, b2 = (float(glu.beta1), float(glu.beta2)) if glu is not None else (1.0, 1.0)
     y = torch.empty(M, N, device=w.device, dtype=out_dtype or dtype)
     if N == 0:
+        _fill_outs(x)
         return y
     if K == 0:
         return y.zero_() if residual is None else gemv_reference(x, w, out_dtype, rounded, residual)
@@ -449,15 +562,21 @@ def gemv(
     if config:
         cfg.update(config)
     BN, BK = cfg["BN"], cfg["BK"]
+    persist = int(cfg.get("persist", 0))
+    if persist < 0 or (persist and BK):
+        raise ValueError(f"gemv: persist (programs per SM, whole rows only: BK 0) must be >= 0, got {cfg}")
     K1, KT = head_tail(K)
     pdl = pdl_on(w)
     res = y if residual is None else rows(residual)
-    _gemv_kernel[(triton.cdiv(N, BN),)](
+    xo = normed.out if normed is not None else None
+    NT = triton.cdiv(N, BN)
+    grid = min(NT, persist * sm_count(w.device)) if persist else NT
+    _gemv_kernel[(grid,)](
         a, b, u, w, y, N, a.stride(0), b.stride(0), u.stride(0), w.stride(0), y.stride(0), b1, b2,
         normed.weight.contiguous() if normed is not None else w, float(normed.eps) if normed is not None else 0.0,
-        res, res.stride(0),
+        res, res.stride(0), xo if xo is not None else y, xo.stride(0) if xo is not None else 0, NT,
         K=K, KA=KA, ACT=act, NORM=normed is not None, KAP=triton.next_power_of_2(max(KA, 1)), K1=K1, KT=KT, M=M, MP=triton.next_power_of_2(M), BN=BN, BK=BK, EVEN_N=N % BN == 0,
         WIDE=cfg.get("wide", N * w.stride(0) >= 2**31), PDL=pdl, ROUND=rounded, RES=residual is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
+        XOUT=xo is not None, PERSIST=persist > 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(pdl),
     )  # fmt: skip
     return y

@@ -194,19 +194,11 @@ class SparseMoE(nn.Module):
         ``(PendingRoute, None, experts_fn)``). Records the router output when ``record_router`` is set."""
         be = _backend.resolve("moe", xf.is_cuda, self.backend)
         fn = experts_reference if be == "reference" else FAST_EXPERTS[be]
-        small = FAST_SMALL.get(be)
-        if (
-            small is not None
-            and self.gate.n_group == 1
-            and small.enabled(xf, self.gate.top_k, self.gate.weight.shape[0])
-        ):
+        small = self._small(xf, be)
+        if small is not None:
             gate = self.gate
             fn = small.experts_small
-            if (
-                getattr(small, "FUSE_SELECT", False)
-                and xf.shape[0] <= small.FUSE_SELECT_MAX_TOKENS
-                and not self.record_router
-            ):
+            if self._fuse_select(small, xf.shape[0]):
                 # the selection is formed inside the experts' first kernel
                 pending = small.route_logits_small(
                     xf, gate.weight, gate.e_score_correction_bias, **gate.options()
@@ -220,6 +212,34 @@ class SparseMoE(nn.Module):
         if self.record_router:
             self.last_router = (scores.detach(), idx.detach())
         return idx, w, fn
+
+    def _small(self, xf: torch.Tensor, be: str):
+        """The few-token kernels' module (``openk3.fast.moe_small``) where they take the tokens ``xf [N, D]`` under
+        the resolved backend ``be``; None otherwise."""
+        small = FAST_SMALL.get(be)
+        if (
+            small is not None
+            and self.gate.n_group == 1
+            and small.enabled(xf, self.gate.top_k, self.gate.weight.shape[0])
+        ):
+            return small
+        return None
+
+    def _fuse_select(self, small, n: int) -> bool:
+        return (
+            getattr(small, "FUSE_SELECT", False)
+            and n <= small.FUSE_SELECT_MAX_TOKENS
+            and not self.record_router
+        )
+
+    def fused_small_path(self, xf: torch.Tensor):
+        """``openk3.fast.moe_small`` where :meth:`route` would take its fused-selection path for tokens like ``xf [N,
+        D]`` (router logits now, the selection inside the experts' first kernel); None otherwise. The inference
+        engine then calls those kernels itself (with the router input's norm formed in the router launch)."""
+        if self.latent:
+            return None
+        small = self._small(xf, _backend.resolve("moe", xf.is_cuda, self.backend))
+        return small if small is not None and self._fuse_select(small, xf.shape[0]) else None
 
     def routed(self, h: torch.Tensor, routing: tuple, norm: bool = True) -> torch.Tensor:
         """The routed experts' mixture of ``h`` (the tokens, or their latent for a latent MoE) under ``routing``
