@@ -410,6 +410,19 @@ def test_moe_small_down_combine(E, K, W, I, ppsm, check, monkeypatch):
     with torch.no_grad():
         ya = moe_small.experts_small(x, idx, wt, w13[:, :I], w2, w13[:, I:], act="situ", add=sh, residual=res)
     assert torch.equal(ya, res + (y + sh))
+    # the shared experts as one more slot of both kernels (SwiGLU as their module forms it), against their PyTorch
+    # output added to the mixture first
+    sx = moe_small.SharedExperts(
+        _rand(I, W, dtype=torch.bfloat16, scale=W**-0.5, g=g),
+        _rand(I, W, dtype=torch.bfloat16, scale=W**-0.5, g=g),
+        _rand(W, I, dtype=torch.bfloat16, scale=I**-0.5, g=g),
+        act="silu",
+    )
+    with torch.no_grad():
+        ys = moe_small.experts_small(
+            x, idx, wt, w13[:, :I], w2, w13[:, I:], act="situ", residual=res, shared=sx
+        )
+    check(f"moe_small.down_combine_shared.E{E}.W{W}.I{I}.p{ppsm}", ys, res + (y + sx.reference(x)), 4e-3)
 
 
 @pytest.mark.parametrize(

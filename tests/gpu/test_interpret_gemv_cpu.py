@@ -326,10 +326,11 @@ def test_gemv_gpu():
 def test_engine_fold_norms_interpreted(run_interpreted):
     """EngineConfig.fold_norms under the interpreter on a tiny model without AttnRes and with a plain MoE (the Kimi
     Linear layout), the "moe" op resolved to the few-token kernels as on CUDA: one-row decode steps run the folded
-    layer halves (the router GEMV forming the post-attention norm and writing the normed row, the experts' down +
-    combine adding the shared output and the residual, the attention inputs' norm inside their GEMV), with fewer
-    add + norm launches, the same tokens, and decode logits within fp32 sum-order noise of the unfolded engine;
-    batched steps keep the unfolded walk."""
+    layer halves (the router GEMV forming the post-attention norm and writing the normed row, the shared experts as
+    one more slot of the routed experts' kernels, whose down + combine adds them and the residual, the attention
+    inputs' norm inside their GEMV), with fewer add + norm launches, the same tokens, and decode logits within fp32
+    sum-order noise of the unfolded engine; batched steps keep the unfolded walk. Shared experts of another width
+    than the routed ones run on the side stream instead, their output added in the down + combine store."""
     script = textwrap.dedent(
         """
         import torch
@@ -347,7 +348,9 @@ def test_engine_fold_norms_interpreted(run_interpreted):
         resolve = backend.resolve
         backend.resolve = lambda op, cuda, req=None: "grouped_mm" if op == "moe" else resolve(op, cuda, req)
         torch.manual_seed(0)
-        cfg = get_preset("tiny").replace(attn_res_block_size=None, routed_expert_hidden_size=None)
+        cfg = get_preset("tiny").replace(
+            attn_res_block_size=None, routed_expert_hidden_size=None, num_shared_experts=1
+        )
         model = K3ForCausalLM(cfg).eval().requires_grad_(False)
         n_moe = sum(layer.is_moe for layer in model.model.layers)
         n_layers = len(model.model.layers)
@@ -355,7 +358,7 @@ def test_engine_fold_norms_interpreted(run_interpreted):
         log = []
         norms, experts0, add_norm0 = G.Normed, moe_small.experts_small, E.add_rms_norm
         moe_small.experts_small = lambda *a, **k: log.append(
-            ("experts", k.get("add") is not None, k.get("residual") is not None)
+            ("experts", k.get("shared") is not None, k.get("residual") is not None)
         ) or experts0(*a, **k)
         E.add_rms_norm = lambda *a, **k: log.append(("add_norm", a[0].shape[0])) or add_norm0(*a, **k)
 
@@ -391,6 +394,21 @@ def test_engine_fold_norms_interpreted(run_interpreted):
         assert on.count(("normed", False)) >= steps * n_moe - steps, on  # the attention inputs' norms
         assert runs[True][0] == runs[False][0], (runs[True][0], runs[False][0])
         worst = max(float((a - b).norm() / b.norm()) for a, b in zip(runs[True][1], runs[False][1]))
+        # shared experts twice the routed width: the side-stream form (their GEMVs read the normed row; their
+        # output added in the down + combine store)
+        torch.manual_seed(1)
+        m2 = K3ForCausalLM(cfg.replace(num_shared_experts=2)).eval().requires_grad_(False)
+        outs = {}
+        for fold in (False, True):
+            log.clear()
+            eng = Engine(m2, None, max_seqs=2, max_tokens=1024, prefix_cache=False, triton_gemv=True,
+                         fold_norms=fold, record_logits=True)
+            ps = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            r = eng.generate([list(range(3, 12))], [ps])[0]
+            outs[fold] = (r.output_ids, torch.stack(r.logits_log), list(log))
+        assert ("experts", False, True) in outs[True][2] and ("experts", True, True) not in outs[True][2]
+        assert outs[True][0] == outs[False][0]
+        worst = max(worst, float((outs[True][1] - outs[False][1]).norm() / outs[False][1].norm()))
         print("WORST", worst)
         """
     )

@@ -182,6 +182,39 @@ SCRIPT = textwrap.dedent(
                 raise AssertionError("a malformed addend was accepted")
             except ValueError:
                 pass
+    # the shared experts as one more slot (one token; silu as their module forms it, and situ), against their
+    # PyTorch output added first: r + ((u + s) + add); three tokens add them by PyTorch ops, bit for bit
+    for N, dtype, act in ((1, torch.float32, "silu"), (1, torch.float32, "situ"), (1, torch.bfloat16, "silu"),
+                          (3, torch.bfloat16, "situ")):  # fmt: skip
+        E, I, W, K = 6, 24, 40, 2
+        w1, w3 = (torch.randn(E, I, W) / W**0.5).to(dtype), (torch.randn(E, I, W) / W**0.5).to(dtype)
+        w2 = (torch.randn(E, W, I) / I**0.5).to(dtype)
+        sx = moe_small.SharedExperts(
+            (torch.randn(I, W) / W**0.5).to(dtype), (torch.randn(I, W) / W**0.5).to(dtype),
+            (torch.randn(W, I) / I**0.5).to(dtype), act, 3.0, 20.0,
+        )  # fmt: skip
+        x = (2 * torch.randn(N, W)).to(dtype)
+        idx = torch.stack([torch.randperm(E)[:K] for _ in range(N)])
+        wt = torch.rand(N, K)
+        res = (4 * torch.randn(N, W)).to(dtype)
+        ad = torch.randn(N, W).to(dtype)
+        got = moe_small.experts_small(x, idx, wt, w1, w2, w3, act=act, shared=sx, add=ad, residual=res)
+        want = res + ((moe_small.experts_small(x, idx, wt, w1, w2, w3, act=act) + sx.reference(x)) + ad)
+        if N == 1:
+            e = rel(got, want)
+            assert e <= (1e-6 if dtype == torch.float32 else 1e-2), (N, dtype, act, e)
+        else:
+            assert torch.equal(got, want)
+    for bad_sx in (
+        moe_small.SharedExperts(torch.randn(5, 8), torch.randn(5, 8), torch.randn(8, 5)),  # another width
+        moe_small.SharedExperts(torch.randn(6, 8), torch.randn(6, 8), torch.randn(8, 6), act="gelu"),
+    ):
+        try:
+            moe_small.experts_small(torch.randn(1, 8), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2),
+                                    torch.randn(4, 6, 8), torch.randn(4, 8, 6), torch.randn(4, 6, 8), shared=bad_sx)
+            raise AssertionError("malformed shared experts were accepted")
+        except ValueError:
+            pass
     # the router's input as a Normed (its RMSNorm formed in the router GEMV, the normed rows written to its out):
     # the logits and the rows of the norm applied first; the logits kernel's path (more tokens) applies it first
     from openk3.infer.gemv import Normed

@@ -30,6 +30,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from openk3.fast._triton import (
     HAS_TRITON,
@@ -267,40 +268,60 @@ if HAS_TRITON:
         RENORM: tl.constexpr = False,
         K1: tl.constexpr = 0,
         KT: tl.constexpr = 0,
+        w1s_ptr=None,
+        w3s_ptr=None,
+        s1s_i=0,
+        s3s_i=0,
+        sb1=1.0,
+        isb1=1.0,
+        sb2=1.0,
+        isb2=1.0,
+        SHARED: tl.constexpr = 0,
     ):
         """a[p, i] = act(round(x[p // K] . w1[e_p, i]), round(x[p // K] . w3[e_p, i])) for pair p, expert e_p (NaN
         for an expert id outside [0, E): no out-of-bounds read, and the bad id shows in the output). ``SELECT``: the
         routing is formed here from the router logits (:func:`_select`, every program its own token's), and the
         first program of each token stores it (ids, scaled weights, scores) for the down projection and combine.
         ``BLOCK_W`` 0: whole rows, as a power-of-two head of ``K1`` columns and a tail tile of ``KT`` (0: none),
-        every weight byte of the program requested at once instead of streamed in ``BLOCK_W``-column steps."""
+        every weight byte of the program requested at once instead of streamed in ``BLOCK_W``-column steps.
+        ``SHARED`` (1 SwiGLU as ``F.silu(g) * u``, each rounded; 2 SiTU-GLU): each token has a slot ``K`` more, its
+        shared experts (``w1s``, ``w3s``: ``[I, W]``, betas ``sb1``, ``sb2``), and the pairs are ``(token, slot)``
+        with ``K + 1`` slots per token."""
         pdl_wait(PDL)
         pdl_trigger(PDL)
+        KS: tl.constexpr = K + (SHARED > 0)
         p = tl.program_id(0).to(tl.int64)
-        n = p // K
+        n = p // KS
+        j = p - n * KS
         if SELECT:
-            j = p - n * K
             first = (tl.program_id(1) == 0) & (j == 0)
             e = _select(
                 logit_ptr, bias_ptr, idx_ptr, wt_ptr, score_ptr, n, E, scaling, first, j,
                 K, KP, EP, SOFTMAX, HAS_BIAS, RENORM,
             ).to(tl.int64)  # fmt: skip
         else:
-            e = tl.load(idx_ptr + p).to(tl.int64)
+            e = tl.load(idx_ptr + n * K + tl.minimum(j, K - 1)).to(tl.int64)
         ok = (e >= 0) & (e < E)
         e = tl.where(ok, e, 0)
         ii = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         im = ii < I
+        g_row = w1_ptr + e * s1_e + ii * s1_i  # [BLOCK_I] row pointers
+        u_row = w3_ptr + e * s3_e + ii * s3_i
+        if SHARED > 0:
+            sh = j == K
+            ok = ok | sh
+            g_row = tl.where(sh, w1s_ptr + ii * s1s_i, g_row)
+            u_row = tl.where(sh, w3s_ptr + ii * s3s_i, u_row)
         if BLOCK_W == 0:
             c1 = tl.arange(0, K1)
             m1 = im[:, None] & (c1 < W)[None, :] & ok
-            wg = tl.load(w1_ptr + e * s1_e + ii[:, None] * s1_i + c1[None, :], mask=m1, other=0.0)
-            wu = tl.load(w3_ptr + e * s3_e + ii[:, None] * s3_i + c1[None, :], mask=m1, other=0.0)
+            wg = tl.load(g_row[:, None] + c1[None, :], mask=m1, other=0.0)
+            wu = tl.load(u_row[:, None] + c1[None, :], mask=m1, other=0.0)
             if KT > 0:
                 c2 = K1 + tl.arange(0, KT)
                 mt = im[:, None] & (c2 < W)[None, :] & ok
-                wg2 = tl.load(w1_ptr + e * s1_e + ii[:, None] * s1_i + c2[None, :], mask=mt, other=0.0)
-                wu2 = tl.load(w3_ptr + e * s3_e + ii[:, None] * s3_i + c2[None, :], mask=mt, other=0.0)
+                wg2 = tl.load(g_row[:, None] + c2[None, :], mask=mt, other=0.0)
+                wu2 = tl.load(u_row[:, None] + c2[None, :], mask=mt, other=0.0)
             xv = tl.load(x_ptr + n * s_x + c1, mask=c1 < W, other=0.0).to(tl.float32)
             gs = tl.sum(wg.to(tl.float32) * xv[None, :], 1)
             us = tl.sum(wu.to(tl.float32) * xv[None, :], 1)
@@ -316,8 +337,8 @@ if HAS_TRITON:
                 cm = cols < W
                 m2 = im[:, None] & cm[None, :] & ok
                 xv = tl.load(x_ptr + n * s_x + cols, mask=cm, other=0.0).to(tl.float32)
-                wg = tl.load(w1_ptr + e * s1_e + ii[:, None] * s1_i + cols[None, :], mask=m2, other=0.0)
-                wu = tl.load(w3_ptr + e * s3_e + ii[:, None] * s3_i + cols[None, :], mask=m2, other=0.0)
+                wg = tl.load(g_row[:, None] + cols[None, :], mask=m2, other=0.0)
+                wu = tl.load(u_row[:, None] + cols[None, :], mask=m2, other=0.0)
                 g_acc += wg.to(tl.float32) * xv[None, :]
                 u_acc += wu.to(tl.float32) * xv[None, :]
             gs = tl.sum(g_acc, 1)
@@ -330,6 +351,10 @@ if HAS_TRITON:
             a = (b1 * tanh_f32(g * ib1)) * sg * (b2 * tanh_f32(u * ib2))
         else:
             a = g * sg * u
+        if SHARED == 1:  # the shared experts' SwiGLU as their module forms it: F.silu(g) * u, each rounded
+            a = tl.where(sh, _round(_round(g * sg, dt) * u, dt), a)
+        elif SHARED == 2:
+            a = tl.where(sh, (sb1 * tanh_f32(g * isb1)) * sg * (sb2 * tanh_f32(u * isb2)), a)
         a = tl.where(ok, a, float("nan"))
         tl.store(a_ptr + p * I + ii, a.to(dt), mask=im)
 
@@ -378,20 +403,27 @@ if HAS_TRITON:
 
     @triton.jit
     def _experts_down_combine_kernel(
-        a_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, E, W, I, s2_e, s2_w, add_ptr, s_add, res_ptr, s_res,
-        K: tl.constexpr, BLOCK_O: tl.constexpr, IP: tl.constexpr, PDL: tl.constexpr, ADD: tl.constexpr = False,
-        RES: tl.constexpr = False,
+        a_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, E, W, I, s2_e, s2_w, add_ptr, s_add, res_ptr, s_res, w2s_ptr,
+        s2s_w, K: tl.constexpr, BLOCK_O: tl.constexpr, IP: tl.constexpr, PDL: tl.constexpr,
+        ADD: tl.constexpr = False, RES: tl.constexpr = False, SHARED: tl.constexpr = False,
     ):  # fmt: skip
         """out[n, o] = sum_j wt[n, j] * round(a[n * K + j] . w2[e_j, o]), the sum in fp32 in slot order (the
         per-pair down kernel followed by combine2, in one pass; NaN for an expert id outside [0, E)). ``ADD``: then
-        ``+ add[n, o]``, ``RES``: then ``res[n, o] +``, each rounded to the output dtype (separate adds' roundings)."""
-        pdl_wait(PDL)
-        pdl_trigger(PDL)
-        n = tl.program_id(0).to(tl.int64)
-        oo = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
-        om = oo < W
+        ``+ add[n, o]``, ``RES``: then ``res[n, o] +``, each rounded to the output dtype (separate adds' roundings).
+        ``SHARED``: ``a`` holds ``K + 1`` rows per token, the last the shared experts' activation: their down
+        projection (``w2s [W, I]``) rounded and added to the rounded mixture (before ``add``)."""
         ii = tl.arange(0, IP)
         im = ii < I
+        oo = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+        om = oo < W
+        if SHARED:  # a weight: requested before the wait
+            ws = tl.load(
+                w2s_ptr + oo[:, None] * s2s_w + ii[None, :], mask=om[:, None] & im[None, :], other=0.0
+            )
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+        KS: tl.constexpr = K + SHARED
+        n = tl.program_id(0).to(tl.int64)
         dt = out_ptr.dtype.element_ty
         e = tl.load(idx_ptr + n * K).to(tl.int64)
         ok = (e >= 0) & (e < E)
@@ -405,7 +437,7 @@ if HAS_TRITON:
                 ok2 = (e2 >= 0) & (e2 < E)
                 e2 = tl.where(ok2, e2, 0)
                 w2 = tl.load(w2_ptr + e2 * s2_e + oo[:, None] * s2_w + ii[None, :], mask=m & ok2, other=0.0)
-            av = tl.load(a_ptr + (n * K + j) * I + ii, mask=im, other=0.0).to(tl.float32)
+            av = tl.load(a_ptr + (n * KS + j) * I + ii, mask=im, other=0.0).to(tl.float32)
             y = tl.sum(w.to(tl.float32) * av[None, :], 1)
             y = tl.where(ok, y, float("nan")).to(dt).to(tl.float32)
             acc += y * tl.load(wt_ptr + n * K + j)
@@ -413,6 +445,9 @@ if HAS_TRITON:
                 w = w2
                 ok = ok2
         y = _round(acc, dt)
+        if SHARED:
+            av = tl.load(a_ptr + (n * KS + K) * I + ii, mask=im, other=0.0).to(tl.float32)
+            y = _round(y + _round(tl.sum(ws.to(tl.float32) * av[None, :], 1), dt), dt)
         if ADD:
             y = _round(y + tl.load(add_ptr + n * s_add + oo, mask=om, other=0.0).to(tl.float32), dt)
         if RES:
@@ -420,9 +455,11 @@ if HAS_TRITON:
         tl.store(out_ptr + n * W + oo, y.to(dt), mask=om)
 
 
-def _down_combine(a, idx, weights, w2, N, K, E, W, I, dtype, add=None, residual=None) -> torch.Tensor:
+def _down_combine(
+    a, idx, weights, w2, N, K, E, W, I, dtype, add=None, residual=None, w2s=None
+) -> torch.Tensor:
     """The down projection and weighted combine of :func:`experts_small` in one launch (``DOWN_COMBINE``), with the
-    addend and the residual of :func:`experts_small` added in its store."""
+    shared experts' down projection (``w2s``), the addend and the residual of :func:`experts_small` in its store."""
     c = DOWN_COMBINE
     slots = c["programs_per_sm"] * sm_count(a.device)
     bo = 1
@@ -434,8 +471,9 @@ def _down_combine(a, idx, weights, w2, N, K, E, W, I, dtype, add=None, residual=
     rs = out if residual is None else residual
     _experts_down_combine_kernel[(N, triton.cdiv(W, bo))](
         a, idx, weights, w2, out, E, W, I, w2.stride(0), w2.stride(1), ad, ad.stride(0), rs, rs.stride(0),
+        w2 if w2s is None else w2s, 0 if w2s is None else w2s.stride(0),
         K=K, BLOCK_O=bo, IP=triton.next_power_of_2(I), PDL=pdl, ADD=add is not None, RES=residual is not None,
-        num_warps=c["num_warps"], **pdl_launch(pdl),
+        SHARED=w2s is not None, num_warps=c["num_warps"], **pdl_launch(pdl),
     )  # fmt: skip
     return out
 
@@ -449,6 +487,27 @@ def _check_2d(name: str, t: torch.Tensor, cols: int | None = None) -> None:
     if t.dim() != 2 or (cols is not None and t.shape[1] != cols):
         raise ValueError(
             f"{name}: expected a 2-D tensor{'' if cols is None else f' with {cols} columns'}, got {tuple(t.shape)}"
+        )
+
+
+@dataclass
+class SharedExperts:
+    """A MoE layer's shared experts for :func:`experts_small`: ``w2 @ act(round(w1 x), round(w3 x))`` with ``w1``,
+    ``w3``: ``[I, W]``, ``w2``: ``[W, I]`` (the routed experts' I), ``act`` "silu" (``F.silu(g) * u``, each rounded,
+    as their module forms it) or "situ"."""
+
+    w1: torch.Tensor
+    w3: torch.Tensor
+    w2: torch.Tensor
+    act: str = "silu"
+    beta1: float = 4.0
+    beta2: float = 25.0
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        from openk3.ops.activations import glu_act
+
+        return F.linear(
+            glu_act(F.linear(x, self.w1), F.linear(x, self.w3), self.act, self.beta1, self.beta2), self.w2
         )
 
 
@@ -598,6 +657,7 @@ def experts_small(
     add=None,
     residual=None,
     before_down=None,
+    shared: SharedExperts | None = None,
 ) -> torch.Tensor:
     """``openk3.ops.moe.experts_reference`` for a few tokens (no autograd). x: [N, W]; idx, weights: [N, k];
     w1, w3: [E, I, W]; w2: [E, W, I] (unit stride along the last dimension). Returns [N, W] in x.dtype. A token
@@ -608,7 +668,9 @@ def experts_small(
     ``add``, ``residual`` ([N, W], x.dtype): returns ``residual + (mixture + add)`` instead, each add rounded to
     x.dtype (a MoE layer's shared-expert output and its residual; in the down + combine kernel's store where it
     runs). ``before_down``: called between the gate/up and the down launches (e.g. a stream wait for the kernels
-    that write ``add``)."""
+    that write ``add``). ``shared``: the layer's shared experts (:class:`SharedExperts`), whose output is added to
+    the mixture first, rounded (the MoE layer's output ``routed + shared``): at most ``DOWN_COMBINE_MAX_TOKENS``
+    tokens as one more slot of the gate/up and the down + combine kernels, otherwise by PyTorch ops."""
     if act not in ("situ", "silu", "swiglu"):
         raise ValueError(f"unknown activation {act!r}; expected 'situ' or 'silu'")
     E, I, W = w1.shape
@@ -642,6 +704,22 @@ def experts_small(
                 f"experts_small: {name} must be a [{N}, {W}] {x.dtype} tensor on {x.device}, got "
                 + (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else repr(t))
             )
+    if shared is not None:
+        if not isinstance(shared, SharedExperts) or shared.act not in ("situ", "silu", "swiglu"):
+            raise ValueError(
+                f"experts_small: shared must be a SharedExperts with a known activation, got {shared!r}"
+            )
+        sw = (shared.w1, shared.w3, shared.w2)
+        if (
+            shared.w1.shape != (I, W)
+            or shared.w3.shape != (I, W)
+            or shared.w2.shape != (W, I)
+            or any(t.dtype != w1.dtype or t.device != w1.device for t in sw)
+        ):
+            raise ValueError(
+                f"experts_small: shared experts' weights {[tuple(t.shape) for t in sw]} must be [{I}, {W}], "
+                f"[{I}, {W}], [{W}, {I}] in {w1.dtype} on {w1.device}"
+            )
     K = idx.shape[1]
     if N == 0:
         if before_down is not None:
@@ -650,7 +728,26 @@ def experts_small(
     x, w1, w2, w3 = (_row_major(t) for t in (x, w1, w2, w3))
     idx = idx.contiguous()
     dev = x.device
-    a = torch.empty(N * K, I, dtype=x.dtype, device=dev)
+    slot = shared is not None and N <= DOWN_COMBINE_MAX_TOKENS  # the shared experts as one more slot
+    sd = None
+    if shared is not None and not slot:
+        sd = shared.reference(x)
+    KS = K + int(slot)
+    a = torch.empty(N * KS, I, dtype=x.dtype, device=dev)
+    if slot:
+        s1, s3, s2 = (_row_major(t) for t in (shared.w1, shared.w3, shared.w2))
+        sel = dict(
+            sel,
+            w1s_ptr=s1,
+            w3s_ptr=s3,
+            s1s_i=s1.stride(0),
+            s3s_i=s3.stride(0),
+            sb1=float(shared.beta1),
+            isb1=1.0 / float(shared.beta1),
+            sb2=float(shared.beta2),
+            isb2=1.0 / float(shared.beta2),
+            SHARED=2 if shared.act == "situ" else 1,
+        )
     bi, bw, ups = UP_TILE
     if bw:
         bw = min(bw, triton.next_power_of_2(W))
@@ -658,7 +755,7 @@ def experts_small(
     else:  # whole rows: a power-of-two head and tail tile
         k1, kt = head_tail(W)
     pdl = pdl_on(x)
-    _experts_up_kernel[(N * K, triton.cdiv(I, bi))](
+    _experts_up_kernel[(N * KS, triton.cdiv(I, bi))](
         x,
         idx,
         w1,
@@ -694,6 +791,7 @@ def experts_small(
         return _down_combine(
             a, idx, weights.float().contiguous(), w2, N, K, E, W, I, x.dtype,
             None if add is None else _row_major(add), None if residual is None else _row_major(residual),
+            s2 if slot else None,
         )  # fmt: skip
     y = torch.empty(N * K, W, dtype=x.dtype, device=dev)
     bo, bk, dns = DOWN_TILE
@@ -716,6 +814,8 @@ def experts_small(
         **pdl_launch(pdl),
     )
     out = combine2(y, None, weights.float().contiguous(), x.dtype, shape=(N, K))
+    if sd is not None:
+        out = out + sd
     if add is not None:
         out = out + add
     return out if residual is None else residual + out

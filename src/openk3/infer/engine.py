@@ -1460,9 +1460,10 @@ class Engine:
 
     def _moe_folded(self, i: int, small, layer, r: torch.Tensor) -> torch.Tensor:
         """``r + MoE(post_attention_layernorm(r))`` for ``r [B, 1, D]`` (fold_norms, see :meth:`_fold_moe`): the
-        router GEMV forms the norm and writes the normed row; the shared experts read it on the side stream; the
-        routed experts' down + combine kernel adds their output and ``r`` in its store (the model's order and
-        roundings: ``r + (routed + shared)``)."""
+        router GEMV forms the norm and writes the normed row; the shared experts run as one more slot of the routed
+        experts' kernels (:meth:`_shared_slot`; otherwise on the side stream, reading the normed row); the routed
+        experts' down + combine kernel adds their output and ``r`` in its store (the model's order and roundings:
+        ``r + (routed + shared)``)."""
         moe = layer.block_sparse_moe
         norm = layer.post_attention_layernorm
         r0 = r[:, 0]
@@ -1474,16 +1475,33 @@ class Engine:
             gate.e_score_correction_bias,
             **gate.options(),
         )
+        e = moe.experts
         sd = None
-        if moe.shared_experts is not None:
+        slot = self._shared_slot(small, moe)
+        if moe.shared_experts is not None and slot is None:
             with self._branch():  # after the router: reads its normed row
                 sd = self._shared_out(i, moe.shared_experts, xn)
-        e = moe.experts
         y = small.experts_small(
             xn, routing, None, e.w1, e.w2, e.w3, act=moe.act, beta1=moe.beta1, beta2=moe.beta2,
-            add=sd, residual=r0, before_down=self._join,
+            add=sd, residual=r0, before_down=None if sd is None else self._join, shared=slot,
         )  # fmt: skip
         return y[:, None]
+
+    @staticmethod
+    def _shared_slot(small, moe):
+        """A plain MoE layer's shared experts as ``small.SharedExperts`` (one more slot of the routed experts' gate/up
+        and down + combine kernels, fold_norms) where they are one GLU FFN of the routed experts' width and a
+        supported activation; None otherwise (they then run on the side stream)."""
+        sh = moe.shared_experts
+        if not isinstance(sh, GLUMLP) or sh.act not in ("situ", "silu", "swiglu"):
+            return None
+        _, I, W = moe.experts.w1.shape
+        ws = (sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight)
+        if ws[0].shape != (I, W) or ws[1].shape != (I, W) or ws[2].shape != (W, I):
+            return None
+        if any(w.dtype != moe.experts.w1.dtype for w in ws):
+            return None
+        return small.SharedExperts(*ws, act=sh.act, beta1=sh.beta1, beta2=sh.beta2)
 
     def _graph_decode(self, bucket, meta, lengths, table, B: int, ids_from=None) -> torch.Tensor:
         if bucket not in self._graphs:
