@@ -423,6 +423,7 @@ class Engine:
                 log.info("fuse_kda_lowrank: the decode step is not the Triton kernel here; the GEMV is kept")
         self._mla_step = resolve_mla_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
         # the decode step's second stream (parallel_ffn branches); None: every op in place
+        self._side_used = False  # whether this decode forward issued work on the side stream (_branch)
         self._side = (
             torch.cuda.Stream(self.device) if self.device.type == "cuda" and cfg.parallel_ffn else None
         )
@@ -1156,6 +1157,7 @@ class Engine:
 
     def _decode_forward(self, ids, slots, table, lengths, rows) -> torch.Tensor:
         """One token per row: ids/slots/lengths/rows [B], table [B, W]. Pure device work (graph-capturable)."""
+        self._side_used = False
         with pdl_scope(self.cfg.pdl and ids.shape[0] <= PDL_MAX_ROWS):
             out = self._decode_forward_body(ids, slots, table, lengths, rows)
         self._join()  # every side-stream branch rejoins before the step ends (a captured graph needs it)
@@ -1169,13 +1171,15 @@ class Engine:
         if side is None:
             yield
             return
+        self._side_used = True
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             yield
 
     def _join(self) -> None:
         """The current stream waits for the side stream's work so far."""
-        if self._side is not None:
+        # (only after a branch: a graph capture must not wait on a stream that never joined it)
+        if self._side is not None and self._side_used:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
 
     def _lin(self, x, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
