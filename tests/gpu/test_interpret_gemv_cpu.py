@@ -369,36 +369,45 @@ def test_engine_fold_norms_interpreted(run_interpreted):
 
         G.Normed = Spy
         runs = {}
-        for fold in (False, True):
+        for fold in (False, "side", "slot"):
+            E.FOLD_SHARED = fold or "side"
             log.clear()
             eng = Engine(model, None, max_seqs=4, max_tokens=2048, prefix_cache=False, triton_gemv=True,
-                         fold_norms=fold, record_logits=True)
+                         fold_norms=bool(fold), record_logits=True)
             ps = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
             r1 = eng.generate([list(range(1, 9))], [ps])  # one row: the folded walk
             one = list(log)
             log.clear()
             r3 = eng.generate([list(range(1, 6 + 7 * i)) for i in range(3)], [ps] * 3)  # three rows, then fewer
             runs[fold] = ([r.output_ids for r in r1 + r3], [torch.stack(r.logits_log) for r in r1 + r3], one)
-        off, on = runs[False][2], runs[True][2]
+        off = runs[False][2]
         assert not any(e[0] == "normed" for e in off), off[:8]
         # unfolded: two add + norm launches per layer and one final per one-row decode step
         steps, rest = divmod(sum(e[0] == "add_norm" and e[1] == 1 for e in off), 2 * n_layers + 1)
         assert steps >= 4 and rest == 0, (steps, rest, off)
-        # folded: the MoE layers' post-attention add + norm go (the router forms that norm and writes the row), and
-        # so do the attention inputs' norms after them (formed in the fused input GEMV)
-        assert on.count(("normed", True)) == steps * n_moe, on
-        assert on.count(("experts", True, True)) == steps * n_moe, on
         assert off.count(("experts", False, False)) == (steps + 1) * n_moe, off  # (the prefill's too)
-        n_add = sum(e[0] == "add_norm" and e[1] == 1 for e in on)
-        assert n_add <= steps * (2 * n_layers + 1 - 2 * n_moe), (n_add, n_layers, n_moe)
-        assert on.count(("normed", False)) >= steps * n_moe - steps, on  # the attention inputs' norms
-        assert runs[True][0] == runs[False][0], (runs[True][0], runs[False][0])
-        worst = max(float((a - b).norm() / b.norm()) for a, b in zip(runs[True][1], runs[False][1]))
-        # shared experts twice the routed width: the side-stream form (their GEMVs read the normed row; their
-        # output added in the down + combine store)
+        for fold in ("side", "slot"):
+            on = runs[fold][2]
+            # folded: the MoE layers' post-attention add + norm go (the router forms that norm and writes the row),
+            # and so do the attention inputs' norms after them (formed in the fused input GEMV)
+            assert on.count(("normed", True)) == steps * n_moe, on
+            n_add = sum(e[0] == "add_norm" and e[1] == 1 for e in on)
+            assert n_add <= steps * (2 * n_layers + 1 - 2 * n_moe), (n_add, n_layers, n_moe)
+            # the attention inputs' norms, and ("side") the shared experts' input GEMV's
+            extra = steps * n_moe if fold == "side" else 0
+            assert on.count(("normed", False)) >= steps * n_moe - steps + extra, (fold, on)
+            # the shared experts as one more slot of the routed experts' kernels, or beside them
+            assert on.count(("experts", fold == "slot", True)) == steps * n_moe, (fold, on)
+            assert runs[fold][0] == runs[False][0], (fold, runs[fold][0], runs[False][0])
+        worst = max(
+            float((a - b).norm() / b.norm())
+            for fold in ("side", "slot") for a, b in zip(runs[fold][1], runs[False][1])
+        )
+        # shared experts twice the routed width under "slot": the side-stream form instead
         torch.manual_seed(1)
         m2 = K3ForCausalLM(cfg.replace(num_shared_experts=2)).eval().requires_grad_(False)
         outs = {}
+        E.FOLD_SHARED = "slot"
         for fold in (False, True):
             log.clear()
             eng = Engine(m2, None, max_seqs=2, max_tokens=1024, prefix_cache=False, triton_gemv=True,

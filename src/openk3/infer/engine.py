@@ -182,6 +182,12 @@ MLA_GLUE_MAX_ROWS = 16
 # EngineConfig.fold_norms applies to decode steps of at most this many rows (the router GEMV and the fused routing
 # selection take one token)
 FOLD_NORMS_MAX_ROWS = 1
+# ... and where a folded MoE layer's shared experts run: "side" (the side stream, beside the router and the routed
+# experts) or "slot" (one more slot of the routed experts' kernels; H200, 48B shape, batch 1: 2.45 -> 2.50 ms per
+# step with fold_norms, bench/NOTES.md v17). OPENK3_FOLD_SHARED overrides it (benchmarks)
+FOLD_SHARED = os.environ.get("OPENK3_FOLD_SHARED", "side").strip() or "side"
+if FOLD_SHARED not in ("side", "slot"):
+    raise ValueError(f"OPENK3_FOLD_SHARED must be 'side' or 'slot', got {FOLD_SHARED!r}")
 
 
 @dataclass
@@ -1464,14 +1470,26 @@ class Engine:
 
     def _moe_folded(self, i: int, small, layer, r: torch.Tensor) -> torch.Tensor:
         """``r + MoE(post_attention_layernorm(r))`` for ``r [B, 1, D]`` (fold_norms, see :meth:`_fold_moe`): the
-        router GEMV forms the norm and writes the normed row; the shared experts run as one more slot of the routed
-        experts' kernels (:meth:`_shared_slot`; otherwise on the side stream, reading the normed row); the routed
-        experts' down + combine kernel adds their output and ``r`` in its store (the model's order and roundings:
-        ``r + (routed + shared)``)."""
+        router GEMV forms the norm and writes the normed row; the shared experts run on the side stream beside it
+        (their fused input GEMV forming the norm too; without one, after the router, reading its normed row), or
+        with ``FOLD_SHARED`` "slot" as one more slot of the routed experts' kernels (:meth:`_shared_slot`); the
+        routed experts' down + combine kernel adds their output and ``r`` in its store (the model's order and
+        roundings: ``r + (routed + shared)``)."""
         moe = layer.block_sparse_moe
         norm = layer.post_attention_layernorm
         r0 = r[:, 0]
         xn = torch.empty_like(r0)
+        shared = moe.shared_experts
+        slot = self._shared_slot(small, moe) if FOLD_SHARED == "slot" else None
+        sd = None
+        fused = self._fused_ffn.get(i)
+        nx = _gemv.Normed(r0, norm.weight, norm.eps)
+        early = (
+            shared is not None and slot is None and fused is not None and _gemv.decode_gemv_ok(nx, fused[0])
+        )
+        if early:  # beside the router, their input GEMV forming the norm itself
+            with self._branch():
+                sd = self._shared_out(i, shared, nx)
         gate = moe.gate
         routing = small.route_logits_small(
             _gemv.Normed(r0, norm.weight, norm.eps, out=xn),
@@ -1480,11 +1498,9 @@ class Engine:
             **gate.options(),
         )
         e = moe.experts
-        sd = None
-        slot = self._shared_slot(small, moe)
-        if moe.shared_experts is not None and slot is None:
+        if shared is not None and slot is None and not early:
             with self._branch():  # after the router: reads its normed row
-                sd = self._shared_out(i, moe.shared_experts, xn)
+                sd = self._shared_out(i, shared, xn)
         y = small.experts_small(
             xn, routing, None, e.w1, e.w2, e.w3, act=moe.act, beta1=moe.beta1, beta2=moe.beta2,
             add=sd, residual=r0, before_down=None if sd is None else self._join, shared=slot,
