@@ -31,8 +31,9 @@
 # GPU tests of the GEMV (persistent form, Normed rows written out), the down + combine adds and EngineConfig.fold_norms,
 # bench/diag_gemv.py's persistent-form sweep and Normed products on the 48B shape's weights of 16 MB and more ->
 # gemv_fold.json (FOLD_GEMV=0 skips those two), the 48B batch-1 A/B --compare-flags fold_norms -> e2e_fold.json, then
-# fold_norms on with the shared experts as a slot of the routed kernels (OPENK3_FOLD_SHARED=slot) and with the KDA
-# input GEMVs forming their norm (OPENK3_GEMV_NORMED_MAX_MB=64) -> e2e_fold_*.json.
+# the A/B again -> e2e_fold2.json, fold_norms on with the shared experts as a slot of the routed kernels
+# (OPENK3_FOLD_SHARED=slot) and with the KDA input projections on cuBLAS (OPENK3_GEMV_NORMED_MAX_MB=32) ->
+# e2e_fold_*.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -168,7 +169,9 @@ if has fold; then
   fi
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1 --steps 24 --wall-timing \
     --compare-flags fold_norms --out "$OUT_DIR/e2e_fold.json" 2>&1 | grep "^| [mk]\|WARN\|disabled"
-  for v in OPENK3_FOLD_SHARED=slot OPENK3_GEMV_NORMED_MAX_MB=64; do
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1 --steps 24 --wall-timing \
+    --compare-flags fold_norms --out "$OUT_DIR/e2e_fold2.json" 2>&1 | grep "^| [mk]\|WARN\|disabled"
+  for v in OPENK3_FOLD_SHARED=slot OPENK3_GEMV_NORMED_MAX_MB=32; do
     echo "== fold_norms on (default), $v"
     env $v timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1 --steps 24 \
       --wall-timing --out "$OUT_DIR/e2e_fold_${v##*=}.json" 2>&1 | grep "^| [mk]\|WARN\|disabled"

@@ -46,9 +46,10 @@ GEMV_MAX_ROWS = 4
 # rows and weights of at most `max_bytes`. H200 (bench/diag_gemv.py, bench/NOTES.md v14): the GEMV is ahead at one
 # row for weights of up to ~20 MB, where a launch's fixed latency is a large share; cuBLAS is ahead on larger
 # weights and at 4 rows.
-GEMV_DECODE = {"max_rows": 1, "max_bytes": 32 << 20, "normed_max_bytes": 32 << 20}
+GEMV_DECODE = {"max_rows": 1, "max_bytes": 32 << 20, "normed_max_bytes": 64 << 20}
 # "normed_max_bytes": the cap for a product whose input is a `Normed` (the engine's fold_norms: the GEMV then also
-# replaces a norm launch); OPENK3_GEMV_NORMED_MAX_MB overrides it (benchmarks)
+# replaces a norm launch). 64 MB takes the 48B shape's KDA input projection (58 MB; cuBLAS 17.6 us + a norm launch
+# against the GEMV's 20.3 us with the norm, bench/NOTES.md v17); OPENK3_GEMV_NORMED_MAX_MB overrides it (benchmarks)
 _nm = os.environ.get("OPENK3_GEMV_NORMED_MAX_MB", "").strip()
 if _nm:
     if not _nm.isdigit():
