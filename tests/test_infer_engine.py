@@ -950,6 +950,7 @@ def test_cli_engine_flag_defaults_match_engine_config():
         "fuse_glu_gemv",
         "fuse_norm_gemv",
         "gemv_residual",
+        "fold_norms",
         "parallel_ffn",
         "overlap",
         "fuse_mla_glue",

@@ -164,6 +164,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "projection done in the GEMV's store (same values, one launch less per layer half); default on",
     )
     g.add_argument(
+        "--fold-norms",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode on CUDA, one row, models without AttnRes (Kimi Linear layout): the add + norm launches between "
+        "the layer halves folded into their neighbours (the router and input GEMVs form the norms, the experts' down "
+        "+ combine kernel adds the shared output and the residual); same roundings; default on",
+    )
+    g.add_argument(
         "--backend",
         action="append",
         default=[],
@@ -241,6 +249,7 @@ def _load(args):
         fuse_glu_gemv=args.fuse_glu_gemv,
         fuse_norm_gemv=args.fuse_norm_gemv,
         gemv_residual=args.gemv_residual,
+        fold_norms=args.fold_norms,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     if args.moe_small_tokens is not None:

@@ -163,11 +163,12 @@ class EngineConfig:
     # decode step of a model without AttnRes, with triton_gemv and gemv_residual, at one row: the add + norm launches
     # between the layer halves folded into their neighbours. After attention: the output projection's GEMV adds the
     # residual in its store, and a plain MoE layer's router GEMV forms the RMSNorm of that sum while reading it and
-    # writes the normed row for the experts and the shared experts; the routed experts' down + combine kernel then
-    # adds the shared experts' output and the residual in its store. Before attention: the next layer's fused input
+    # writes the normed row for the routed experts (the shared experts' input GEMV, beside it on the side stream,
+    # forms the norm too); the routed experts' down + combine kernel then adds the shared experts' output and the
+    # residual in its store. Before attention: the next layer's fused input
     # projection forms its RMSNorm in the GEMV (`openk3.infer.gemv.Normed`) where the GEMV takes that weight
     # (`GEMV_DECODE["normed_max_bytes"]`). Same roundings as the separate ops (the norm's fp32 sum of squares in
-    # another order)
+    # another order). H200, 48B shape at batch 1: 2.45 -> 2.41 ms per step (bench/NOTES.md v17)
     fold_norms: bool = True
 
 
