@@ -267,7 +267,7 @@ def test_engine_triton_gemv_interpreted(run_interpreted, layout):
             calls.clear()
             eng = Engine(model, None, max_seqs=4, max_tokens=2048, prefix_cache=False, triton_gemv=bool(on),
                          fuse_glu_gemv="glu" in str(on), fuse_norm_gemv="norm" in str(on),
-                         gemv_residual=on != "nores", record_logits=True)
+                         gemv_residual=on != "nores", fold_norms=False, record_logits=True)
             ps = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (4, 3, 5)]
             reqs = eng.generate([list(range(1, 6 + 7 * i)) for i in range(3)], ps)
             runs[on] = ([r.output_ids for r in reqs], [torch.stack(r.logits_log) for r in reqs], list(calls))

@@ -85,6 +85,18 @@ if HAS_TRITON:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
+    def round_to(x, dtype: tl.constexpr):
+        """``x`` (fp32) rounded to ``dtype`` (to nearest even) and back to fp32; the bf16 case by bit arithmetic, so
+        the CPU interpreter (whose bf16 cast truncates) rounds like the GPU and like PyTorch."""
+        if dtype == tl.bfloat16:
+            u = x.to(tl.uint32, bitcast=True)
+            u = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16) << 16
+            y = u.to(tl.float32, bitcast=True)
+        else:
+            y = x.to(dtype).to(tl.float32)
+        return y
+
+    @triton.jit
     def pdl_wait(PDL: tl.constexpr):
         """With ``PDL``: block until the kernel before this one has finished and its writes are visible. Call it
         before the first load of anything but constant data and before the first store."""

@@ -115,7 +115,7 @@ def enabled(x: torch.Tensor, top_k: int | None = None, num_experts: int | None =
 
 if HAS_TRITON:
     from openk3.fast._triton import pdl_trigger, pdl_wait
-    from openk3.infer.kernels import _round
+    from openk3.fast._triton import round_to as _round
 
     @triton.jit
     def _router_logits_kernel(

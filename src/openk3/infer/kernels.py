@@ -199,18 +199,7 @@ def available() -> tuple[bool, str]:
 
 if HAS_TRITON:
     from openk3.fast._triton import pdl_trigger, pdl_wait
-
-    @triton.jit
-    def _round(x, dtype: tl.constexpr):
-        """``x`` (fp32) rounded to ``dtype`` (to nearest even) and back to fp32; the bf16 case by bit arithmetic, so
-        the CPU interpreter (whose bf16 cast truncates) rounds like the GPU and like PyTorch."""
-        if dtype == tl.bfloat16:
-            u = x.to(tl.uint32, bitcast=True)
-            u = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16) << 16
-            y = u.to(tl.float32, bitcast=True)
-        else:
-            y = x.to(dtype).to(tl.float32)
-        return y
+    from openk3.fast._triton import round_to as _round
 
     @triton.jit
     def _rms_norm_vec(x, w, n, eps, dtype: tl.constexpr):
