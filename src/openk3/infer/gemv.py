@@ -237,26 +237,22 @@ if HAS_TRITON:
     def _gemv_x(
         x_ptr, b_ptr, u_ptr, rm, kk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr, s_xom,
         K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, XOUT: tl.constexpr,
-        xa=0.0, ga=0.0, PRE: tl.constexpr = False,
     ):  # fmt: skip
         """``[MP, BK]`` fp32: the rows ``rm`` of x at the columns ``kk`` (zeros outside). Columns below ``KA`` from
         ``x_ptr``, the rest from ``b_ptr`` (``ACT`` 0), or the gated activation of ``b_ptr`` (gate) and ``u_ptr``
         (up): 1 SwiGLU (``F.silu(g) * u``, each rounded), 2 SiTU-GLU (fp32, one rounding). ``NORM``: the columns
         below ``KA`` are RMS-normed with the rows' ``rinv`` and the gain at ``nw_ptr``
         (``openk3.ops.norm.rms_norm``'s roundings); ``XOUT``: program 0 also stores those normed values at
-        ``xo_ptr``. ``PRE``: those columns' raw values ``xa`` (:func:`_gemv_raw`) and gains ``ga``
-        (:func:`_gemv_gain`) are already loaded."""
+        ``xo_ptr``."""
         dtype = x_ptr.dtype.element_ty
         m = mmask[:, None] & (kk < K)[None, :]
         x = tl.zeros([rm.shape[0], kk.shape[0]], tl.float32)
         if KA > 0:
             ma = m & (kk < KA)[None, :]
-            if PRE:
-                x = xa
-            else:
-                x = _gemv_raw(x_ptr, rm, kk, mmask, s_xm, KA)
+            x = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=ma, other=0.0)
+            x = x.to(tl.float32)
             if NORM:
-                gain = ga if PRE else _gemv_gain(nw_ptr, kk, KA, dtype)
+                gain = _round(tl.load(nw_ptr + kk, mask=kk < KA, other=0.0).to(tl.float32), dtype)
                 x = _round(gain[None, :] * _round(x * rinv[:, None], dtype), dtype)
                 if XOUT:
                     tl.store(
@@ -278,62 +274,6 @@ if HAS_TRITON:
                     xb = _round((b1 * tanh_f32(g / b1)) * tl.sigmoid(g) * (b2 * tanh_f32(u / b2)), dtype)
             x = tl.where(mb, xb, x)
         return x
-
-    @triton.jit
-    def _gemv_raw(x_ptr, rm, kk, mmask, s_xm, KA: tl.constexpr):
-        """``[MP, BK]`` fp32: the rows ``rm`` of x at the columns ``kk`` below ``KA`` (zeros elsewhere)."""
-        ma = mmask[:, None] & (kk < KA)[None, :]
-        return tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=ma, other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _gemv_gain(nw_ptr, kk, KA: tl.constexpr, dtype: tl.constexpr):
-        """``[BK]`` fp32: an RMSNorm's gain at the columns ``kk`` below ``KA``, rounded to ``dtype``."""
-        return _round(tl.load(nw_ptr + kk, mask=kk < KA, other=0.0).to(tl.float32), dtype)
-
-    @triton.jit
-    def _gemv_gains(
-        nw_ptr, rk, rk2, KA: tl.constexpr, KT: tl.constexpr, NORM: tl.constexpr, dtype: tl.constexpr
-    ):
-        """The RMSNorm gains of the head and tail tiles where ``NORM`` (weights: loaded before the PDL wait)."""
-        gh = 0.0
-        gt = 0.0
-        if NORM:
-            gh = _gemv_gain(nw_ptr, rk, KA, dtype)
-            if KT > 0:
-                gt = _gemv_gain(nw_ptr, rk2, KA, dtype)
-        return gh, gt
-
-    @triton.jit
-    def _gemv_whole_x(
-        x_ptr, b_ptr, u_ptr, rm, rk, rk2, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, eps, gh, gt, xo_ptr, s_xom,
-        K: tl.constexpr, KA: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, XOUT: tl.constexpr,
-        KT: tl.constexpr,
-    ):  # fmt: skip
-        """The whole rows of x as the head (columns ``rk``) and tail (``rk2``, ``KT`` > 0) tiles of
-        :func:`_gemv_x`. ``NORM``: each row's raw values are loaded once, its 1 / RMS taken from them, and the gains
-        ``gh`` / ``gt`` (requested before the wait) applied: one round trip to the row, not two."""
-        if NORM:
-            xah = _gemv_raw(x_ptr, rm, rk, mmask, s_xm, KA)
-            ss = tl.sum(xah * xah, axis=1)
-            if KT > 0:
-                xat = _gemv_raw(x_ptr, rm, rk2, mmask, s_xm, KA)
-                ss += tl.sum(xat * xat, axis=1)
-            rinv = tl.rsqrt(ss / KA + eps)
-        else:
-            xah = 0.0
-            xat = 0.0
-            rinv = tl.full([rm.shape[0]], 1.0, tl.float32)
-        xh = _gemv_x(
-            x_ptr, b_ptr, u_ptr, rm, rk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr, s_xom,
-            K, KA, ACT, NORM, XOUT, xah, gh, NORM,
-        )  # fmt: skip
-        xt = xh
-        if KT > 0:
-            xt = _gemv_x(
-                x_ptr, b_ptr, u_ptr, rm, rk2, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr, s_xom,
-                K, KA, ACT, NORM, XOUT, xat, gt, NORM,
-            )  # fmt: skip
-        return xh, xt
 
     @triton.jit
     def _gemv_mul(w, x):
@@ -405,15 +345,18 @@ if HAS_TRITON:
             if KT > 0:
                 rk2 = K1 + tl.arange(0, KT)
                 w2 = _gemv_tile(w_ptr, rn, rk2, nmask, s_wn, K, False)
-            else:
-                rk2 = rk
-            gh, gt = _gemv_gains(nw_ptr, rk, rk2, KA, KT, NORM, dtype)
             pdl_wait(PDL)
             pdl_trigger(PDL)
-            xh, xt = _gemv_whole_x(
-                x_ptr, b_ptr, u_ptr, rm, rk, rk2, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, eps, gh, gt, xo_ptr,
-                s_xom, K, KA, ACT, NORM, XOUT, KT,
+            rinv = _gemv_rinv(x_ptr, rm, mmask, s_xm, eps, KA, KAP, NORM)
+            xh = _gemv_x(
+                x_ptr, b_ptr, u_ptr, rm, rk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr, s_xom,
+                K, KA, ACT, NORM, XOUT,
             )  # fmt: skip
+            if KT > 0:
+                xt = _gemv_x(
+                    x_ptr, b_ptr, u_ptr, rm, rk2, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr, s_xom,
+                    K, KA, ACT, NORM, XOUT,
+                )  # fmt: skip
             t = pid
             while t < NT:  # (a while loop: the CPU interpreter cannot take a program id as a range() bound)
                 rn_next = rn + G * BN
@@ -438,18 +381,18 @@ if HAS_TRITON:
             if KT > 0:
                 rk2 = K1 + tl.arange(0, KT)
                 w2 = _gemv_tile(w_ptr, rn, rk2, nmask, s_wn, K, EVEN_N and K1 + KT == K)
-            else:
-                rk2 = rk
-            gh, gt = _gemv_gains(nw_ptr, rk, rk2, KA, KT, NORM, dtype)
             pdl_wait(PDL)
             pdl_trigger(PDL)
-            xh, xt = _gemv_whole_x(
-                x_ptr, b_ptr, u_ptr, rm, rk, rk2, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, eps, gh, gt, xo_ptr,
-                s_xom, K, KA, ACT, NORM, XOUT, KT,
+            rinv = _gemv_rinv(x_ptr, rm, mmask, s_xm, eps, KA, KAP, NORM)
+            acc = _gemv_dot(
+                x_ptr, b_ptr, u_ptr, w, rm, rk, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr, s_xom,
+                K, KA, ACT, NORM, XOUT,
             )  # fmt: skip
-            acc = _gemv_mul(w, xh)
             if KT > 0:
-                acc += _gemv_mul(w2, xt)
+                acc += _gemv_dot(
+                    x_ptr, b_ptr, u_ptr, w2, rm, rk2, mmask, s_xm, s_bm, s_um, b1, b2, nw_ptr, rinv, xo_ptr,
+                    s_xom, K, KA, ACT, NORM, XOUT,
+                )  # fmt: skip
             _gemv_store(acc, y_ptr, r_ptr, rm, rn, mmask, nmask, s_ym, s_rm, dtype, ROUND, RES)
         else:  # BK-column tiles, the next one requested before the current one is used (two in flight)
             EVEN: tl.constexpr = EVEN_N and K % BK == 0
