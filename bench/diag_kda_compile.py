@@ -62,12 +62,14 @@ def _types(fn, dtype: str) -> dict:
     return sig
 
 
-def compile_one(fn, consts: dict, num_warps: int, dtype: str = "bf16", maxnreg: int = 0) -> dict:
+def compile_one(fn, consts: dict, num_warps: int, dtype: str = "bf16", maxnreg: int = 0, sig=None) -> dict:
+    """sm_90 compile of ``fn`` (argument types ``sig``, default: a KDA decode kernel's) with the constexprs
+    ``consts``: registers, spills, barriers, instructions."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = _types(fn, dtype)
+    sig = sig or _types(fn, dtype)
     missing = [n for n, t in sig.items() if t == "constexpr" and n not in consts]
     if missing:
         raise ValueError(f"constexprs not given: {missing}")

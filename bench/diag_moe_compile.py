@@ -1,0 +1,75 @@
+"""Diagnostic: registers and spills of the few-token experts' gate/up kernel (``openk3.fast.moe_small``) per launch
+tile, compiled for sm_90 on the CPU (``triton.compile`` + ``cuobjdump``; no GPU needed).
+
+    python3 bench/diag_moe_compile.py [--experts 256] [--top-k 8] [--width 2304]
+
+The tile is ``(rows, columns, stages)`` as ``OPENK3_MOE_UP_TILE``; the accumulators are ``rows x columns`` fp32 per
+matrix, so wide tiles at 4 warps run out of registers, worst with the routing selection fused in (``SELECT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+TILES = [(16, 256, 3, 4), (16, 256, 3, 8), (8, 256, 3, 4), (16, 128, 3, 4), (8, 512, 3, 4), (16, 256, 1, 4)]
+
+
+def _sig(fn) -> dict:
+    """Argument types of the gate/up kernel on bf16 activations and weights."""
+    sig = {}
+    for n in fn.arg_names:
+        if n == "idx_ptr":
+            sig[n] = "*i64"
+        elif n in ("logit_ptr", "bias_ptr", "wt_ptr", "score_ptr"):
+            sig[n] = "*fp32"
+        elif n.endswith("_ptr"):
+            sig[n] = "*bf16"
+        elif n in ("E", "W", "I") or n.startswith(("s_", "s1", "s3")):
+            sig[n] = "i32"
+        elif n in ("b1", "ib1", "b2", "ib2", "scaling", "sb1", "isb1", "sb2", "isb2"):
+            sig[n] = "fp32"
+        else:
+            sig[n] = "constexpr"
+    return sig
+
+
+def main():
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        sys.exit("diag_moe_compile.py compiles kernels: run it without TRITON_INTERPRET=1")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--width", type=int, default=2304)
+    args = ap.parse_args()
+    import triton
+
+    from diag_kda_compile import compile_one
+    from openk3.fast import moe_small
+
+    fn = moe_small._experts_up_kernel
+    base = dict(
+        K=args.top_k, SITU=False, PDL=True, KP=triton.next_power_of_2(args.top_k),
+        EP=triton.next_power_of_2(args.experts), SOFTMAX=False, HAS_BIAS=True, RENORM=True, K1=0, KT=0, SHARED=0,
+    )  # fmt: skip
+    print("| tile (rows, columns, stages) | warps | fused selection | registers | spill loads / stores |")
+    print("| --- | --- | --- | --- | --- |")
+    for rows, cols, stages, warps in TILES:
+        for select in (True, False):
+            c = dict(
+                base, SELECT=select, BLOCK_I=rows, BLOCK_W=cols, NW=-(-args.width // cols), STAGES=stages
+            )
+            r = compile_one(fn, c, warps, sig=_sig(fn))
+            print(
+                f"| {rows}, {cols}, {stages} | {warps} | {select} | {r.get('regs')} | "
+                f"{r['spill_ld']} / {r['spill_st']} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
