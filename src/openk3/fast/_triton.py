@@ -126,6 +126,17 @@ def sm_count(device) -> int:
     return _SM_COUNT[idx]
 
 
+def env_int(name: str, default: int, what: str) -> int:
+    """A non-negative integer setting from the environment variable ``name`` (``default`` when unset or blank); a
+    clear ``ValueError`` naming ``what`` it counts otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"{name} must be a non-negative integer ({what}), got {raw!r}")
+    return int(raw)
+
+
 def head_tail(K: int) -> tuple[int, int]:
     """A row of ``K >= 1`` columns as a power-of-two head tile and a power-of-two tail tile (0: none), the tiles of
     the kernels that hold whole rows (K = 2304: 2048 + 256, no masked lanes)."""

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from openk3.fast._triton import (
     HAS_TRITON,
+    env_int,
     head_tail,
     pdl_launch,
     pdl_on,
@@ -47,12 +48,7 @@ from openk3.fast.moe import combine2
 
 
 def _env_tokens(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit():
-        raise ValueError(f"{name} must be a non-negative integer (a token count; 0 = off), got {raw!r}")
-    return int(raw)
+    return env_int(name, default, "a token count; 0 = off")
 
 
 SMALL_N = _env_tokens("OPENK3_MOE_SMALL_N", 16)

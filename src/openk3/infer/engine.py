@@ -22,6 +22,7 @@ thread; :class:`~openk3.infer.server` streams from it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -1493,7 +1494,7 @@ class Engine:
                 sd = self._shared_out(i, shared, nx)
         gate = moe.gate
         routing = small.route_logits_small(
-            _gemv.Normed(r0, norm.weight, norm.eps, out=xn),
+            dataclasses.replace(nx, out=xn),
             gate.weight,
             gate.e_score_correction_bias,
             **gate.options(),

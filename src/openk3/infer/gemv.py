@@ -16,13 +16,22 @@ the fp32 sum differs). ``out_dtype=torch.float32`` returns those rounded values 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from openk3.fast._triton import HAS_TRITON, INTERPRET, head_tail, pdl_launch, pdl_on, sm_count, tl, triton
+from openk3.fast._triton import (
+    HAS_TRITON,
+    INTERPRET,
+    env_int,
+    head_tail,
+    pdl_launch,
+    pdl_on,
+    sm_count,
+    tl,
+    triton,
+)
 from openk3.ops.activations import glu_act
 from openk3.ops.norm import rms_norm
 
@@ -50,11 +59,9 @@ GEMV_DECODE = {"max_rows": 1, "max_bytes": 32 << 20, "normed_max_bytes": 64 << 2
 # "normed_max_bytes": the cap for a product whose input is a `Normed` (the engine's fold_norms: the GEMV then also
 # replaces a norm launch). 64 MB takes the 48B shape's KDA input projection (58 MB; cuBLAS 17.6 us + a norm launch
 # against the GEMV's 20.3 us with the norm, bench/NOTES.md v17); OPENK3_GEMV_NORMED_MAX_MB overrides it (benchmarks)
-_nm = os.environ.get("OPENK3_GEMV_NORMED_MAX_MB", "").strip()
-if _nm:
-    if not _nm.isdigit():
-        raise ValueError(f"OPENK3_GEMV_NORMED_MAX_MB must be a non-negative integer (MB), got {_nm!r}")
-    GEMV_DECODE["normed_max_bytes"] = int(_nm) << 20
+GEMV_DECODE["normed_max_bytes"] = (
+    env_int("OPENK3_GEMV_NORMED_MAX_MB", GEMV_DECODE["normed_max_bytes"] >> 20, "MB") << 20
+)
 
 # Launch parameters (`gemv_config`): the whole-row form (BK 0) up to `whole_max_k` columns, with BN rows per
 # program chosen so that the grid has at least `programs_per_sm` programs per SM; otherwise a loop over BK-column
@@ -73,13 +80,10 @@ GEMV_CONFIG = {
     "persist": 4,
     "persist_bn": 4,
 }
-_pm = os.environ.get(
-    "OPENK3_GEMV_PERSIST_MIN_MB", ""
-).strip()  # benchmarks: the persistent form from this size on
-if _pm:
-    if not _pm.isdigit():
-        raise ValueError(f"OPENK3_GEMV_PERSIST_MIN_MB must be a non-negative integer (MB), got {_pm!r}")
-    GEMV_CONFIG["persist_min_bytes"] = int(_pm) << 20
+# benchmarks: the persistent form from OPENK3_GEMV_PERSIST_MIN_MB on
+GEMV_CONFIG["persist_min_bytes"] = (
+    env_int("OPENK3_GEMV_PERSIST_MIN_MB", GEMV_CONFIG["persist_min_bytes"] >> 20, "MB") << 20
+)
 
 
 @dataclass
