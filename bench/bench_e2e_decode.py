@@ -81,12 +81,44 @@ def _no_fuse_select():
     return _patch(moe_small, "FUSE_SELECT", False)
 
 
+def _up_tile(tile: tuple[int, int, int]):
+    from openk3.fast import moe_small
+
+    return lambda: _patch(moe_small, "UP_TILE", tile)
+
+
+def _side_programs(n: int):
+    from openk3.infer import engine
+
+    return lambda: _patch(engine, "SIDE_GEMV_PROGRAMS", n)
+
+
+def _mla_post_streamed():
+    from openk3.infer import kernels as KN
+
+    undo = [
+        _patch(KN.MLA_GLUE_CONFIG, "post_whole_elems", 0),
+        _patch(KN.MLA_GLUE_CONFIG, "reduce_all_max_splits", 0),
+    ]
+    return lambda: [u() for u in undo]
+
+
 # --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
 KERNEL_VARIANTS = {
     "default": lambda: lambda: None,
     "kda_split": lambda: _kda_few(8),
     "kda_per_head": lambda: _kda_few(0),
     "no_fuse_select": _no_fuse_select,
+    # the few-token gate/up tile (rows, columns, stages): two that fit their registers at 4 warps with the fused
+    # selection (bench/diag_moe_compile.py), against the default (16, 256, 3)
+    "up_8x256": _up_tile((8, 256, 3)),
+    "up_16x128": _up_tile((16, 128, 3)),
+    # EngineConfig.side_gemv_programs's default: the shared experts' side-stream GEMVs on a fixed grid
+    "side16": _side_programs(16),
+    "side32": _side_programs(32),
+    "side64": _side_programs(64),
+    # the MLA reduce + post kernel as before v18: W_UV streamed after an online combine of 8 splits per step
+    "mla_post_streamed": _mla_post_streamed,
 }
 
 
