@@ -87,12 +87,6 @@ def _up_tile(tile: tuple[int, int, int]):
     return lambda: _patch(moe_small, "UP_TILE", tile)
 
 
-def _side_programs(n: int):
-    from openk3.infer import engine
-
-    return lambda: _patch(engine, "SIDE_GEMV_PROGRAMS", n)
-
-
 def _mla_post_streamed():
     from openk3.infer import kernels as KN
 
@@ -113,10 +107,6 @@ KERNEL_VARIANTS = {
     # selection (bench/diag_moe_compile.py), against the default (16, 256, 3)
     "up_8x256": _up_tile((8, 256, 3)),
     "up_16x128": _up_tile((16, 128, 3)),
-    # EngineConfig.side_gemv_programs's default: the shared experts' side-stream GEMVs on a fixed grid
-    "side16": _side_programs(16),
-    "side32": _side_programs(32),
-    "side64": _side_programs(64),
     # the MLA reduce + post kernel as before v18: W_UV streamed after an online combine of 8 splits per step
     "mla_post_streamed": _mla_post_streamed,
 }

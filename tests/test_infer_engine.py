@@ -957,22 +957,3 @@ def test_cli_engine_flag_defaults_match_engine_config():
     } <= checked, checked
     for name in checked:
         assert args[name] == fields[name], (name, args[name], fields[name])
-    # an integer setting: the engine's default unless given; bad values refused by the parser and by the engine
-    assert args["side_gemv_programs"] is None and EngineConfig().side_gemv_programs is None
-    assert p.parse_args(["--side-gemv-programs", "32"]).side_gemv_programs == 32
-    for bad in ("-1", "x", "2.5"):
-        with pytest.raises(SystemExit):
-            p.parse_args(["--side-gemv-programs", bad])
-
-
-def test_engine_side_gemv_programs_validated():
-    """EngineConfig.side_gemv_programs: an integer >= 0 or None; anything else is a clear ValueError."""
-    from openk3.infer.engine import Engine
-
-    torch.manual_seed(0)
-    model = K3ForCausalLM(get_preset("tiny")).eval()
-    for bad in (-1, 2.0, True, "8"):
-        with pytest.raises(ValueError, match="side_gemv_programs must be an integer >= 0"):
-            Engine(model, None, max_seqs=2, max_tokens=256, side_gemv_programs=bad)
-    for ok in (None, 0, 16):
-        Engine(model, None, max_seqs=2, max_tokens=256, side_gemv_programs=ok)

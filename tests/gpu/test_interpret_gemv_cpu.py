@@ -183,21 +183,6 @@ def cases(dev, shapes, configs, rows=None):
         pass
     # bad input: a clear error, not a kernel crash
     x, w = torch.randn(1, 8).to(dev), torch.randn(4, 8).to(dev)
-    from openk3.infer.gemv import capped_config
-
-    for bad_cfg in (dict(programs=-1), dict(BN=2, BK=4, programs=2), dict(BN=2, BK=4, persist=1)):
-        try:
-            gemv(x, w, config=bad_cfg)
-            raise AssertionError(f"a malformed launch {bad_cfg} was accepted")
-        except ValueError:
-            pass
-    try:
-        capped_config(4, 8, 0)
-        raise AssertionError("a grid of no programs was accepted")
-    except ValueError:
-        pass
-    assert capped_config(4, 1 << 20, 8) is None  # rows too wide for one tile: no capped form
-    assert capped_config(4, 8, 8)["programs"] == 8
     for bad in ((x, torch.randn(4, 9).to(dev)), (x[0], w), (x, w[None])):
         try:
             gemv(*bad)
@@ -229,7 +214,6 @@ def test_gemv_interpreted(run_interpreted):
         configs = (
             None, dict(BN=8, BK=32), dict(BN=2, BK=64, num_warps=8, wide=True),
             dict(BN=2, BK=0, num_warps=4, num_stages=1, persist=1),  # persistent: several tiles per program
-            dict(BN=4, BK=0, num_warps=4, num_stages=1, programs=3),  # persistent on a fixed grid of 3 programs
         )
         # the engine's rule (GEMV_DECODE): one row, weights of at most max_bytes
         import torch
@@ -384,18 +368,12 @@ def test_engine_fold_norms_interpreted(run_interpreted):
                 log.append(("normed", self.out is not None))
 
         G.Normed = Spy
-        gemv0 = G.gemv
-        G.gemv = lambda x, w, *a, config=None, **k: log.append(
-            ("capped", G._segments(x)[-1].__class__.__name__, w.shape[0]) if config and config.get("programs") else
-            ("gemv",)
-        ) or gemv0(x, w, *a, config=config, **k)
         runs = {}
-        for fold in (False, "side", "slot", "capped"):
-            E.FOLD_SHARED = "slot" if fold == "slot" else "side"
+        for fold in (False, "side", "slot"):
+            E.FOLD_SHARED = fold or "side"
             log.clear()
-            # "capped": the shared experts' side-stream GEMVs on a fixed grid of 2 programs (side_gemv_programs)
             eng = Engine(model, None, max_seqs=4, max_tokens=2048, prefix_cache=False, triton_gemv=True,
-                         fold_norms=bool(fold), record_logits=True, side_gemv_programs=2 if fold == "capped" else 0)
+                         fold_norms=bool(fold), record_logits=True)
             ps = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
             r1 = eng.generate([list(range(1, 9))], [ps])  # one row: the folded walk
             one = list(log)
@@ -408,7 +386,7 @@ def test_engine_fold_norms_interpreted(run_interpreted):
         steps, rest = divmod(sum(e[0] == "add_norm" and e[1] == 1 for e in off), 2 * n_layers + 1)
         assert steps >= 4 and rest == 0, (steps, rest, off)
         assert off.count(("experts", False, False)) == (steps + 1) * n_moe, off  # (the prefill's too)
-        for fold in ("side", "slot", "capped"):
+        for fold in ("side", "slot"):
             on = runs[fold][2]
             # folded: the MoE layers' post-attention add + norm go (the router forms that norm and writes the row),
             # and so do the attention inputs' norms after them (formed in the fused input GEMV)
@@ -416,19 +394,14 @@ def test_engine_fold_norms_interpreted(run_interpreted):
             n_add = sum(e[0] == "add_norm" and e[1] == 1 for e in on)
             assert n_add <= steps * (2 * n_layers + 1 - 2 * n_moe), (n_add, n_layers, n_moe)
             # the attention inputs' norms, and ("side") the shared experts' input GEMV's
-            extra = steps * n_moe if fold != "slot" else 0
+            extra = steps * n_moe if fold == "side" else 0
             assert on.count(("normed", False)) >= steps * n_moe - steps + extra, (fold, on)
             # the shared experts as one more slot of the routed experts' kernels, or beside them
             assert on.count(("experts", fold == "slot", True)) == steps * n_moe, (fold, on)
             assert runs[fold][0] == runs[False][0], (fold, runs[fold][0], runs[False][0])
-            # capped: per one-row step and MoE layer, the shared experts' input GEMV (a Normed row) and their down
-            # GEMV with the activation formed in its load (a GLU), each on the fixed grid; nothing else capped
-            capped = [e for e in on if e[0] == "capped"]
-            want = [("capped", "Spy", 2 * cfg.num_shared_experts * cfg.moe_intermediate_size), ("capped", "GLU", cfg.hidden_size)]
-            assert capped == (want * steps * n_moe if fold == "capped" else []), (fold, capped)
         worst = max(
             float((a - b).norm() / b.norm())
-            for fold in ("side", "slot", "capped") for a, b in zip(runs[fold][1], runs[False][1])
+            for fold in ("side", "slot") for a, b in zip(runs[fold][1], runs[False][1])
         )
         # shared experts twice the routed width under "slot": the side-stream form instead
         torch.manual_seed(1)

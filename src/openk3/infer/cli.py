@@ -21,17 +21,6 @@ _DTYPES = {
 }
 
 
-def _non_negative(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
-    return n
-
-
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument(
@@ -183,15 +172,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "+ combine kernel adds the shared output and the residual); same roundings; default on",
     )
     g.add_argument(
-        "--side-gemv-programs",
-        type=_non_negative,
-        default=None,
-        metavar="N",
-        help="decode on CUDA, one row, plain MoE layers: the shared experts' GEMVs on the side stream as a fixed grid "
-        "of N programs (their activation inside the down GEMV), leaving SM slots to the routed experts beside them; "
-        "0: one program per row tile (default: the engine's, openk3.infer.engine.SIDE_GEMV_PROGRAMS)",
-    )
-    g.add_argument(
         "--backend",
         action="append",
         default=[],
@@ -270,7 +250,6 @@ def _load(args):
         fuse_norm_gemv=args.fuse_norm_gemv,
         gemv_residual=args.gemv_residual,
         fold_norms=args.fold_norms,
-        side_gemv_programs=args.side_gemv_programs,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
     )
     if args.moe_small_tokens is not None:

@@ -171,12 +171,6 @@ class EngineConfig:
     # (`GEMV_DECODE["normed_max_bytes"]`). Same roundings as the separate ops (the norm's fp32 sum of squares in
     # another order). H200, 48B shape at batch 1: 2.45 -> 2.41 ms per step (bench/NOTES.md v17)
     fold_norms: bool = True
-    # decode step, plain MoE layers with parallel_ffn and triton_gemv, one row: the shared experts' chain on the side
-    # stream as GEMVs on a fixed grid of this many programs (`openk3.infer.gemv.capped_config`: each program walks
-    # several row tiles), their activation formed inside the down GEMV. Beside the routed experts, a side-stream
-    # GEMV of one program per tile held SM slots the routed experts' first kernel waited for. 0: one program per
-    # tile, the activation its own launch; None: SIDE_GEMV_PROGRAMS
-    side_gemv_programs: int | None = None
 
 
 # EngineConfig.pdl applies to decode steps of at most this many rows: on an H200 it took 0.02-0.07 ms off a batch-1
@@ -187,8 +181,6 @@ KDA_LOWRANK_MAX_ROWS = 16
 # above this many rows the fused MLA post step's programs (one per row and head, or a share of a head's outputs)
 # would each re-read their head's W_UV rows (from L2): the unfused glue is kept (EngineConfig.fuse_mla_glue)
 MLA_GLUE_MAX_ROWS = 16
-# EngineConfig.side_gemv_programs's default
-SIDE_GEMV_PROGRAMS = 0
 # EngineConfig.fold_norms applies to decode steps of at most this many rows (the router GEMV and the fused routing
 # selection take one token)
 FOLD_NORMS_MAX_ROWS = 1
@@ -448,11 +440,6 @@ class Engine:
         # triton_gemv: projections of few rows through openk3.infer.gemv (CUDA, or the Triton interpreter)
         self._gemv = bool(cfg.triton_gemv and (self.device.type == "cuda" or _gemv.INTERPRET))
         self._glu_gemv = bool(self._gemv and cfg.fuse_glu_gemv and cfg.parallel_ffn)
-        side_programs = SIDE_GEMV_PROGRAMS if cfg.side_gemv_programs is None else cfg.side_gemv_programs
-        if isinstance(side_programs, bool) or not isinstance(side_programs, int) or side_programs < 0:
-            raise ValueError(f"side_gemv_programs must be an integer >= 0, got {side_programs!r}")
-        self._side_programs = side_programs if self._gemv and cfg.parallel_ffn else 0
-        self._gemv_cap = 0  # while > 0, _lin's GEMVs run on a fixed grid of that many programs (_capped)
         self._norm_gemv = bool(self._gemv and cfg.fuse_norm_gemv)
         self._res_gemv = bool(self._gemv and cfg.gemv_residual)
         self._fold_norms = bool(
@@ -1197,17 +1184,6 @@ class Engine:
         with torch.cuda.stream(side):
             yield
 
-    @contextlib.contextmanager
-    def _capped(self, on: bool = True):
-        """GEMVs issued inside (through :meth:`_lin`, one row) run on a fixed grid of ``side_gemv_programs``
-        programs (where ``on`` and that is set), leaving SM slots to the kernels beside them."""
-        prev = self._gemv_cap
-        self._gemv_cap = self._side_programs if on else 0
-        try:
-            yield
-        finally:
-            self._gemv_cap = prev
-
     def _join(self) -> None:
         """The current stream waits for the side stream's work so far."""
         # (only after a branch: a graph capture must not wait on a stream that never joined it)
@@ -1219,8 +1195,7 @@ class Engine:
         takes: a GLU, a pair of row segments): the Triton GEMV where ``openk3.infer.gemv.decode_gemv_ok``
         (``triton_gemv``; few rows, weights not too large), cuBLAS otherwise."""
         if self._gemv and _gemv.decode_gemv_ok(x, w):
-            cap = _gemv.capped_config(w.shape[0], w.shape[1], self._gemv_cap) if self._gemv_cap else None
-            return _gemv.gemv(x, w, out_dtype, config=cap)
+            return _gemv.gemv(x, w, out_dtype)
         y = F.linear(x if isinstance(x, torch.Tensor) else _gemv._dense(x), w)
         return y if out_dtype is None else y.to(out_dtype)
 
@@ -1235,7 +1210,7 @@ class Engine:
         (fuse_glu_gemv), or None where it does not apply: their gate and up projections computed (``proj``), a
         plain GLU FFN, and the GEMV taking a row count like ``xf``'s and the weight ``w``."""
         ok = (
-            (self._glu_gemv or self._gemv_cap > 0)
+            self._glu_gemv
             and proj is not None
             and w is not None
             and isinstance(shared, GLUMLP)
@@ -1315,7 +1290,7 @@ class Engine:
         # routed experts
         sd = None
         if shared is not None:
-            with self._branch(), self._capped(xf.shape[0] == 1):
+            with self._branch():
                 sd = self._shared_out(i, shared, xf)
         u = moe.routed(xf, moe.route(xf))
         self._join()
@@ -1515,7 +1490,7 @@ class Engine:
             shared is not None and slot is None and fused is not None and _gemv.decode_gemv_ok(nx, fused[0])
         )
         if early:  # beside the router, their input GEMV forming the norm itself
-            with self._branch(), self._capped():
+            with self._branch():
                 sd = self._shared_out(i, shared, nx)
         gate = moe.gate
         routing = small.route_logits_small(
@@ -1526,7 +1501,7 @@ class Engine:
         )
         e = moe.experts
         if shared is not None and slot is None and not early:
-            with self._branch(), self._capped():  # after the router: reads its normed row
+            with self._branch():  # after the router: reads its normed row
                 sd = self._shared_out(i, shared, xn)
         y = small.experts_small(
             xn, routing, None, e.w1, e.w2, e.w3, act=moe.act, beta1=moe.beta1, beta2=moe.beta2,

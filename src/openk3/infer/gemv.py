@@ -485,20 +485,6 @@ def gemv_config(M: int, N: int, K: int, device=None) -> dict:
     return dict(BN=bn, BK=bk, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
-def capped_config(N: int, K: int, programs: int, bn: int | None = None) -> dict | None:
-    """Launch parameters of the persistent whole-row form on a fixed grid of at most ``programs`` programs (each
-    walking the row tiles ``pid, pid + G, ...``), for a GEMV that should hold few SM slots while another kernel runs
-    beside it (the decode step's side stream); ``bn`` rows per tile (default ``persist_bn``). None where whole rows
-    do not fit one tile (``K`` above ``whole_max_k``)."""
-    c = GEMV_CONFIG
-    if programs < 1:
-        raise ValueError(f"capped_config: programs must be >= 1, got {programs}")
-    if K > c["whole_max_k"]:
-        return None
-    bn = min(bn or c["persist_bn"], _pow2_floor(c["whole_max_elems"] // _whole_width(K)))
-    return dict(BN=bn, BK=0, num_warps=c["num_warps"], num_stages=1, persist=1, programs=programs)
-
-
 def _pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
@@ -520,8 +506,7 @@ def gemv(
     fp32) in one Triton launch where :func:`triton_gemv_ok`; :func:`gemv_reference` otherwise. ``x`` may also be a
     :class:`GLU` (its activation formed in the load) or a pair ``(a, b)`` standing for ``cat([a, b], -1)`` with
     ``b`` a tensor or a GLU (no concatenated copy). ``config`` overrides :func:`gemv_config`'s launch parameters
-    (benchmarks; ``wide``: 64-bit weight offsets, which weights of 2**31 elements or more take anyway;
-    ``programs``: the persistent whole-row form on a grid of at most that many programs, :func:`capped_config`).
+    (benchmarks; ``wide``: 64-bit weight offsets, which weights of 2**31 elements or more take anyway).
     ``rounded=False`` (only with ``out_dtype=torch.float32``): the fp32 sums, not rounded to ``x.dtype``.
     ``residual [M, N]`` (``x.dtype``, output in ``x.dtype``): ``residual + F.linear(x, w)`` with the separate add's
     roundings (the product rounded, then the sum), read and added in the store instead of a kernel of its own."""
@@ -583,22 +568,14 @@ def gemv(
         cfg.update(config)
     BN, BK = cfg["BN"], cfg["BK"]
     persist = int(cfg.get("persist", 0))
-    programs = int(cfg.get("programs", 0))
-    if persist < 0 or programs < 0 or ((persist or programs) and BK):
-        raise ValueError(
-            f"gemv: persist (programs per SM) and programs (a fixed grid) take whole rows (BK 0) and must be >= 0, "
-            f"got {cfg}"
-        )
+    if persist < 0 or (persist and BK):
+        raise ValueError(f"gemv: persist (programs per SM, whole rows only: BK 0) must be >= 0, got {cfg}")
     K1, KT = head_tail(K)
     pdl = pdl_on(w)
     res = y if residual is None else rows(residual)
     xo = normed.out if normed is not None else None
     NT = triton.cdiv(N, BN)
-    if programs:  # the persistent form on a fixed grid
-        persist = max(persist, 1)
-        grid = min(NT, programs)
-    else:
-        grid = min(NT, persist * sm_count(w.device)) if persist else NT
+    grid = min(NT, persist * sm_count(w.device)) if persist else NT
     _gemv_kernel[(grid,)](
         a, b, u, w, y, N, a.stride(0), b.stride(0), u.stride(0), w.stride(0), y.stride(0), b1, b2,
         normed.weight.contiguous() if normed is not None else w, float(normed.eps) if normed is not None else 0.0,

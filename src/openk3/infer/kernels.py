@@ -182,7 +182,8 @@ MLA_GLUE_CONFIG = {
     # the reduce + post kernel: a program's W_UV slice (rows x dc) of at most this many values requested before it
     # waits for the split kernel and held in registers (0: streamed after the reduce, "post_rows" at a time); the
     # splits' log-sum-exps read in one load and the partials pipelined, for split counts up to this (0: the online
-    # combine, 8 splits per dependent step)
+    # combine, 8 splits per dependent step). H200, 48B shape at batch 1: 2.41 -> 2.38-2.39 ms per step (7 MLA layers,
+    # bench/NOTES.md v18)
     "post_whole_elems": 8192,
     "reduce_all_max_splits": 64,
 }
