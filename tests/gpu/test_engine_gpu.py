@@ -230,7 +230,7 @@ def test_engine_fuse_read_norm(graphs, fuse, monkeypatch):
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_engine_fuse_mla_glue(graphs, fuse, variant, monkeypatch):
-    """EngineConfig.fuse_mla_glue on CUDA (off by default): every MLA layer's norm, cache write and absorbed query go
+    """EngineConfig.fuse_mla_glue on CUDA (on by default): every MLA layer's norm, cache write and absorbed query go
     through the Triton prep kernel and W_UV (with the output gate) through the reduce (or the post kernel after a
     one-split walk), and with it off neither launches; fp32 decode logits against a full forward of the same model,
     tightly (``small``: q LoRA and output gate; the variant without either)."""
