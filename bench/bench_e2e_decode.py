@@ -90,11 +90,7 @@ def _up_tile(tile: tuple[int, int, int]):
 def _mla_post_streamed():
     from openk3.infer import kernels as KN
 
-    undo = [
-        _patch(KN.MLA_GLUE_CONFIG, "post_whole_elems", 0),
-        _patch(KN.MLA_GLUE_CONFIG, "reduce_all_max_splits", 0),
-    ]
-    return lambda: [u() for u in undo]
+    return _patch(KN.MLA_GLUE_CONFIG, "post_whole_elems", 0)
 
 
 # --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
@@ -107,7 +103,7 @@ KERNEL_VARIANTS = {
     # selection (bench/diag_moe_compile.py), against the default (16, 256, 3)
     "up_8x256": _up_tile((8, 256, 3)),
     "up_16x128": _up_tile((16, 128, 3)),
-    # the MLA reduce + post kernel as before v18: W_UV streamed after an online combine of 8 splits per step
+    # the MLA reduce + post kernel as before v18: W_UV streamed after the combine
     "mla_post_streamed": _mla_post_streamed,
 }
 

@@ -619,10 +619,10 @@ def test_mla_post(dtype, H, B):
 @pytest.mark.parametrize("whole", [True, False], ids=["whole", "streamed"])
 def test_mla_decode_post(dtype, H, rows, whole, monkeypatch):
     """The post step folded into the reduce (several splits), and as its own launch after a one-split walk, with
-    and without the gate, padded rows, page sizes 16 and 7; the reduce's W_UV slice held from before its wait and
-    the splits combined from one log-sum-exp load (whole), or W_UV streamed after an online combine."""
+    and without the gate, padded rows, page sizes 16 and 7; the reduce's W_UV slice held from before its wait
+    (whole, where a program's slice spans more than one step of rows: here v_splits 2 and the default), or always
+    streamed after the combine."""
     monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "post_whole_elems", 1 << 20 if whole else 0)
-    monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "reduce_all_max_splits", 64 if whole else 0)
     seed = seed_of("decode post", str(dtype), H, len(rows))
     tol = max(MLA_TOL[dtype], POST_TOL[dtype])
     for k, (ps, ns, gated, vs) in enumerate(((16, 3, True, None), (7, 1, True, 2), (16, 2, False, 4))):

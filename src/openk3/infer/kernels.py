@@ -179,13 +179,12 @@ MLA_GLUE_CONFIG = {
     "post_rows": 8,
     "post_stages": 2,
     "post_warps": 4,
-    # the reduce + post kernel: a program's W_UV slice (rows x dc) of at most this many values requested before it
-    # waits for the split kernel and held in registers (0: streamed after the reduce, "post_rows" at a time); the
-    # splits' log-sum-exps read in one load and the partials pipelined, for split counts up to this (0: the online
-    # combine, 8 splits per dependent step). H200, 48B shape at batch 1: 2.41 -> 2.38-2.39 ms per step (7 MLA layers,
-    # bench/NOTES.md v18)
+    # the reduce + post kernel: a program's W_UV slice (rows x dc) of at most this many values, where it spans more
+    # than "post_rows" rows, requested before the program waits for the split kernel and held in registers (0, or
+    # one step of rows: streamed after the reduce, "post_rows" at a time). H200, batch 1 (bench/NOTES.md v18): 48B
+    # shape (16 rows per program) 2.40 -> 2.36-2.37 ms per step; `medium` (8 rows, one step) measured 1.165 -> 1.18
+    # with it, so a one-step slice keeps the streamed form
     "post_whole_elems": 8192,
-    "reduce_all_max_splits": 64,
 }
 
 
@@ -938,43 +937,15 @@ if HAS_TRITON:
             tl.store(o_row + v, o.to(dtype), mask=vm)
 
     @triton.jit
-    def _mla_combine_all(
-        part_ptr, lse_ptr, len_ptr, b, h, H, NS, DC: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
-        NSP: tl.constexpr, STAGES: tl.constexpr,
-    ):  # fmt: skip
-        """:func:`_mla_combine` for at most ``NSP`` splits: the largest log-sum-exp and the denominator from all
-        splits' values in one load, then the partials ``BS`` splits at a time through a pipelined loop (no running
-        rescale between the steps, so the loads of later steps do not wait for the earlier ones)."""
-        length = tl.load(len_ptr + b).to(tl.int32)
-        chunk = tl.cdiv(tl.cdiv(length, NS), BLOCK_N) * BLOCK_N
-        used = tl.cdiv(length, chunk)
-        base = (b.to(tl.int64) * H + h) * NS
-        dc = tl.arange(0, DC)
-        sa = tl.arange(0, NSP)
-        lse = tl.load(lse_ptr + base + sa, mask=sa < used, other=float("-inf"))
-        mx = tl.max(lse, axis=0)  # finite: split 0 has a token
-        den = tl.sum(tl.exp2(lse - mx), axis=0)
-        acc = tl.zeros([DC], tl.float32)
-        for s0 in tl.range(0, NSP, BS, num_stages=STAGES):
-            s = s0 + tl.arange(0, BS)
-            sm = s < used
-            w = tl.exp2(tl.load(lse_ptr + base + s, mask=sm, other=float("-inf")) - mx)
-            part = tl.load(part_ptr + (base + s)[:, None] * DC + dc[None, :], mask=sm[:, None], other=0.0)
-            acc += tl.sum(w[:, None] * part, axis=0)
-        return acc / den
-
-    @triton.jit
     def _mla_reduce_post_kernel(
         part_ptr, lse_ptr, len_ptr, wuv_ptr, gate_ptr, o_ptr, H, NS, s_wh, s_wv, s_gb, s_ob,
         DC: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, DV: tl.constexpr, VB: tl.constexpr,
-        VC: tl.constexpr, STAGES: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr, NSP: tl.constexpr = 0,
-        WHOLE: tl.constexpr = False,
+        VC: tl.constexpr, STAGES: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr, WHOLE: tl.constexpr = False,
     ):  # fmt: skip
         """The reduce with the post step folded in: program ``(vs, h, b)`` combines the partials of (row ``b``, head
         ``h``) and writes output values ``[vs * VB, (vs + 1) * VB)`` of that head (:func:`_mla_post_rows`).
-        ``NSP`` > 0 (at least the split count): the splits combined by :func:`_mla_combine_all`. ``WHOLE``: the
-        program's ``[VB, DC]`` slice of ``W_UV`` requested before the wait for the split kernel (weights: written by
-        no kernel of the step) and held in registers, its product formed in one step."""
+        ``WHOLE``: the program's ``[VB, DC]`` slice of ``W_UV`` requested before the wait for the split kernel
+        (weights: written by no kernel of the step) and held in registers, its product formed in one step."""
         vs = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.program_id(2)
@@ -987,10 +958,7 @@ if HAS_TRITON:
             )
         pdl_wait(PDL)
         pdl_trigger(PDL)
-        if NSP > 0:
-            cbar = _mla_combine_all(part_ptr, lse_ptr, len_ptr, b, h, H, NS, DC, BLOCK_N, BS, NSP, STAGES)
-        else:
-            cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, DC, BLOCK_N, BS)
+        cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, DC, BLOCK_N, BS)
         if WHOLE:
             dtype = o_ptr.dtype.element_ty
             o = _round(tl.sum(w.to(tl.float32) * cbar[None, :], axis=1), dtype)
@@ -1460,13 +1428,12 @@ def mla_decode_triton(
         o, gate, pc = post
         g = gate if gate is not None else o
         if ns > 1:  # the reduce applies the post step
-            gc = MLA_GLUE_CONFIG
-            nsp = triton.next_power_of_2(max(ns, 8))
+            # W_UV held from before the wait where the streamed form would take more than one step
+            whole = pc["VC"] < pc["VB"] and pc["VB"] * DC <= MLA_GLUE_CONFIG["post_whole_elems"]
             _mla_reduce_post_kernel[(pc["VS"], H, B)](
                 part, lse, lengths, w_uv, g, o, H, ns, w_uv.stride(0), w_uv.stride(1), g.stride(0), o.stride(0),
                 DC=DC, BLOCK_N=bn, BS=8, DV=pc["DV"], VB=pc["VB"], VC=pc["VC"], STAGES=pc["STAGES"],
-                GATE=gate is not None, PDL=pdl, NSP=nsp if nsp <= gc["reduce_all_max_splits"] else 0,
-                WHOLE=pc["VB"] * DC <= gc["post_whole_elems"], num_warps=pc["num_warps"], **pdl_launch(pdl),
+                GATE=gate is not None, PDL=pdl, WHOLE=whole, num_warps=pc["num_warps"], **pdl_launch(pdl),
             )  # fmt: skip
         else:  # the walk wrote the attention output: the post step reads it
             _launch_post(out, w_uv, gate, o, pc, pdl)
