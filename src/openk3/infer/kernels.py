@@ -921,20 +921,27 @@ if HAS_TRITON:
         """Output values ``[vs * VB, (vs + 1) * VB)`` of row ``b``, head ``h``, from its attention output ``cbar
         [DC]`` fp32: ``w_uv[h] @ cbar`` (fp32 products and sums, ``VC`` rows of ``w_uv`` at a time) rounded to the
         output dtype, times ``sigmoid(gate)`` (rounded, then the product rounded) with ``GATE``."""
-        dtype = o_ptr.dtype.element_ty
         dc = tl.arange(0, DC)
         w_head = wuv_ptr + h.to(tl.int64) * s_wh
-        g_row = gate_ptr + b.to(tl.int64) * s_gb + h * DV
-        o_row = o_ptr + b.to(tl.int64) * s_ob + h * DV
         for v0 in tl.range(0, VB, VC, num_stages=STAGES):
             v = vs * VB + v0 + tl.arange(0, VC)
             vm = v < DV
             w = tl.load(w_head + v[:, None] * s_wv + dc[None, :], mask=vm[:, None], other=0.0)
-            o = _round(tl.sum(w.to(tl.float32) * cbar[None, :], axis=1), dtype)
-            if GATE:
-                g = tl.load(g_row + v, mask=vm, other=0.0).to(tl.float32)
-                o = _round(_round(tl.sigmoid(g), dtype) * o, dtype)
-            tl.store(o_row + v, o.to(dtype), mask=vm)
+            _mla_post_out(w, cbar, gate_ptr, o_ptr, b, h, v, vm, s_gb, s_ob, DV, GATE)
+
+    @triton.jit
+    def _mla_post_out(
+        w, cbar, gate_ptr, o_ptr, b, h, v, vm, s_gb, s_ob, DV: tl.constexpr, GATE: tl.constexpr
+    ):
+        """Output values ``v`` (mask ``vm``) of row ``b``, head ``h``: the rows ``w`` of ``w_uv[h]`` times ``cbar``
+        (fp32 products and sums) rounded to the output dtype, times ``sigmoid(gate)`` (rounded, then the product
+        rounded) with ``GATE``; stored."""
+        dtype = o_ptr.dtype.element_ty
+        o = _round(tl.sum(w.to(tl.float32) * cbar[None, :], axis=1), dtype)
+        if GATE:
+            g = tl.load(gate_ptr + b.to(tl.int64) * s_gb + h * DV + v, mask=vm, other=0.0).to(tl.float32)
+            o = _round(_round(tl.sigmoid(g), dtype) * o, dtype)
+        tl.store(o_ptr + b.to(tl.int64) * s_ob + h * DV + v, o.to(dtype), mask=vm)
 
     @triton.jit
     def _mla_reduce_post_kernel(
@@ -960,12 +967,7 @@ if HAS_TRITON:
         pdl_trigger(PDL)
         cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, DC, BLOCK_N, BS)
         if WHOLE:
-            dtype = o_ptr.dtype.element_ty
-            o = _round(tl.sum(w.to(tl.float32) * cbar[None, :], axis=1), dtype)
-            if GATE:
-                g = tl.load(gate_ptr + b.to(tl.int64) * s_gb + h * DV + v, mask=vm, other=0.0).to(tl.float32)
-                o = _round(_round(tl.sigmoid(g), dtype) * o, dtype)
-            tl.store(o_ptr + b.to(tl.int64) * s_ob + h * DV + v, o.to(dtype), mask=vm)
+            _mla_post_out(w, cbar, gate_ptr, o_ptr, b, h, v, vm, s_gb, s_ob, DV, GATE)
         else:
             _mla_post_rows(
                 cbar, wuv_ptr, gate_ptr, o_ptr, b, h, vs, s_wh, s_wv, s_gb, s_ob, DC, DV, VB, VC, STAGES, GATE
