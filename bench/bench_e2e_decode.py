@@ -93,6 +93,22 @@ def _mla_post_streamed():
     return _patch(KN.MLA_GLUE_CONFIG, "post_whole_elems", 0)
 
 
+def _fold_shared(mode: str):
+    from openk3.infer import engine
+
+    return lambda: _patch(engine, "FOLD_SHARED", mode)
+
+
+def _down_combine(**kw):
+    from openk3.fast import moe_small
+
+    def go():
+        undo = [_patch(moe_small.DOWN_COMBINE, k, v) for k, v in kw.items()]
+        return lambda: [u() for u in undo]
+
+    return go
+
+
 # --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
 KERNEL_VARIANTS = {
     "default": lambda: lambda: None,
@@ -105,6 +121,15 @@ KERNEL_VARIANTS = {
     "up_16x128": _up_tile((16, 128, 3)),
     # the MLA reduce + post kernel as before v18: W_UV streamed after the combine
     "mla_post_streamed": _mla_post_streamed,
+    # where a folded plain MoE layer's shared experts run (engine.FOLD_SHARED): the side stream, one more slot of the
+    # routed kernels, or their gate / up rows in the router's GEMV and the rest in the down + combine kernel
+    "shared_side": _fold_shared("side"),
+    "shared_slot": _fold_shared("slot"),
+    "shared_router": _fold_shared("router"),
+    # the one-token down + combine kernel with four programs per SM: a register cap of 128 (a few spills), or two
+    # output rows per program (BLOCK_O 2, twice the programs)
+    "dc_nreg128": _down_combine(maxnreg=128),
+    "dc_bo2": _down_combine(max_bo=2),
 }
 
 

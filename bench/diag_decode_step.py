@@ -8,13 +8,15 @@ time (graph replays back to back), the kernels per step, their summed durations,
 end and the next one's start, and the kernels grouped by name (count per step, us per step, mean us). Writes the
 ordered kernel sequence of one step (start offset, duration, gap before, name) to ``DIR/step_<preset>_b<B>.txt``.
 
-``--chain N`` also times chains of N dependent tiny kernels in one graph (a fixed cost per kernel, no bytes).
+``--off NAMES`` builds the engine with these ``EngineConfig`` booleans off (e.g. ``graph_priority``); ``--both``
+profiles each preset with them off and then with the defaults, on one model. ``--chain N`` also times chains of N dependent tiny kernels in one graph (a fixed cost per kernel, no bytes).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import sys
@@ -61,16 +63,16 @@ def profile_graph(g, steps: int = 5):
     return ks
 
 
-def run_preset(preset: str, B: int, context: int, out_dir: str) -> None:
+def run_preset(preset: str, B: int, context: int, out_dir: str, off: tuple = (), model=None) -> None:
     from bench_e2e_decode import build
     from openk3.cost import predict_decode_time
     from openk3.infer.engine import Engine
     from openk3.infer.sampling import SamplingParams
 
-    model = build(preset)
+    model = build(preset) if model is None else model
     cfg = model.config
     eng = Engine(model, None, page_size=16, max_seqs=B, max_tokens=B * (context + 64), prefix_cache=False,
-                 use_cuda_graphs=True, cuda_graph_max_batch=B)  # fmt: skip
+                 use_cuda_graphs=True, cuda_graph_max_batch=B, **dict.fromkeys(off, False))  # fmt: skip
     g0 = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (context,), generator=g0).tolist() for _ in range(B)]
     eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
@@ -100,7 +102,7 @@ def run_preset(preset: str, B: int, context: int, out_dir: str) -> None:
         groups[k][1] += e.time_range.end - e.time_range.start
     pred = predict_decode_time(cfg, B, context + 6) * 1e3
     head = (
-        f"{preset} batch {B} ctx {context}: graph replay {ms:.3f} ms/step (roofline {pred:.3f} ms, "
+        f"{preset}{''.join(f' {n}=off' for n in off)} batch {B} ctx {context}: graph replay {ms:.3f} ms/step (roofline {pred:.3f} ms, "
         f"{100 * pred / ms:.0f} %); {per} kernels/step; kernel time {busy / 1e3:.3f} ms, gaps {gaps / 1e3:.3f} ms, "
         f"span {span / 1e3:.3f} ms"
     )
@@ -109,13 +111,13 @@ def run_preset(preset: str, B: int, context: int, out_dir: str) -> None:
     rows = sorted(groups.items(), key=lambda kv: -kv[1][1])
     for name, (c, t) in rows[:28]:
         print(f"{c / steps:6.1f} {t / steps:8.1f} {t / c:8.2f}  {name}")
-    safe = re.sub(r"[^A-Za-z0-9_-]", "_", preset)
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", preset + "".join(f"_no_{n}" for n in off))
     with open(os.path.join(out_dir, f"step_{safe}_b{B}.txt"), "w") as f:
         f.write(head + "\n")
         for name, (c, t) in rows:
             f.write(f"{c / steps:6.1f} {t / steps:8.1f} {t / c:8.2f}  {name}\n")
         f.write("\n   start_us  dur_us gap_us  kernel\n" + "\n".join(lines) + "\n")
-    del eng, model, g
+    del eng, g
     torch.cuda.empty_cache()
 
 
@@ -141,13 +143,32 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--chain", type=int, default=400)
+    ap.add_argument(
+        "--off", default="", metavar="NAMES", help="EngineConfig booleans to turn off, comma-separated"
+    )
+    ap.add_argument(
+        "--both", action="store_true", help="profile with --off's flags off, then with the defaults"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "bench", "out")))
     a = ap.parse_args()
+    from openk3.infer.engine import EngineConfig
+
+    off = tuple(n for n in a.off.split(",") if n)
+    known = {f.name for f in dataclasses.fields(EngineConfig) if f.type in (bool, "bool")}
+    bad = [n for n in off if n not in known]
+    if bad:
+        raise SystemExit(f"--off: not EngineConfig booleans: {bad}; expected some of {sorted(known)}")
     os.makedirs(a.out, exist_ok=True)
     if a.chain:
         chain(a.chain)
     for p in a.presets.split(","):
-        run_preset(p, a.batch, a.context, a.out)
+        from bench_e2e_decode import build
+
+        model = build(p)
+        for o in (off, ()) if a.both and off else (off,):
+            run_preset(p, a.batch, a.context, a.out, o, model)
+        del model
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

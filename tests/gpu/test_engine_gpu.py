@@ -530,30 +530,46 @@ def test_engine_gemv_residual(graphs, monkeypatch):
         assert err < 1e-3, (on, norm, err)
 
 
+@pytest.mark.parametrize("shared", ["side", "router"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_engine_fold_norms(graphs, monkeypatch):
+def test_engine_fold_norms(graphs, shared, monkeypatch):
     """EngineConfig.fold_norms on CUDA (`small` without AttnRes and with a plain MoE: the Kimi Linear layout): at
     one row the router GEMV forms the post-attention norm and writes the normed row, the experts' down + combine
     kernel adds the shared experts' output and the residual, the attention inputs' norms go into their GEMVs; fp32
-    decode logits against a full forward of the same model, tightly; off, no experts call gets a residual."""
+    decode logits against a full forward of the same model, tightly; off, no experts call gets a residual. The
+    shared experts on the side stream, or (FOLD_SHARED "router") formed by the router's GEMV and the down + combine
+    kernel."""
     from openk3.fast import moe_small
+    from openk3.infer import engine as E
     from openk3.infer import gemv as G
 
+    monkeypatch.setattr(E, "FOLD_SHARED", shared)
     monkeypatch.setitem(G.GEMV_DECODE, "normed_max_bytes", 1 << 40)
-    real = moe_small.experts_small
+    real, route = moe_small.experts_small, moe_small.route_logits_small
     for on in (True, False):
-        seen = []
+        seen, extra = [], []
         monkeypatch.setattr(
             moe_small,
             "experts_small",
             lambda *a, seen=seen, **k: seen.append(k.get("residual") is not None) or real(*a, **k),
         )
+        monkeypatch.setattr(
+            moe_small,
+            "route_logits_small",
+            lambda *a, ex=extra, **k: ex.append(k.get("extra", 0)) or route(*a, **k),
+        )
         err = _greedy_fp32_decode_err(
             graphs,
             seed=17,
             max_tokens=(18, 9, 14),
-            model_over=dict(attn_res_block_size=None, routed_expert_hidden_size=None),
+            # (one shared expert for "router": the form takes shared experts of the routed experts' width)
+            model_over=dict(
+                attn_res_block_size=None,
+                routed_expert_hidden_size=None,
+                num_shared_experts=1 + (shared == "side"),
+            ),
             fold_norms=on,
         )
         assert any(seen) == on, (on, sum(seen))
+        assert any(e > 0 for e in extra) == (on and shared == "router"), (on, shared, extra[:4])
         assert err < 1e-3, (on, err)

@@ -5,6 +5,8 @@ fla's chunk kernel computes its intra-chunk products in reduced precision, so it
 token-recurrent kernel and our own kernels are held to fp32 rounding.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -385,8 +387,8 @@ def test_moe_small_fused_select(N, E, K, D, I):
 
 
 @pytest.mark.parametrize("E,K,W,I", [(64, 8, 1024, 640), (256, 8, 2304, 1024), (64, 16, 3584, 3072)])
-@pytest.mark.parametrize("ppsm", [4, 8])
-def test_moe_small_down_combine(E, K, W, I, ppsm, check, monkeypatch):
+@pytest.mark.parametrize("ppsm,nreg", [(4, 0), (8, 0), (4, 128)])
+def test_moe_small_down_combine(E, K, W, I, ppsm, nreg, check, monkeypatch):
     """One token: the down projection + combine kernel against the per-pair down kernel + combine2 (the same
     roundings; only the fp32 order inside each dot differs), bf16, compiled, at the medium / 48B / K3 expert shapes."""
     from openk3.fast import moe_small
@@ -398,11 +400,12 @@ def test_moe_small_down_combine(E, K, W, I, ppsm, check, monkeypatch):
     w13 = _rand(E, 2 * I, W, dtype=torch.bfloat16, scale=W**-0.5, g=g)
     w2 = _rand(E, W, I, dtype=torch.bfloat16, scale=I**-0.5, g=g)
     monkeypatch.setitem(moe_small.DOWN_COMBINE, "programs_per_sm", ppsm)
+    monkeypatch.setitem(moe_small.DOWN_COMBINE, "maxnreg", nreg)
     with torch.no_grad():
         y = moe_small.experts_small(x, idx, wt, w13[:, :I], w2, w13[:, I:], act="situ")
         monkeypatch.setattr(moe_small, "DOWN_COMBINE_MAX_TOKENS", 0)
         y0 = moe_small.experts_small(x, idx, wt, w13[:, :I], w2, w13[:, I:], act="situ")
-    check(f"moe_small.down_combine.E{E}.W{W}.I{I}.p{ppsm}", y, y0, 4e-3)
+    check(f"moe_small.down_combine.E{E}.W{W}.I{I}.p{ppsm}.r{nreg}", y, y0, 4e-3)
     # the shared experts' output and the residual added in the store: bit for bit r + (y + s), the model's order
     sh = _rand(1, W, dtype=torch.bfloat16, scale=1.0, g=g)
     res = _rand(1, W, dtype=torch.bfloat16, scale=4.0, g=g)
@@ -422,7 +425,25 @@ def test_moe_small_down_combine(E, K, W, I, ppsm, check, monkeypatch):
         ys = moe_small.experts_small(
             x, idx, wt, w13[:, :I], w2, w13[:, I:], act="situ", residual=res, shared=sx
         )
-    check(f"moe_small.down_combine_shared.E{E}.W{W}.I{I}.p{ppsm}", ys, res + (y + sx.reference(x)), 4e-3)
+    check(
+        f"moe_small.down_combine_shared.E{E}.W{W}.I{I}.p{ppsm}.r{nreg}",
+        ys,
+        res + (y + sx.reference(x)),
+        4e-3,
+    )
+    # their gate / up sums formed elsewhere (the router's GEMV), the activation formed in the down + combine kernel
+    gu = torch.cat([x.float() @ sx.w1.float().t(), x.float() @ sx.w3.float().t()], dim=-1)
+    sg = dataclasses.replace(sx, gu=gu)
+    with torch.no_grad():
+        yg = moe_small.experts_small(
+            x, idx, wt, w13[:, :I], w2, w13[:, I:], act="situ", residual=res, shared=sg
+        )
+    check(
+        f"moe_small.down_combine_shared_gu.E{E}.W{W}.I{I}.p{ppsm}.r{nreg}",
+        yg,
+        res + (y + sg.reference(x)),
+        4e-3,
+    )
 
 
 @pytest.mark.parametrize(

@@ -326,10 +326,11 @@ def test_gemv_gpu():
 def test_engine_fold_norms_interpreted(run_interpreted):
     """EngineConfig.fold_norms under the interpreter on a tiny model without AttnRes and with a plain MoE (the Kimi
     Linear layout), the "moe" op resolved to the few-token kernels as on CUDA: one-row decode steps run the folded
-    layer halves (the router GEMV forming the post-attention norm and writing the normed row, the shared experts as
-    one more slot of the routed experts' kernels, whose down + combine adds them and the residual, the attention
-    inputs' norm inside their GEMV), with fewer add + norm launches, the same tokens, and decode logits within fp32
-    sum-order noise of the unfolded engine; batched steps keep the unfolded walk. Shared experts of another width
+    layer halves (the router GEMV forming the post-attention norm and writing the normed row, the shared experts on
+    the side stream, as one more slot of the routed experts' kernels, or with their gate / up rows in the router's
+    GEMV, the down + combine adding them and the residual, the attention inputs' norm inside their GEMV), with fewer
+    add + norm launches, the same tokens, and decode logits within fp32 sum-order noise of the unfolded engine;
+    batched steps keep the unfolded walk. Shared experts of another width
     than the routed ones run on the side stream instead, their output added in the down + combine store."""
     script = textwrap.dedent(
         """
@@ -357,9 +358,11 @@ def test_engine_fold_norms_interpreted(run_interpreted):
         assert n_moe > 0 and not any(l.block_sparse_moe.latent for l in model.model.layers if l.is_moe)
         log = []
         norms, experts0, add_norm0 = G.Normed, moe_small.experts_small, E.add_rms_norm
+        route0 = moe_small.route_logits_small
         moe_small.experts_small = lambda *a, **k: log.append(
             ("experts", k.get("shared") is not None, k.get("residual") is not None)
         ) or experts0(*a, **k)
+        moe_small.route_logits_small = lambda *a, **k: log.append(("route", k.get("extra", 0))) or route0(*a, **k)
         E.add_rms_norm = lambda *a, **k: log.append(("add_norm", a[0].shape[0])) or add_norm0(*a, **k)
 
         class Spy(norms):
@@ -369,7 +372,7 @@ def test_engine_fold_norms_interpreted(run_interpreted):
 
         G.Normed = Spy
         runs = {}
-        for fold in (False, "side", "slot"):
+        for fold in (False, "side", "slot", "router"):
             E.FOLD_SHARED = fold or "side"
             log.clear()
             eng = Engine(model, None, max_seqs=4, max_tokens=2048, prefix_cache=False, triton_gemv=True,
@@ -386,7 +389,7 @@ def test_engine_fold_norms_interpreted(run_interpreted):
         steps, rest = divmod(sum(e[0] == "add_norm" and e[1] == 1 for e in off), 2 * n_layers + 1)
         assert steps >= 4 and rest == 0, (steps, rest, off)
         assert off.count(("experts", False, False)) == (steps + 1) * n_moe, off  # (the prefill's too)
-        for fold in ("side", "slot"):
+        for fold in ("side", "slot", "router"):
             on = runs[fold][2]
             # folded: the MoE layers' post-attention add + norm go (the router forms that norm and writes the row),
             # and so do the attention inputs' norms after them (formed in the fused input GEMV)
@@ -396,28 +399,35 @@ def test_engine_fold_norms_interpreted(run_interpreted):
             # the attention inputs' norms, and ("side") the shared experts' input GEMV's
             extra = steps * n_moe if fold == "side" else 0
             assert on.count(("normed", False)) >= steps * n_moe - steps + extra, (fold, on)
-            # the shared experts as one more slot of the routed experts' kernels, or beside them
-            assert on.count(("experts", fold == "slot", True)) == steps * n_moe, (fold, on)
+            # the shared experts as one more slot of the routed experts' kernels, or beside them; "router": their
+            # gate / up rows (2 I) behind the router's, the router GEMV forming their projections
+            assert on.count(("experts", fold != "side", True)) == steps * n_moe, (fold, on)
+            extra = [e[1] for e in on if e[0] == "route"]  # (the prefill's routes too: extra 0)
+            n_formed = extra.count(2 * cfg.moe_intermediate_size)
+            assert n_formed == (steps * n_moe if fold == "router" else 0) and n_formed + extra.count(0) == len(extra)
             assert runs[fold][0] == runs[False][0], (fold, runs[fold][0], runs[False][0])
         worst = max(
             float((a - b).norm() / b.norm())
-            for fold in ("side", "slot") for a, b in zip(runs[fold][1], runs[False][1])
+            for fold in ("side", "slot", "router") for a, b in zip(runs[fold][1], runs[False][1])
         )
         # shared experts twice the routed width under "slot": the side-stream form instead
         torch.manual_seed(1)
         m2 = K3ForCausalLM(cfg.replace(num_shared_experts=2)).eval().requires_grad_(False)
         outs = {}
-        E.FOLD_SHARED = "slot"
-        for fold in (False, True):
+        for fold in (False, "slot", "router"):
+            E.FOLD_SHARED = fold or "side"
             log.clear()
             eng = Engine(m2, None, max_seqs=2, max_tokens=1024, prefix_cache=False, triton_gemv=True,
-                         fold_norms=fold, record_logits=True)
+                         fold_norms=bool(fold), record_logits=True)
             ps = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
             r = eng.generate([list(range(3, 12))], [ps])[0]
             outs[fold] = (r.output_ids, torch.stack(r.logits_log), list(log))
-        assert ("experts", False, True) in outs[True][2] and ("experts", True, True) not in outs[True][2]
-        assert outs[True][0] == outs[False][0]
-        worst = max(worst, float((outs[True][1] - outs[False][1]).norm() / outs[False][1].norm()))
+        for fold in ("slot", "router"):
+            on = outs[fold][2]
+            assert ("experts", False, True) in on and ("experts", True, True) not in on, (fold, on)
+            assert all(e[1] == 0 for e in on if e[0] == "route"), (fold, on)
+            assert outs[fold][0] == outs[False][0]
+            worst = max(worst, float((outs[fold][1] - outs[False][1]).norm() / outs[False][1].norm()))
         print("WORST", worst)
         """
     )

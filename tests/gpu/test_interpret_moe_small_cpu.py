@@ -16,10 +16,14 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 SCRIPT = textwrap.dedent(
     """
+    import dataclasses
     import itertools
 
     import torch
+    import torch.nn.functional as F
     from openk3.fast import moe_small
+    from openk3.infer.gemv import Normed
+    from openk3.ops.norm import rms_norm
     from openk3.ops.moe import experts_reference, route
 
     torch.manual_seed(0)
@@ -154,10 +158,10 @@ SCRIPT = textwrap.dedent(
                 want = moe_small.experts_small(x, idx, wt, w1, w2, w3)
                 moe_small.DOWN_COMBINE_MAX_TOKENS = saved
                 assert got.dtype == dtype and rel(got, want) <= tol, (E, I, W, K, dtype, ppsm, rel(got, want))
+                bad = idx.clone()
+                bad[0, -1] = E + 3
+                assert torch.isnan(moe_small.experts_small(x, bad, wt, w1, w2, w3)).all(), ppsm
             moe_small.DOWN_COMBINE["programs_per_sm"] = 4
-            bad = idx.clone()
-            bad[0, -1] = E + 3
-            assert torch.isnan(moe_small.experts_small(x, bad, wt, w1, w2, w3)).all()
     # the shared experts' output and the residual added in the store (one token: the down + combine kernel; three:
     # the per-pair kernel + combine2 + adds): bit for bit the separate adds in the model's order, r + (u + s);
     # before_down called once, between the launches
@@ -205,6 +209,55 @@ SCRIPT = textwrap.dedent(
             assert e <= (1e-6 if dtype == torch.float32 else 1e-2), (N, dtype, act, e)
         else:
             assert torch.equal(got, want)
+    # the shared experts' gate / up sums formed by the router's GEMV (the router's rows, then theirs, in one weight:
+    # route_logits_small extra), their activation and down projection in the down + combine kernel (one token;
+    # three tokens: PyTorch ops on the same sums); against the slot form fed the same normed input
+    for N, dtype, act in ((1, torch.float32, "silu"), (1, torch.float32, "situ"), (1, torch.bfloat16, "silu"),
+                          (1, torch.bfloat16, "situ"), (3, torch.bfloat16, "silu")):  # fmt: skip
+        E, I, W, K = 6, 24, 40, 2
+        w1, w3 = (torch.randn(E, I, W) / W**0.5).to(dtype), (torch.randn(E, I, W) / W**0.5).to(dtype)
+        w2 = (torch.randn(E, W, I) / I**0.5).to(dtype)
+        wr = (torch.randn(E + 2 * I, W) / W**0.5).to(dtype)  # router rows, then the shared gate and up rows
+        sx = moe_small.SharedExperts(wr[E : E + I], wr[E + I :], (torch.randn(W, I) / I**0.5).to(dtype), act, 3.0, 20.0)
+        r = (3 * torch.randn(N, W)).to(dtype)
+        gain = (1 + 0.2 * torch.randn(W)).to(dtype)
+        xn = torch.full_like(r, float("nan"))
+        pr = moe_small.route_logits_small(Normed(r, gain, 1e-6, out=xn), wr, None, top_k=K, extra=2 * I)
+        want_lg = moe_small.route_logits_small(rms_norm(r, gain, 1e-6), wr[:E], None, top_k=K).logits
+        assert pr.logits.shape == (N, E) and pr.extra.shape == (N, 2 * I), (pr.logits.shape, pr.extra.shape)
+        assert rel(pr.logits, want_lg) <= (2e-6 if dtype == torch.float32 else 8e-3), (N, dtype)
+        assert rel(pr.extra, F.linear(xn.float(), wr[E:].float())) <= 2e-6, (N, dtype)
+        res = (4 * torch.randn(N, W)).to(dtype)
+        formed = dataclasses.replace(sx, gu=pr.extra)
+        got = moe_small.experts_small(xn, pr, None, w1, w2, w3, act=act, shared=formed, residual=res)
+        idx, wt = pr.idx.clone(), pr.weights.clone()
+        want = moe_small.experts_small(xn, idx, wt, w1, w2, w3, act=act, shared=sx, residual=res)
+        assert rel(formed.reference(xn), sx.reference(xn)) <= (1e-6 if dtype == torch.float32 else 1e-2)
+        if N == 1:
+            e = rel(got, want)
+            assert e <= (1e-6 if dtype == torch.float32 else 1e-2), (N, dtype, act, e)
+        else:
+            u = moe_small.experts_small(xn, idx, wt, w1, w2, w3, act=act)
+            assert torch.equal(got, res + (u + formed.reference(xn)))
+        # a perturbed sum shows: the kernel reads gu, not the gate / up weights
+        bumped = dataclasses.replace(sx, gu=pr.extra + torch.nn.functional.pad(torch.ones(N, 1), (0, 2 * I - 1)))
+        if N == 1:
+            assert rel(moe_small.experts_small(xn, idx, wt, w1, w2, w3, act=act, shared=bumped, residual=res), got) > 0
+    for bad_gu in (torch.zeros(1, 11), torch.zeros(1, 12, dtype=torch.float64), torch.zeros(2, 12), torch.zeros(1, 24)[:, ::2]):
+        try:
+            moe_small.experts_small(torch.randn(1, 8), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2),
+                                    torch.randn(4, 6, 8), torch.randn(4, 8, 6), torch.randn(4, 6, 8),
+                                    shared=moe_small.SharedExperts(torch.randn(6, 8), torch.randn(6, 8),
+                                                                   torch.randn(8, 6), gu=bad_gu))  # fmt: skip
+            raise AssertionError(f"malformed formed gate / up sums were accepted: {tuple(bad_gu.shape)}")
+        except ValueError:
+            pass
+    for bad_extra in (-1, 4, 5):
+        try:
+            moe_small.route_logits_small(torch.randn(1, 8), torch.randn(4, 8), None, top_k=1, extra=bad_extra)
+            raise AssertionError(f"a bad extra={bad_extra} was accepted")
+        except ValueError:
+            pass
     for bad_sx in (
         moe_small.SharedExperts(torch.randn(5, 8), torch.randn(5, 8), torch.randn(8, 5)),  # another width
         moe_small.SharedExperts(torch.randn(6, 8), torch.randn(6, 8), torch.randn(8, 6), act="gelu"),

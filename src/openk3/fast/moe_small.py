@@ -88,7 +88,9 @@ ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few 
 # combine launch). BLOCK_O: the largest power of two (at most "max_bo") that leaves "programs_per_sm" programs per
 # SM; 0 tokens: the per-pair down kernel and combine2 always
 DOWN_COMBINE_MAX_TOKENS = _env_tokens("OPENK3_MOE_DOWN_COMBINE", 1)
-DOWN_COMBINE = {"programs_per_sm": 4, "max_bo": 16, "num_warps": 4}
+# "maxnreg": a register cap per thread for the launch (0: the compiler's choice; sm_90 at the 48B shape, BLOCK_O 4:
+# 212 registers, two programs per SM; 128 fits four, with a few spills; bench/NOTES.md v19)
+DOWN_COMBINE = {"programs_per_sm": 4, "max_bo": 16, "num_warps": 4, "maxnreg": 0}
 # up to this many tokens the router logits come from openk3.infer.gemv's whole-row GEMV (fp32 sums, not rounded),
 # which requests its weight rows before waiting on the kernel before it (programmatic dependent launch); 0: the
 # logits kernel above always
@@ -226,6 +228,17 @@ if HAS_TRITON:
         return mine
 
     @triton.jit
+    def _shared_act(g, u, dt, MODE: tl.constexpr, sb1, isb1, sb2, isb2):
+        """The shared experts' gated activation of their rounded gate / up projections ``g``, ``u`` (fp32 holding
+        ``dt`` values): MODE 1 SwiGLU as their module forms it (``F.silu(g) * u``, each rounded), 2 SiTU-GLU."""
+        sg = tl.sigmoid(g)
+        if MODE == 1:
+            a = _round(_round(g * sg, dt) * u, dt)
+        else:
+            a = (sb1 * tanh_f32(g * isb1)) * sg * (sb2 * tanh_f32(u * isb2))
+        return a
+
+    @triton.jit
     def _experts_up_kernel(
         x_ptr,
         idx_ptr,
@@ -347,10 +360,8 @@ if HAS_TRITON:
             a = (b1 * tanh_f32(g * ib1)) * sg * (b2 * tanh_f32(u * ib2))
         else:
             a = g * sg * u
-        if SHARED == 1:  # the shared experts' SwiGLU as their module forms it: F.silu(g) * u, each rounded
-            a = tl.where(sh, _round(_round(g * sg, dt) * u, dt), a)
-        elif SHARED == 2:
-            a = tl.where(sh, (sb1 * tanh_f32(g * isb1)) * sg * (sb2 * tanh_f32(u * isb2)), a)
+        if SHARED > 0:  # the shared experts' own activation (SwiGLU with their module's roundings, or SiTU)
+            a = tl.where(sh, _shared_act(g, u, dt, SHARED, sb1, isb1, sb2, isb2), a)
         a = tl.where(ok, a, float("nan"))
         tl.store(a_ptr + p * I + ii, a.to(dt), mask=im)
 
@@ -402,12 +413,16 @@ if HAS_TRITON:
         a_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, E, W, I, s2_e, s2_w, add_ptr, s_add, res_ptr, s_res, w2s_ptr,
         s2s_w, K: tl.constexpr, BLOCK_O: tl.constexpr, IP: tl.constexpr, PDL: tl.constexpr,
         ADD: tl.constexpr = False, RES: tl.constexpr = False, SHARED: tl.constexpr = False,
+        gu_ptr=None, s_gu=0, sb1=1.0, isb1=1.0, sb2=1.0, isb2=1.0, GU: tl.constexpr = 0,
     ):  # fmt: skip
         """out[n, o] = sum_j wt[n, j] * round(a[n * K + j] . w2[e_j, o]), the sum in fp32 in slot order (the
         per-pair down kernel followed by combine2, in one pass; NaN for an expert id outside [0, E)). ``ADD``: then
         ``+ add[n, o]``, ``RES``: then ``res[n, o] +``, each rounded to the output dtype (separate adds' roundings).
         ``SHARED``: ``a`` holds ``K + 1`` rows per token, the last the shared experts' activation: their down
-        projection (``w2s [W, I]``) rounded and added to the rounded mixture (before ``add``)."""
+        projection (``w2s [W, I]``) rounded and added to the rounded mixture (before ``add``). ``GU`` (with
+        ``SHARED``; 1 SwiGLU, 2 SiTU, as :func:`_shared_act`): that activation formed here instead, from the shared
+        experts' gate and up projections' fp32 sums at ``gu [n, :I]``, ``gu [n, I:2I]`` (``a`` then holds ``K`` rows
+        per token)."""
         ii = tl.arange(0, IP)
         im = ii < I
         oo = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -418,7 +433,7 @@ if HAS_TRITON:
             )
         pdl_wait(PDL)
         pdl_trigger(PDL)
-        KS: tl.constexpr = K + SHARED
+        KS: tl.constexpr = K + (SHARED and GU == 0)
         n = tl.program_id(0).to(tl.int64)
         dt = out_ptr.dtype.element_ty
         e = tl.load(idx_ptr + n * K).to(tl.int64)
@@ -442,7 +457,12 @@ if HAS_TRITON:
                 ok = ok2
         y = _round(acc, dt)
         if SHARED:
-            av = tl.load(a_ptr + (n * KS + K) * I + ii, mask=im, other=0.0).to(tl.float32)
+            if GU > 0:
+                g = tl.load(gu_ptr + n * s_gu + ii, mask=im, other=0.0).to(dt).to(tl.float32)
+                u = tl.load(gu_ptr + n * s_gu + I + ii, mask=im, other=0.0).to(dt).to(tl.float32)
+                av = _shared_act(g, u, dt, GU, sb1, isb1, sb2, isb2).to(dt).to(tl.float32)
+            else:
+                av = tl.load(a_ptr + (n * KS + K) * I + ii, mask=im, other=0.0).to(tl.float32)
             y = _round(y + _round(tl.sum(ws.to(tl.float32) * av[None, :], 1), dt), dt)
         if ADD:
             y = _round(y + tl.load(add_ptr + n * s_add + oo, mask=om, other=0.0).to(tl.float32), dt)
@@ -452,10 +472,11 @@ if HAS_TRITON:
 
 
 def _down_combine(
-    a, idx, weights, w2, N, K, E, W, I, dtype, add=None, residual=None, w2s=None
+    a, idx, weights, w2, N, K, E, W, I, dtype, add=None, residual=None, w2s=None, gu=None
 ) -> torch.Tensor:
     """The down projection and weighted combine of :func:`experts_small` in one launch (``DOWN_COMBINE``), with the
-    shared experts' down projection (``w2s``), the addend and the residual of :func:`experts_small` in its store."""
+    shared experts' down projection (``w2s``; ``gu``: their :class:`SharedExperts` whose gate / up sums are formed,
+    the activation then formed here), the addend and the residual of :func:`experts_small` in its store."""
     c = DOWN_COMBINE
     slots = c["programs_per_sm"] * sm_count(a.device)
     bo = 1
@@ -469,9 +490,20 @@ def _down_combine(
         a, idx, weights, w2, out, E, W, I, w2.stride(0), w2.stride(1), ad, ad.stride(0), rs, rs.stride(0),
         w2 if w2s is None else w2s, 0 if w2s is None else w2s.stride(0),
         K=K, BLOCK_O=bo, IP=triton.next_power_of_2(I), PDL=pdl, ADD=add is not None, RES=residual is not None,
-        SHARED=w2s is not None, num_warps=c["num_warps"], **pdl_launch(pdl),
+        SHARED=w2s is not None, num_warps=c["num_warps"], **({"maxnreg": c["maxnreg"]} if c["maxnreg"] else {}),
+        **_gu_args(gu), **pdl_launch(pdl),
     )  # fmt: skip
     return out
+
+
+def _gu_args(sx: SharedExperts | None) -> dict:
+    """The down + combine kernel's arguments for shared experts whose gate / up sums are formed (``sx.gu``)."""
+    if sx is None:
+        return {}
+    return dict(
+        gu_ptr=sx.gu, s_gu=sx.gu.stride(0), sb1=float(sx.beta1), isb1=1.0 / float(sx.beta1),
+        sb2=float(sx.beta2), isb2=1.0 / float(sx.beta2), GU=2 if sx.act == "situ" else 1,
+    )  # fmt: skip
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -490,7 +522,10 @@ def _check_2d(name: str, t: torch.Tensor, cols: int | None = None) -> None:
 class SharedExperts:
     """A MoE layer's shared experts for :func:`experts_small`: ``w2 @ act(round(w1 x), round(w3 x))`` with ``w1``,
     ``w3``: ``[I, W]``, ``w2``: ``[W, I]`` (the routed experts' I), ``act`` "silu" (``F.silu(g) * u``, each rounded,
-    as their module forms it) or "situ"."""
+    as their module forms it) or "situ". ``gu`` (``[N, 2I]`` fp32, unit column stride): the tokens' gate and up
+    projections already formed as unrounded fp32 sums (gate then up; e.g. by the router's GEMV, whose weight holds
+    their rows behind the router's: :func:`route_logits_small` ``extra``); only ``w2`` is then read, and the
+    activation is formed from ``gu`` rounded to the activation dtype."""
 
     w1: torch.Tensor
     w3: torch.Tensor
@@ -498,13 +533,17 @@ class SharedExperts:
     act: str = "silu"
     beta1: float = 4.0
     beta2: float = 25.0
+    gu: torch.Tensor | None = None
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         from openk3.ops.activations import glu_act
 
-        return F.linear(
-            glu_act(F.linear(x, self.w1), F.linear(x, self.w3), self.act, self.beta1, self.beta2), self.w2
-        )
+        if self.gu is not None:
+            I = self.w2.shape[1]
+            g, u = self.gu[:, :I].to(x.dtype), self.gu[:, I:].to(x.dtype)
+        else:
+            g, u = F.linear(x, self.w1), F.linear(x, self.w3)
+        return F.linear(glu_act(g, u, self.act, self.beta1, self.beta2), self.w2)
 
 
 @dataclass
@@ -521,6 +560,8 @@ class PendingRoute:
     idx: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    # [N, extra] fp32: the products of the router weight's rows past E (route_logits_small ``extra``)
+    extra: torch.Tensor | None = None
 
 
 def route_logits_small(
@@ -532,16 +573,25 @@ def route_logits_small(
     activation: str = "sigmoid",
     renormalize: bool = True,
     scaling: float = 1.0,
+    extra: int = 0,
 ) -> PendingRoute:
     """The router logits of :func:`route_small` (one kernel); the selection is left to :func:`experts_small`, which
     forms it in its gate/up kernel (one launch fewer on the path from the router to the experts).
 
     ``x`` may be an ``openk3.infer.gemv.Normed`` (the tokens' RMSNorm, written to its ``out`` when given): where the
     logits come from the GEMV, the norm is formed there and the normed rows written by the same launch; otherwise
-    it is applied first."""
+    it is applied first.
+
+    ``extra``: ``weight`` holds ``E + extra`` rows, the router's first; the products of the last ``extra`` rows with
+    the (normed) input, fp32 sums like the logits, are returned in the route's ``extra`` ``[N, extra]`` -- e.g. the
+    shared experts' gate and up projections, formed by the router's own launch (:class:`SharedExperts` ``gu``)."""
     if activation not in ("sigmoid", "softmax"):
         raise ValueError(f"unknown router activation {activation!r}")
-    E, D = weight.shape
+    if weight.dim() != 2 or not 0 <= extra < weight.shape[0]:
+        raise ValueError(
+            f"router weight {tuple(weight.shape)}: expected [E + extra, D] with extra={extra} < rows"
+        )
+    E, D = weight.shape[0] - extra, weight.shape[1]
     from openk3.infer import gemv as _gemv
 
     normed = x if isinstance(x, _gemv.Normed) else None
@@ -557,13 +607,22 @@ def route_logits_small(
     N = x.shape[0]
     weight = _row_major(weight)
     if 0 < N <= ROUTER_GEMV_MAX_TOKENS and _gemv.triton_gemv_ok(x, weight):
-        logits = _gemv.gemv(x, weight, out_dtype=torch.float32, rounded=False)
-        return PendingRoute(logits, bias, top_k, activation, bool(renormalize), float(scaling))
+        out = _gemv.gemv(x, weight, out_dtype=torch.float32, rounded=False)
+        return PendingRoute(
+            out[:, :E],
+            bias,
+            top_k,
+            activation,
+            bool(renormalize),
+            float(scaling),
+            extra=out[:, E:] if extra else None,
+        )
     if normed is not None:
         x = normed.value()
         if normed.out is not None:
             normed.out.copy_(x)
     x = _row_major(x)
+    more = F.linear(x.float(), weight[E:].float()) if extra else None
     dev = x.device
     logits = torch.empty(N, E, dtype=torch.float32, device=dev)
     # experts per program: enough programs to spread the weight read over the SMs
@@ -586,7 +645,7 @@ def route_logits_small(
         PDL=pdl,
         **pdl_launch(pdl),
     )
-    return PendingRoute(logits, bias, top_k, activation, bool(renormalize), float(scaling))
+    return PendingRoute(logits, bias, top_k, activation, bool(renormalize), float(scaling), extra=more)
 
 
 def _routing_args(pr: PendingRoute) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
@@ -678,7 +737,7 @@ def experts_small(
             raise ValueError(f"router logits {tuple(pending.logits.shape)} do not match [{N}, {E}]")
         idx, weights, scores, sel = _routing_args(pending)
         sel = dict(
-            logit_ptr=pending.logits,
+            logit_ptr=pending.logits.contiguous(),  # (the kernel reads row n at n * E)
             bias_ptr=pending.bias if pending.bias is not None else pending.logits,
             wt_ptr=weights,
             score_ptr=scores,
@@ -716,6 +775,23 @@ def experts_small(
                 f"experts_small: shared experts' weights {[tuple(t.shape) for t in sw]} must be [{I}, {W}], "
                 f"[{I}, {W}], [{W}, {I}] in {w1.dtype} on {w1.device}"
             )
+        gu = shared.gu
+        if gu is not None and not (
+            isinstance(gu, torch.Tensor)
+            and gu.shape == (N, 2 * I)
+            and gu.dtype == torch.float32
+            and gu.device == x.device
+            and gu.stride(-1) == 1
+        ):
+            raise ValueError(
+                f"experts_small: the shared experts' formed gate / up sums must be a [{N}, {2 * I}] float32 tensor "
+                f"on {x.device} with unit column stride, got "
+                + (
+                    f"{tuple(gu.shape)} {gu.dtype} on {gu.device}"
+                    if isinstance(gu, torch.Tensor)
+                    else repr(gu)
+                )
+            )
     K = idx.shape[1]
     if N == 0:
         if before_down is not None:
@@ -724,14 +800,19 @@ def experts_small(
     x, w1, w2, w3 = (_row_major(t) for t in (x, w1, w2, w3))
     idx = idx.contiguous()
     dev = x.device
-    slot = shared is not None and N <= DOWN_COMBINE_MAX_TOKENS  # the shared experts as one more slot
+    # the shared experts in the down + combine kernel: as one more slot of both kernels, or (their gate / up sums
+    # formed) in that kernel alone
+    slot = shared is not None and N <= DOWN_COMBINE_MAX_TOKENS
+    formed = slot and shared.gu is not None
     sd = None
     if shared is not None and not slot:
         sd = shared.reference(x)
-    KS = K + int(slot)
+    KS = K + int(slot and not formed)
     a = torch.empty(N * KS, I, dtype=x.dtype, device=dev)
     if slot:
-        s1, s3, s2 = (_row_major(t) for t in (shared.w1, shared.w3, shared.w2))
+        s2 = _row_major(shared.w2)
+    if slot and not formed:
+        s1, s3 = (_row_major(t) for t in (shared.w1, shared.w3))
         sel = dict(
             sel,
             w1s_ptr=s1,
@@ -787,7 +868,7 @@ def experts_small(
         return _down_combine(
             a, idx, weights.float().contiguous(), w2, N, K, E, W, I, x.dtype,
             None if add is None else _row_major(add), None if residual is None else _row_major(residual),
-            s2 if slot else None,
+            s2 if slot else None, shared if formed else None,
         )  # fmt: skip
     y = torch.empty(N * K, W, dtype=x.dtype, device=dev)
     bo, bk, dns = DOWN_TILE

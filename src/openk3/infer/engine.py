@@ -171,6 +171,14 @@ class EngineConfig:
     # (`GEMV_DECODE["normed_max_bytes"]`). Same roundings as the separate ops (the norm's fp32 sum of squares in
     # another order). H200, 48B shape at batch 1: 2.45 -> 2.41 ms per step (bench/NOTES.md v17)
     fold_norms: bool = True
+    # decode-step CUDA graphs with parallel_ffn: the step captured on a stream of the highest priority and the side
+    # stream's branches at the lowest, so that where both have thread blocks waiting for an SM the main path's go
+    # first (PyTorch instantiates graphs with per-node priorities, each kernel node keeping its capture stream's).
+    # Aimed at the few-token routed experts' gate/up kernel, whose blocks queued behind the side stream's shared-
+    # expert GEMV (bench/NOTES.md v18). Same values. Off: on an H200 the routed kernel then started ~3 us earlier,
+    # but the shared experts' chain ran after it, on the critical path: 48B shape at batch 1 2.37 -> 2.49 ms per
+    # step, `medium` 1.17 either way (bench/NOTES.md v19)
+    graph_priority: bool = False
 
 
 # EngineConfig.pdl applies to decode steps of at most this many rows: on an H200 it took 0.02-0.07 ms off a batch-1
@@ -181,15 +189,20 @@ KDA_LOWRANK_MAX_ROWS = 16
 # above this many rows the fused MLA post step's programs (one per row and head, or a share of a head's outputs)
 # would each re-read their head's W_UV rows (from L2): the unfused glue is kept (EngineConfig.fuse_mla_glue)
 MLA_GLUE_MAX_ROWS = 16
+# EngineConfig.graph_priority: the capture stream's priority (lower is higher; -1 is the highest every CUDA device
+# since compute capability 3.5 offers, and PyTorch clamps a number past the device's range to it)
+GRAPH_PRIORITY = -1
 # EngineConfig.fold_norms applies to decode steps of at most this many rows (the router GEMV and the fused routing
 # selection take one token)
 FOLD_NORMS_MAX_ROWS = 1
 # ... and where a folded MoE layer's shared experts run: "side" (the side stream, beside the router and the routed
-# experts) or "slot" (one more slot of the routed experts' kernels; H200, 48B shape, batch 1: 2.45 -> 2.50 ms per
-# step with fold_norms, bench/NOTES.md v17). OPENK3_FOLD_SHARED overrides it (benchmarks)
+# experts), "slot" (one more slot of the routed experts' kernels; H200, 48B shape, batch 1: 2.45 -> 2.50 ms per
+# step with fold_norms, bench/NOTES.md v17) or "router" (their gate / up rows behind the router's in one weight
+# buffer, so that the router's GEMV forms their projections, and their activation and down projection in the
+# routed experts' down + combine kernel: no side stream; bench/NOTES.md v19). OPENK3_FOLD_SHARED overrides it
 FOLD_SHARED = os.environ.get("OPENK3_FOLD_SHARED", "side").strip() or "side"
-if FOLD_SHARED not in ("side", "slot"):
-    raise ValueError(f"OPENK3_FOLD_SHARED must be 'side' or 'slot', got {FOLD_SHARED!r}")
+if FOLD_SHARED not in ("side", "slot", "router"):
+    raise ValueError(f"OPENK3_FOLD_SHARED must be 'side', 'slot' or 'router', got {FOLD_SHARED!r}")
 
 
 @dataclass
@@ -433,7 +446,9 @@ class Engine:
         # the decode step's second stream (parallel_ffn branches); None: every op in place
         self._side_used = False  # whether this decode forward issued work on the side stream (_branch)
         self._side = (
-            torch.cuda.Stream(self.device) if self.device.type == "cuda" and cfg.parallel_ffn else None
+            torch.cuda.Stream(self.device, priority=0)
+            if self.device.type == "cuda" and cfg.parallel_ffn
+            else None
         )
         # fuse_mla_glue: (prep step, post step or None when the MLA step applies it, {layer: (W_UK, W_UV)})
         self._mla_glue = self._plan_mla_glue() if cfg.fuse_mla_glue else None
@@ -444,6 +459,10 @@ class Engine:
         self._res_gemv = bool(self._gemv and cfg.gemv_residual)
         self._fold_norms = bool(
             self._res_gemv and cfg.fold_norms and cfg.fuse_add_norm and not self.mcfg.use_attn_res
+        )
+        # fold_norms with FOLD_SHARED "router": {layer: the router's and the shared experts' gate / up rows, one buffer}
+        self._router_shared = (
+            self._plan_router_shared() if self._fold_norms and FOLD_SHARED == "router" else {}
         )
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
@@ -508,6 +527,30 @@ class Engine:
             buf = _share_buffer(mods, 0)
             if buf is not None:
                 out[i] = (buf, [m.weight.shape[0] for m in mods])
+
+    @torch.no_grad()
+    def _plan_router_shared(self) -> dict[int, torch.Tensor]:
+        """Per plain MoE layer whose shared experts take the slot form (:meth:`_shared_slot`), one buffer holding the
+        router's weight rows and then the shared experts' gate and up rows (the modules' weights re-pointed to its
+        views, :func:`_share_buffer`; the layer's fused FFN input buffer becomes the view of the shared rows), so
+        that the router's GEMV forms the shared experts' projections in the same launch (FOLD_SHARED "router")."""
+        try:
+            from openk3.fast import moe_small
+        except Exception:  # (optional fast paths)
+            return {}
+        plan = {}
+        for i, layer in enumerate(self.model.model.layers):
+            moe = layer.block_sparse_moe if layer.is_moe else None
+            if moe is None or moe.latent or self._shared_slot(moe_small, moe) is None:
+                continue
+            sh = moe.shared_experts
+            buf = _share_buffer([moe.gate, sh.gate_proj, sh.up_proj], 0)
+            if buf is None:
+                continue
+            plan[i] = buf
+            if i in self._fused_ffn:  # [gate; up] of the shared experts: now rows of the new buffer
+                self._fused_ffn[i] = (buf[moe.gate.weight.shape[0] :], self._fused_ffn[i][1])
+        return plan
 
     @torch.no_grad()
     def _build_fused_outputs(self) -> None:
@@ -1482,7 +1525,10 @@ class Engine:
         r0 = r[:, 0]
         xn = torch.empty_like(r0)
         shared = moe.shared_experts
-        slot = self._shared_slot(small, moe) if FOLD_SHARED == "slot" else None
+        rs = self._router_shared.get(i)  # their gate / up rows behind the router's (FOLD_SHARED "router")
+        if rs is not None and not _gemv.decode_gemv_ok(r0, rs):
+            rs = None
+        slot = self._shared_slot(small, moe) if FOLD_SHARED == "slot" or rs is not None else None
         sd = None
         fused = self._fused_ffn.get(i)
         nx = _gemv.Normed(r0, norm.weight, norm.eps)
@@ -1495,10 +1541,13 @@ class Engine:
         gate = moe.gate
         routing = small.route_logits_small(
             dataclasses.replace(nx, out=xn),
-            gate.weight,
+            gate.weight if rs is None else rs,
             gate.e_score_correction_bias,
+            extra=0 if rs is None else rs.shape[0] - gate.weight.shape[0],
             **gate.options(),
         )
+        if rs is not None:  # their activation and down projection in the down + combine kernel
+            slot = dataclasses.replace(slot, gu=routing.extra)
         e = moe.experts
         if shared is not None and slot is None and not early:
             with self._branch():  # after the router: reads its normed row
@@ -1573,8 +1622,11 @@ class Engine:
                 self._decode_forward(*bufs)
         torch.cuda.current_stream(dev).wait_stream(s)
         g = torch.cuda.CUDAGraph()
+        # graph_priority: captured on a high-priority stream (its kernel nodes keep that priority; the side stream's
+        # keep the lowest, 0); otherwise on a fresh stream of the default priority
+        cap = torch.cuda.Stream(dev, priority=GRAPH_PRIORITY if self.cfg.graph_priority else 0)
         # thread_local: CUDA calls from other threads (e.g. the server's request threads) must not break the capture
-        with torch.cuda.graph(g, pool=self._graph_pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(g, pool=self._graph_pool, stream=cap, capture_error_mode="thread_local"):
             out = self._decode_forward(*bufs)
         self._graph_pool = g.pool()
         self._graphs[bucket] = (g, (meta, lengths, table), out)
