@@ -99,6 +99,12 @@ def _fold_shared(mode: str):
     return lambda: _patch(engine, "FOLD_SHARED", mode)
 
 
+def _moe_small():
+    from openk3.fast import moe_small
+
+    return moe_small
+
+
 def _down_combine(**kw):
     from openk3.fast import moe_small
 
@@ -130,6 +136,8 @@ KERNEL_VARIANTS = {
     # output rows per program (BLOCK_O 2, twice the programs)
     "dc_nreg128": _down_combine(maxnreg=128),
     "dc_bo2": _down_combine(max_bo=2),
+    # two gate/up row tiles per program, walked one after another (256 programs at the 48B shape: one wave)
+    "up_tiles2": lambda: _patch(_moe_small(), "UP_TILES", 2),
 }
 
 

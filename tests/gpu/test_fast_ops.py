@@ -447,20 +447,24 @@ def test_moe_small_down_combine(E, K, W, I, ppsm, nreg, check, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "up,down",
+    "up,down,tiles",
     [
-        ((16, 256, 1), (32, 128, 1)),
-        ((8, 512, 4), (16, 256, 4)),
-        ((32, 128, 3), (64, 64, 2)),
-        ((4, 0, 1), (32, 128, 3)),
-        ((1, 0, 1), (32, 128, 3)),
+        ((16, 256, 1), (32, 128, 1), 1),
+        ((8, 512, 4), (16, 256, 4), 1),
+        ((32, 128, 3), (64, 64, 2), 1),
+        ((4, 0, 1), (32, 128, 3), 1),
+        ((1, 0, 1), (32, 128, 3), 1),
+        ((16, 256, 3), (32, 128, 3), 2),
+        ((16, 256, 3), (32, 128, 3), 3),
     ],
 )
-def test_moe_small_experts_tiles(up, down, check, monkeypatch):
-    """Every launch-tile / pipeline-stage combination the benchmark sweeps gives the reference's result."""
+def test_moe_small_experts_tiles(up, down, tiles, check, monkeypatch):
+    """Every launch-tile / pipeline-stage combination the benchmark sweeps gives the reference's result (and gate/up
+    row tiles walked one after another by a program, ``UP_TILES``)."""
     from openk3.fast import moe_small
 
     monkeypatch.setattr(moe_small, "UP_TILE", up)
+    monkeypatch.setattr(moe_small, "UP_TILES", tiles)
     monkeypatch.setattr(moe_small, "DOWN_TILE", down)
     test_moe_small_experts(torch.bfloat16, 2, 64, 8, 1000, 640, "situ", check)
 

@@ -98,11 +98,13 @@ SCRIPT = textwrap.dedent(
         pass
     # experts: packed (two halves of one buffer, as openk3.modules.moe.Experts stores them) and separate gate/up
     # (the streamed gate/up tiles, and whole rows: W = 200 as a 128 head + 128 tail, 33 as 32 + 1, 256 and 16 whole)
+    # (and row tiles walked one after another by a program: UP_TILES, the last program's partly past I)
     up_default = moe_small.UP_TILE
-    for (E, I, W, N, K), up in itertools.product(
-        [(10, 40, 200, 1, 3), (6, 17, 33, 4, 2), (4, 64, 256, 2, 4), (3, 8, 16, 2, 1)], (up_default, (4, 0, 1))
+    for (E, I, W, N, K), (up, tiles) in itertools.product(
+        [(10, 40, 200, 1, 3), (6, 17, 33, 4, 2), (4, 64, 256, 2, 4), (3, 8, 16, 2, 1)],
+        ((up_default, 1), ((4, 0, 1), 1), ((4, 0, 1), 3), (up_default, 2)),
     ):
-        moe_small.UP_TILE = up
+        moe_small.UP_TILE, moe_small.UP_TILES = up, tiles
         for act in ("situ", "silu"):
             for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
                 for packed in (True, False):
@@ -126,9 +128,9 @@ SCRIPT = textwrap.dedent(
                         f = [t.float() for t in (x, w1, w2, w3)]
                         want = experts_reference(f[0], idx, wt, f[1], f[2], f[3], act=act, beta1=4.0, beta2=25.0)
                     e = rel(got, want)
-                    assert e <= tol, (E, I, W, act, dtype, packed, up, e)
+                    assert e <= tol, (E, I, W, act, dtype, packed, up, tiles, e)
                     worst = max(worst, e / tol)
-    moe_small.UP_TILE = up_default
+    moe_small.UP_TILE, moe_small.UP_TILES = up_default, 1
     # an expert id out of range: NaN on that token only (no out-of-bounds read), the other tokens exact
     w1, w3 = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
     w2 = torch.randn(4, 8, 6)

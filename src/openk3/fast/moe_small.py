@@ -80,6 +80,9 @@ if _ut:
         raise ValueError(
             f"OPENK3_MOE_UP_TILE must be 'rows,columns,stages' (powers of two, columns 0 = whole rows), got {_ut!r}"
         )
+# gate/up row tiles per program, walked one after another: fewer programs, each forming the routing once (sm_90, 48B
+# shape: the default tile holds 255 registers, two programs per SM, so 512 one-tile programs run in two waves)
+UP_TILES = env_int("OPENK3_MOE_UP_TILES", 1, "row tiles per gate/up program")
 DOWN_TILE = (32, 128, 3)
 ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few tokens, to fill the SMs)
 # up to this many tokens the down projection and the weighted combine run as one kernel: each program owns
@@ -286,6 +289,7 @@ if HAS_TRITON:
         sb2=1.0,
         isb2=1.0,
         SHARED: tl.constexpr = 0,
+        TILES: tl.constexpr = 1,
     ):
         """a[p, i] = act(round(x[p // K] . w1[e_p, i]), round(x[p // K] . w3[e_p, i])) for pair p, expert e_p (NaN
         for an expert id outside [0, E): no out-of-bounds read, and the bad id shows in the output). ``SELECT``: the
@@ -295,7 +299,7 @@ if HAS_TRITON:
         every weight byte of the program requested at once instead of streamed in ``BLOCK_W``-column steps.
         ``SHARED`` (1 SwiGLU as ``F.silu(g) * u``, each rounded; 2 SiTU-GLU): each token has a slot ``K`` more, its
         shared experts (``w1s``, ``w3s``: ``[I, W]``, betas ``sb1``, ``sb2``), and the pairs are ``(token, slot)``
-        with ``K + 1`` slots per token."""
+        with ``K + 1`` slots per token. ``TILES``: row tiles of ``BLOCK_I`` per program, one after another."""
         pdl_wait(PDL)
         pdl_trigger(PDL)
         KS: tl.constexpr = K + (SHARED > 0)
@@ -312,58 +316,61 @@ if HAS_TRITON:
             e = tl.load(idx_ptr + n * K + tl.minimum(j, K - 1)).to(tl.int64)
         ok = (e >= 0) & (e < E)
         e = tl.where(ok, e, 0)
-        ii = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        im = ii < I
-        g_row = w1_ptr + e * s1_e + ii * s1_i  # [BLOCK_I] row pointers
-        u_row = w3_ptr + e * s3_e + ii * s3_i
-        if SHARED > 0:
-            sh = j == K
-            ok = ok | sh
-            g_row = tl.where(sh, w1s_ptr + ii * s1s_i, g_row)
-            u_row = tl.where(sh, w3s_ptr + ii * s3s_i, u_row)
-        if BLOCK_W == 0:
-            c1 = tl.arange(0, K1)
-            m1 = im[:, None] & (c1 < W)[None, :] & ok
-            wg = tl.load(g_row[:, None] + c1[None, :], mask=m1, other=0.0)
-            wu = tl.load(u_row[:, None] + c1[None, :], mask=m1, other=0.0)
-            if KT > 0:
-                c2 = K1 + tl.arange(0, KT)
-                mt = im[:, None] & (c2 < W)[None, :] & ok
-                wg2 = tl.load(g_row[:, None] + c2[None, :], mask=mt, other=0.0)
-                wu2 = tl.load(u_row[:, None] + c2[None, :], mask=mt, other=0.0)
-            xv = tl.load(x_ptr + n * s_x + c1, mask=c1 < W, other=0.0).to(tl.float32)
-            gs = tl.sum(wg.to(tl.float32) * xv[None, :], 1)
-            us = tl.sum(wu.to(tl.float32) * xv[None, :], 1)
-            if KT > 0:
-                x2 = tl.load(x_ptr + n * s_x + c2, mask=c2 < W, other=0.0).to(tl.float32)
-                gs += tl.sum(wg2.to(tl.float32) * x2[None, :], 1)
-                us += tl.sum(wu2.to(tl.float32) * x2[None, :], 1)
-        else:
-            g_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
-            u_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
-            for t in tl.range(NW, num_stages=STAGES):
-                cols = t * BLOCK_W + tl.arange(0, BLOCK_W)
-                cm = cols < W
-                m2 = im[:, None] & cm[None, :] & ok
-                xv = tl.load(x_ptr + n * s_x + cols, mask=cm, other=0.0).to(tl.float32)
-                wg = tl.load(g_row[:, None] + cols[None, :], mask=m2, other=0.0)
-                wu = tl.load(u_row[:, None] + cols[None, :], mask=m2, other=0.0)
-                g_acc += wg.to(tl.float32) * xv[None, :]
-                u_acc += wu.to(tl.float32) * xv[None, :]
-            gs = tl.sum(g_acc, 1)
-            us = tl.sum(u_acc, 1)
-        dt = a_ptr.dtype.element_ty
-        g = gs.to(dt).to(tl.float32)
-        u = us.to(dt).to(tl.float32)
-        sg = tl.sigmoid(g)
-        if SITU:
-            a = (b1 * tanh_f32(g * ib1)) * sg * (b2 * tanh_f32(u * ib2))
-        else:
-            a = g * sg * u
-        if SHARED > 0:  # the shared experts' own activation (SwiGLU with their module's roundings, or SiTU)
-            a = tl.where(sh, _shared_act(g, u, dt, SHARED, sb1, isb1, sb2, isb2), a)
-        a = tl.where(ok, a, float("nan"))
-        tl.store(a_ptr + p * I + ii, a.to(dt), mask=im)
+        for t in tl.static_range(TILES):  # row tiles one after another (the routing formed once)
+            ii = (tl.program_id(1) * TILES + t) * BLOCK_I + tl.arange(0, BLOCK_I)
+            im = ii < I
+            g_row = w1_ptr + e * s1_e + ii * s1_i  # [BLOCK_I] row pointers
+            u_row = w3_ptr + e * s3_e + ii * s3_i
+            if SHARED > 0:
+                sh = j == K
+                ok = ok | sh
+                g_row = tl.where(sh, w1s_ptr + ii * s1s_i, g_row)
+                u_row = tl.where(sh, w3s_ptr + ii * s3s_i, u_row)
+            if BLOCK_W == 0:
+                c1 = tl.arange(0, K1)
+                m1 = im[:, None] & (c1 < W)[None, :] & ok
+                wg = tl.load(g_row[:, None] + c1[None, :], mask=m1, other=0.0)
+                wu = tl.load(u_row[:, None] + c1[None, :], mask=m1, other=0.0)
+                if KT > 0:
+                    c2 = K1 + tl.arange(0, KT)
+                    mt = im[:, None] & (c2 < W)[None, :] & ok
+                    wg2 = tl.load(g_row[:, None] + c2[None, :], mask=mt, other=0.0)
+                    wu2 = tl.load(u_row[:, None] + c2[None, :], mask=mt, other=0.0)
+                xv = tl.load(x_ptr + n * s_x + c1, mask=c1 < W, other=0.0).to(tl.float32)
+                gs = tl.sum(wg.to(tl.float32) * xv[None, :], 1)
+                us = tl.sum(wu.to(tl.float32) * xv[None, :], 1)
+                if KT > 0:
+                    x2 = tl.load(x_ptr + n * s_x + c2, mask=c2 < W, other=0.0).to(tl.float32)
+                    gs += tl.sum(wg2.to(tl.float32) * x2[None, :], 1)
+                    us += tl.sum(wu2.to(tl.float32) * x2[None, :], 1)
+            else:
+                g_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
+                u_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
+                for t in tl.range(NW, num_stages=STAGES):
+                    cols = t * BLOCK_W + tl.arange(0, BLOCK_W)
+                    cm = cols < W
+                    m2 = im[:, None] & cm[None, :] & ok
+                    xv = tl.load(x_ptr + n * s_x + cols, mask=cm, other=0.0).to(tl.float32)
+                    wg = tl.load(g_row[:, None] + cols[None, :], mask=m2, other=0.0)
+                    wu = tl.load(u_row[:, None] + cols[None, :], mask=m2, other=0.0)
+                    g_acc += wg.to(tl.float32) * xv[None, :]
+                    u_acc += wu.to(tl.float32) * xv[None, :]
+                gs = tl.sum(g_acc, 1)
+                us = tl.sum(u_acc, 1)
+            dt = a_ptr.dtype.element_ty
+            g = gs.to(dt).to(tl.float32)
+            u = us.to(dt).to(tl.float32)
+            sg = tl.sigmoid(g)
+            if SITU:
+                a = (b1 * tanh_f32(g * ib1)) * sg * (b2 * tanh_f32(u * ib2))
+            else:
+                a = g * sg * u
+            if (
+                SHARED > 0
+            ):  # the shared experts' own activation (SwiGLU with their module's roundings, or SiTU)
+                a = tl.where(sh, _shared_act(g, u, dt, SHARED, sb1, isb1, sb2, isb2), a)
+            a = tl.where(ok, a, float("nan"))
+            tl.store(a_ptr + p * I + ii, a.to(dt), mask=im)
 
     @triton.jit
     def _experts_down_kernel(
@@ -832,7 +839,8 @@ def experts_small(
     else:  # whole rows: a power-of-two head and tail tile
         k1, kt = head_tail(W)
     pdl = pdl_on(x)
-    _experts_up_kernel[(N * KS, triton.cdiv(I, bi))](
+    tiles = max(1, min(UP_TILES, triton.cdiv(I, bi)))
+    _experts_up_kernel[(N * KS, triton.cdiv(I, bi * tiles))](
         x,
         idx,
         w1,
@@ -859,6 +867,7 @@ def experts_small(
         PDL=pdl,
         K1=k1,
         KT=kt,
+        TILES=tiles,
         **sel,
         **pdl_launch(pdl),
     )
