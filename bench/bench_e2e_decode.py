@@ -132,10 +132,9 @@ KERNEL_VARIANTS = {
     "shared_side": _fold_shared("side"),
     "shared_slot": _fold_shared("slot"),
     "shared_router": _fold_shared("router"),
-    # the one-token down + combine kernel with four programs per SM: a register cap of 128 (a few spills), or two
-    # output rows per program (BLOCK_O 2, twice the programs)
-    "dc_nreg128": _down_combine(maxnreg=128),
-    "dc_bo2": _down_combine(max_bo=2),
+    # the one-token down + combine kernel requesting all K experts' tiles at once (BLOCK_O 2 / 4 at the 48B shape)
+    "dc_all16k": _down_combine(all_max_elems=16384),
+    "dc_all32k": _down_combine(all_max_elems=32768),
     # two gate/up row tiles per program, walked one after another (256 programs at the 48B shape: one wave)
     "up_tiles2": lambda: _patch(_moe_small(), "UP_TILES", 2),
 }

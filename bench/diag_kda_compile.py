@@ -62,9 +62,14 @@ def _types(fn, dtype: str) -> dict:
     return sig
 
 
-def compile_one(fn, consts: dict, num_warps: int, dtype: str = "bf16", maxnreg: int = 0, sig=None) -> dict:
+def compile_one(
+    fn, consts: dict, num_warps: int, dtype: str = "bf16", maxnreg: int = 0, sig=None, div=()
+) -> dict:
     """sm_90 compile of ``fn`` (argument types ``sig``, default: a KDA decode kernel's) with the constexprs
-    ``consts``: registers, spills, barriers, instructions."""
+    ``consts``: registers, spills, barriers, instructions. Pointers and ``s_*`` strides are marked divisible by 16,
+    and so are the integer arguments named in ``div``: a launch gets that mark for every integer argument that is a
+    multiple of 16 (Triton's specialisation), and without it loads are not vectorised or staged through shared
+    memory (cp.async), so the registers and shared memory reported would not be the launched kernel's."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -76,12 +81,13 @@ def compile_one(fn, consts: dict, num_warps: int, dtype: str = "bf16", maxnreg: 
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, n in enumerate(fn.arg_names)
-        if sig[n].startswith("*") or n.startswith("s_")
+        if sig[n].startswith("*") or n.startswith("s_") or n in div
     }
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     opts = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     res = {"num_warps": num_warps, "maxnreg": maxnreg, "shared": c.metadata.shared}
+    res["cp_async"] = len(re.findall(r"cp\.async\.(?:ca|cg)", c.asm["ptx"]))
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])

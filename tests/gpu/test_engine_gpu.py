@@ -573,3 +573,19 @@ def test_engine_fold_norms(graphs, shared, monkeypatch):
         assert any(seen) == on, (on, sum(seen))
         assert any(e > 0 for e in extra) == (on and shared == "router"), (on, shared, extra[:4])
         assert err < 1e-3, (on, err)
+
+
+def test_engine_graph_priority():
+    """EngineConfig.graph_priority (off by default): the decode graph captured on a high-priority stream, the side
+    stream's branches at the lowest priority; the same fp32 decode logits as a full forward, tightly (plain MoE, so
+    that the shared experts run on the side stream)."""
+    from openk3.infer import engine as E
+
+    err = _greedy_fp32_decode_err(
+        True,
+        seed=19,
+        max_tokens=(12, 7, 9),
+        model_over=dict(attn_res_block_size=None, routed_expert_hidden_size=None),
+        graph_priority=True,
+    )
+    assert E.GRAPH_PRIORITY < 0 and err < 1e-3, err

@@ -153,8 +153,9 @@ SCRIPT = textwrap.dedent(
             x = torch.randn(1, W).to(dtype)
             idx = torch.randperm(E)[:K][None]
             wt = torch.rand(1, K)
-            for ppsm in (1, 4, 64):
-                moe_small.DOWN_COMBINE["programs_per_sm"] = ppsm
+            # launch widths, and every expert's tile requested at once (BLOCK_O capped to fit, or 1)
+            for ppsm, whole in ((1, 0), (4, 0), (64, 0), (4, 1 << 20), (1, 1)):
+                moe_small.DOWN_COMBINE.update(programs_per_sm=ppsm, all_max_elems=whole)
                 got = moe_small.experts_small(x, idx, wt, w1, w2, w3)
                 saved, moe_small.DOWN_COMBINE_MAX_TOKENS = moe_small.DOWN_COMBINE_MAX_TOKENS, 0
                 want = moe_small.experts_small(x, idx, wt, w1, w2, w3)
@@ -162,8 +163,8 @@ SCRIPT = textwrap.dedent(
                 assert got.dtype == dtype and rel(got, want) <= tol, (E, I, W, K, dtype, ppsm, rel(got, want))
                 bad = idx.clone()
                 bad[0, -1] = E + 3
-                assert torch.isnan(moe_small.experts_small(x, bad, wt, w1, w2, w3)).all(), ppsm
-            moe_small.DOWN_COMBINE["programs_per_sm"] = 4
+                assert torch.isnan(moe_small.experts_small(x, bad, wt, w1, w2, w3)).all(), (ppsm, whole)
+            moe_small.DOWN_COMBINE.update(programs_per_sm=4, all_max_elems=0)
     # the shared experts' output and the residual added in the store (one token: the down + combine kernel; three:
     # the per-pair kernel + combine2 + adds): bit for bit the separate adds in the model's order, r + (u + s);
     # before_down called once, between the launches
@@ -216,6 +217,8 @@ SCRIPT = textwrap.dedent(
     # three tokens: PyTorch ops on the same sums); against the slot form fed the same normed input
     for N, dtype, act in ((1, torch.float32, "silu"), (1, torch.float32, "situ"), (1, torch.bfloat16, "silu"),
                           (1, torch.bfloat16, "situ"), (3, torch.bfloat16, "silu")):  # fmt: skip
+        # (the bf16 cases with every expert's tile requested at once)
+        moe_small.DOWN_COMBINE["all_max_elems"] = (1 << 20) if dtype == torch.bfloat16 else 0
         E, I, W, K = 6, 24, 40, 2
         w1, w3 = (torch.randn(E, I, W) / W**0.5).to(dtype), (torch.randn(E, I, W) / W**0.5).to(dtype)
         w2 = (torch.randn(E, W, I) / I**0.5).to(dtype)
@@ -245,6 +248,7 @@ SCRIPT = textwrap.dedent(
         bumped = dataclasses.replace(sx, gu=pr.extra + torch.nn.functional.pad(torch.ones(N, 1), (0, 2 * I - 1)))
         if N == 1:
             assert rel(moe_small.experts_small(xn, idx, wt, w1, w2, w3, act=act, shared=bumped, residual=res), got) > 0
+    moe_small.DOWN_COMBINE["all_max_elems"] = 0
     for bad_gu in (torch.zeros(1, 11), torch.zeros(1, 12, dtype=torch.float64), torch.zeros(2, 12), torch.zeros(1, 24)[:, ::2]):
         try:
             moe_small.experts_small(torch.randn(1, 8), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2),
