@@ -55,7 +55,7 @@ def main():
     base = dict(
         K=args.top_k, SITU=False, PDL=True, KP=triton.next_power_of_2(args.top_k),
         EP=triton.next_power_of_2(args.experts), SOFTMAX=False, HAS_BIAS=True, RENORM=True, K1=0, KT=0, SHARED=0,
-        TILES=1, DOT=False, PREC="tf32",
+        TILES=1,
     )  # fmt: skip
     print(
         "| tile (rows, columns, stages) | warps | fused selection | registers | spill loads / stores | shared bytes |"

@@ -80,13 +80,8 @@ if _ut:
         raise ValueError(
             f"OPENK3_MOE_UP_TILE must be 'rows,columns,stages' (powers of two, columns 0 = whole rows), got {_ut!r}"
         )
-# gate/up row tiles per program, walked one after another: fewer programs, each forming the routing once (sm_90, 48B
-# shape: the default tile holds 255 registers, two programs per SM, so 512 one-tile programs run in two waves)
+# gate/up row tiles per program, walked one after another: fewer programs, each forming the routing once
 UP_TILES = env_int("OPENK3_MOE_UP_TILES", 1, "row tiles per gate/up program")
-# the streamed gate/up tiles' products as tensor-core dots against a 16-column tile holding the token's inputs:
-# the weight tiles then go through shared memory, staged ahead by the compiler's pipeliner (without a dot they are
-# loaded into registers: 255 registers, two programs per SM at the 48B shape). OPENK3_MOE_UP_DOT=1 turns it on
-UP_DOT = env_int("OPENK3_MOE_UP_DOT", 0, "1 = the gate/up products as tensor-core dots") > 0
 DOWN_TILE = (32, 128, 3)
 ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few tokens, to fill the SMs)
 # up to this many tokens the down projection and the weighted combine run as one kernel: each program owns
@@ -295,8 +290,6 @@ if HAS_TRITON:
         isb2=1.0,
         SHARED: tl.constexpr = 0,
         TILES: tl.constexpr = 1,
-        DOT: tl.constexpr = False,
-        PREC: tl.constexpr = "ieee",
     ):
         """a[p, i] = act(round(x[p // K] . w1[e_p, i]), round(x[p // K] . w3[e_p, i])) for pair p, expert e_p (NaN
         for an expert id outside [0, E): no out-of-bounds read, and the bad id shows in the output). ``SELECT``: the
@@ -306,9 +299,7 @@ if HAS_TRITON:
         every weight byte of the program requested at once instead of streamed in ``BLOCK_W``-column steps.
         ``SHARED`` (1 SwiGLU as ``F.silu(g) * u``, each rounded; 2 SiTU-GLU): each token has a slot ``K`` more, its
         shared experts (``w1s``, ``w3s``: ``[I, W]``, betas ``sb1``, ``sb2``), and the pairs are ``(token, slot)``
-        with ``K + 1`` slots per token. ``TILES``: row tiles of ``BLOCK_I`` per program, one after another. ``DOT`` (streamed
-        tiles, ``BLOCK_I`` >= 16, x and the weights of one dtype): each step's products as a tensor-core dot
-        (``PREC``: its input precision; "ieee" for fp32 operands, so that they are not rounded to tf32)."""
+        with ``K + 1`` slots per token. ``TILES``: row tiles of ``BLOCK_I`` per program, one after another."""
         pdl_wait(PDL)
         pdl_trigger(PDL)
         KS: tl.constexpr = K + (SHARED > 0)
@@ -352,25 +343,6 @@ if HAS_TRITON:
                     x2 = tl.load(x_ptr + n * s_x + c2, mask=c2 < W, other=0.0).to(tl.float32)
                     gs += tl.sum(wg2.to(tl.float32) * x2[None, :], 1)
                     us += tl.sum(wu2.to(tl.float32) * x2[None, :], 1)
-            elif DOT:
-                # each step's products on the tensor cores: the weight tiles [BLOCK_I, BLOCK_W] against a
-                # [BLOCK_W, 16] tile whose column 0 is the token's inputs (the rest zeros), so that the loads feed a
-                # dot and the compiler stages them through shared memory, STAGES - 1 steps ahead
-                c16 = tl.arange(0, 16)
-                g_acc = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
-                u_acc = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
-                for t in tl.range(NW, num_stages=STAGES):
-                    cols = t * BLOCK_W + tl.arange(0, BLOCK_W)
-                    cm = cols < W
-                    m2 = im[:, None] & cm[None, :] & ok
-                    xv = tl.load(x_ptr + n * s_x + cols, mask=cm, other=0.0)
-                    xt = tl.where(c16[None, :] == 0, xv[:, None], tl.zeros_like(xv)[:, None])
-                    wg = tl.load(g_row[:, None] + cols[None, :], mask=m2, other=0.0)
-                    wu = tl.load(u_row[:, None] + cols[None, :], mask=m2, other=0.0)
-                    g_acc = tl.dot(wg, xt, g_acc, input_precision=PREC)
-                    u_acc = tl.dot(wu, xt, u_acc, input_precision=PREC)
-                gs = tl.sum(tl.where(c16[None, :] == 0, g_acc, 0.0), 1)
-                us = tl.sum(tl.where(c16[None, :] == 0, u_acc, 0.0), 1)
             else:
                 g_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
                 u_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
@@ -897,8 +869,6 @@ def experts_small(
         k1, kt = head_tail(W)
     pdl = pdl_on(x)
     tiles = max(1, min(UP_TILES, triton.cdiv(I, bi)))
-    # the streamed tiles' products on the tensor cores (UP_DOT): one dtype, at least 16 rows, 16 columns per step
-    dot = bool(UP_DOT and bw and bi >= 16 and bw >= 16 and w1.dtype == x.dtype and w3.dtype == x.dtype)
     _experts_up_kernel[(N * KS, triton.cdiv(I, bi * tiles))](
         x,
         idx,
@@ -927,8 +897,6 @@ def experts_small(
         K1=k1,
         KT=kt,
         TILES=tiles,
-        DOT=dot,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32",
         **sel,
         **pdl_launch(pdl),
     )
