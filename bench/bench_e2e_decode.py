@@ -99,22 +99,6 @@ def _fold_shared(mode: str):
     return lambda: _patch(engine, "FOLD_SHARED", mode)
 
 
-def _moe_small():
-    from openk3.fast import moe_small
-
-    return moe_small
-
-
-def _down_combine(**kw):
-    from openk3.fast import moe_small
-
-    def go():
-        undo = [_patch(moe_small.DOWN_COMBINE, k, v) for k, v in kw.items()]
-        return lambda: [u() for u in undo]
-
-    return go
-
-
 # --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
 KERNEL_VARIANTS = {
     "default": lambda: lambda: None,
@@ -132,11 +116,6 @@ KERNEL_VARIANTS = {
     "shared_side": _fold_shared("side"),
     "shared_slot": _fold_shared("slot"),
     "shared_router": _fold_shared("router"),
-    # the one-token down + combine kernel requesting all K experts' tiles at once (BLOCK_O 2 / 4 at the 48B shape)
-    "dc_all16k": _down_combine(all_max_elems=16384),
-    "dc_all32k": _down_combine(all_max_elems=32768),
-    # two gate/up row tiles per program, walked one after another (256 programs at the 48B shape: one wave)
-    "up_tiles2": lambda: _patch(_moe_small(), "UP_TILES", 2),
 }
 
 

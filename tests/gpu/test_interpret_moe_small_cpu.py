@@ -98,13 +98,11 @@ SCRIPT = textwrap.dedent(
         pass
     # experts: packed (two halves of one buffer, as openk3.modules.moe.Experts stores them) and separate gate/up
     # (the streamed gate/up tiles, and whole rows: W = 200 as a 128 head + 128 tail, 33 as 32 + 1, 256 and 16 whole)
-    # (and row tiles walked one after another by a program: UP_TILES, the last program's partly past I)
     up_default = moe_small.UP_TILE
-    for (E, I, W, N, K), (up, tiles) in itertools.product(
-        [(10, 40, 200, 1, 3), (6, 17, 33, 4, 2), (4, 64, 256, 2, 4), (3, 8, 16, 2, 1)],
-        ((up_default, 1), ((4, 0, 1), 1), ((4, 0, 1), 3), (up_default, 2)),
+    for (E, I, W, N, K), up in itertools.product(
+        [(10, 40, 200, 1, 3), (6, 17, 33, 4, 2), (4, 64, 256, 2, 4), (3, 8, 16, 2, 1)], (up_default, (4, 0, 1))
     ):
-        moe_small.UP_TILE, moe_small.UP_TILES = up, tiles
+        moe_small.UP_TILE = up
         for act in ("situ", "silu"):
             for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
                 for packed in (True, False):
@@ -128,9 +126,9 @@ SCRIPT = textwrap.dedent(
                         f = [t.float() for t in (x, w1, w2, w3)]
                         want = experts_reference(f[0], idx, wt, f[1], f[2], f[3], act=act, beta1=4.0, beta2=25.0)
                     e = rel(got, want)
-                    assert e <= tol, (E, I, W, act, dtype, packed, up, tiles, e)
+                    assert e <= tol, (E, I, W, act, dtype, packed, up, e)
                     worst = max(worst, e / tol)
-    moe_small.UP_TILE, moe_small.UP_TILES = up_default, 1
+    moe_small.UP_TILE = up_default
     # an expert id out of range: NaN on that token only (no out-of-bounds read), the other tokens exact
     w1, w3 = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
     w2 = torch.randn(4, 8, 6)
@@ -153,18 +151,17 @@ SCRIPT = textwrap.dedent(
             x = torch.randn(1, W).to(dtype)
             idx = torch.randperm(E)[:K][None]
             wt = torch.rand(1, K)
-            # launch widths, and every expert's tile requested at once (BLOCK_O capped to fit, or 1)
-            for ppsm, whole in ((1, 0), (4, 0), (64, 0), (4, 1 << 20), (1, 1)):
-                moe_small.DOWN_COMBINE.update(programs_per_sm=ppsm, all_max_elems=whole)
+            for ppsm in (1, 4, 64):
+                moe_small.DOWN_COMBINE["programs_per_sm"] = ppsm
                 got = moe_small.experts_small(x, idx, wt, w1, w2, w3)
                 saved, moe_small.DOWN_COMBINE_MAX_TOKENS = moe_small.DOWN_COMBINE_MAX_TOKENS, 0
                 want = moe_small.experts_small(x, idx, wt, w1, w2, w3)
                 moe_small.DOWN_COMBINE_MAX_TOKENS = saved
                 assert got.dtype == dtype and rel(got, want) <= tol, (E, I, W, K, dtype, ppsm, rel(got, want))
-                bad = idx.clone()
-                bad[0, -1] = E + 3
-                assert torch.isnan(moe_small.experts_small(x, bad, wt, w1, w2, w3)).all(), (ppsm, whole)
-            moe_small.DOWN_COMBINE.update(programs_per_sm=4, all_max_elems=0)
+            moe_small.DOWN_COMBINE["programs_per_sm"] = 4
+            bad = idx.clone()
+            bad[0, -1] = E + 3
+            assert torch.isnan(moe_small.experts_small(x, bad, wt, w1, w2, w3)).all()
     # the shared experts' output and the residual added in the store (one token: the down + combine kernel; three:
     # the per-pair kernel + combine2 + adds): bit for bit the separate adds in the model's order, r + (u + s);
     # before_down called once, between the launches
@@ -217,8 +214,6 @@ SCRIPT = textwrap.dedent(
     # three tokens: PyTorch ops on the same sums); against the slot form fed the same normed input
     for N, dtype, act in ((1, torch.float32, "silu"), (1, torch.float32, "situ"), (1, torch.bfloat16, "silu"),
                           (1, torch.bfloat16, "situ"), (3, torch.bfloat16, "silu")):  # fmt: skip
-        # (the bf16 cases with every expert's tile requested at once)
-        moe_small.DOWN_COMBINE["all_max_elems"] = (1 << 20) if dtype == torch.bfloat16 else 0
         E, I, W, K = 6, 24, 40, 2
         w1, w3 = (torch.randn(E, I, W) / W**0.5).to(dtype), (torch.randn(E, I, W) / W**0.5).to(dtype)
         w2 = (torch.randn(E, W, I) / I**0.5).to(dtype)
@@ -248,7 +243,6 @@ SCRIPT = textwrap.dedent(
         bumped = dataclasses.replace(sx, gu=pr.extra + torch.nn.functional.pad(torch.ones(N, 1), (0, 2 * I - 1)))
         if N == 1:
             assert rel(moe_small.experts_small(xn, idx, wt, w1, w2, w3, act=act, shared=bumped, residual=res), got) > 0
-    moe_small.DOWN_COMBINE["all_max_elems"] = 0
     for bad_gu in (torch.zeros(1, 11), torch.zeros(1, 12, dtype=torch.float64), torch.zeros(2, 12), torch.zeros(1, 24)[:, ::2]):
         try:
             moe_small.experts_small(torch.randn(1, 8), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2),

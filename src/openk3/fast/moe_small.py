@@ -80,8 +80,6 @@ if _ut:
         raise ValueError(
             f"OPENK3_MOE_UP_TILE must be 'rows,columns,stages' (powers of two, columns 0 = whole rows), got {_ut!r}"
         )
-# gate/up row tiles per program, walked one after another: fewer programs, each forming the routing once
-UP_TILES = env_int("OPENK3_MOE_UP_TILES", 1, "row tiles per gate/up program")
 DOWN_TILE = (32, 128, 3)
 ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few tokens, to fill the SMs)
 # up to this many tokens the down projection and the weighted combine run as one kernel: each program owns
@@ -90,10 +88,7 @@ ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few 
 # combine launch). BLOCK_O: the largest power of two (at most "max_bo") that leaves "programs_per_sm" programs per
 # SM; 0 tokens: the per-pair down kernel and combine2 always
 DOWN_COMBINE_MAX_TOKENS = _env_tokens("OPENK3_MOE_DOWN_COMBINE", 1)
-# "all_max_elems": where a program's tiles of all K experts (K's and I's powers of two x BLOCK_O) fit this many
-# values, it requests them at once instead of walking the experts one tile ahead (a chain of K dependent loads per
-# program; BLOCK_O then capped to fit; 0: never)
-DOWN_COMBINE = {"programs_per_sm": 4, "max_bo": 16, "num_warps": 4, "all_max_elems": 0}
+DOWN_COMBINE = {"programs_per_sm": 4, "max_bo": 16, "num_warps": 4}
 # up to this many tokens the router logits come from openk3.infer.gemv's whole-row GEMV (fp32 sums, not rounded),
 # which requests its weight rows before waiting on the kernel before it (programmatic dependent launch); 0: the
 # logits kernel above always
@@ -289,7 +284,6 @@ if HAS_TRITON:
         sb2=1.0,
         isb2=1.0,
         SHARED: tl.constexpr = 0,
-        TILES: tl.constexpr = 1,
     ):
         """a[p, i] = act(round(x[p // K] . w1[e_p, i]), round(x[p // K] . w3[e_p, i])) for pair p, expert e_p (NaN
         for an expert id outside [0, E): no out-of-bounds read, and the bad id shows in the output). ``SELECT``: the
@@ -299,7 +293,7 @@ if HAS_TRITON:
         every weight byte of the program requested at once instead of streamed in ``BLOCK_W``-column steps.
         ``SHARED`` (1 SwiGLU as ``F.silu(g) * u``, each rounded; 2 SiTU-GLU): each token has a slot ``K`` more, its
         shared experts (``w1s``, ``w3s``: ``[I, W]``, betas ``sb1``, ``sb2``), and the pairs are ``(token, slot)``
-        with ``K + 1`` slots per token. ``TILES``: row tiles of ``BLOCK_I`` per program, one after another."""
+        with ``K + 1`` slots per token."""
         pdl_wait(PDL)
         pdl_trigger(PDL)
         KS: tl.constexpr = K + (SHARED > 0)
@@ -316,61 +310,58 @@ if HAS_TRITON:
             e = tl.load(idx_ptr + n * K + tl.minimum(j, K - 1)).to(tl.int64)
         ok = (e >= 0) & (e < E)
         e = tl.where(ok, e, 0)
-        for t in tl.static_range(TILES):  # row tiles one after another (the routing formed once)
-            ii = (tl.program_id(1) * TILES + t) * BLOCK_I + tl.arange(0, BLOCK_I)
-            im = ii < I
-            g_row = w1_ptr + e * s1_e + ii * s1_i  # [BLOCK_I] row pointers
-            u_row = w3_ptr + e * s3_e + ii * s3_i
-            if SHARED > 0:
-                sh = j == K
-                ok = ok | sh
-                g_row = tl.where(sh, w1s_ptr + ii * s1s_i, g_row)
-                u_row = tl.where(sh, w3s_ptr + ii * s3s_i, u_row)
-            if BLOCK_W == 0:
-                c1 = tl.arange(0, K1)
-                m1 = im[:, None] & (c1 < W)[None, :] & ok
-                wg = tl.load(g_row[:, None] + c1[None, :], mask=m1, other=0.0)
-                wu = tl.load(u_row[:, None] + c1[None, :], mask=m1, other=0.0)
-                if KT > 0:
-                    c2 = K1 + tl.arange(0, KT)
-                    mt = im[:, None] & (c2 < W)[None, :] & ok
-                    wg2 = tl.load(g_row[:, None] + c2[None, :], mask=mt, other=0.0)
-                    wu2 = tl.load(u_row[:, None] + c2[None, :], mask=mt, other=0.0)
-                xv = tl.load(x_ptr + n * s_x + c1, mask=c1 < W, other=0.0).to(tl.float32)
-                gs = tl.sum(wg.to(tl.float32) * xv[None, :], 1)
-                us = tl.sum(wu.to(tl.float32) * xv[None, :], 1)
-                if KT > 0:
-                    x2 = tl.load(x_ptr + n * s_x + c2, mask=c2 < W, other=0.0).to(tl.float32)
-                    gs += tl.sum(wg2.to(tl.float32) * x2[None, :], 1)
-                    us += tl.sum(wu2.to(tl.float32) * x2[None, :], 1)
-            else:
-                g_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
-                u_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
-                for t in tl.range(NW, num_stages=STAGES):
-                    cols = t * BLOCK_W + tl.arange(0, BLOCK_W)
-                    cm = cols < W
-                    m2 = im[:, None] & cm[None, :] & ok
-                    xv = tl.load(x_ptr + n * s_x + cols, mask=cm, other=0.0).to(tl.float32)
-                    wg = tl.load(g_row[:, None] + cols[None, :], mask=m2, other=0.0)
-                    wu = tl.load(u_row[:, None] + cols[None, :], mask=m2, other=0.0)
-                    g_acc += wg.to(tl.float32) * xv[None, :]
-                    u_acc += wu.to(tl.float32) * xv[None, :]
-                gs = tl.sum(g_acc, 1)
-                us = tl.sum(u_acc, 1)
-            dt = a_ptr.dtype.element_ty
-            g = gs.to(dt).to(tl.float32)
-            u = us.to(dt).to(tl.float32)
-            sg = tl.sigmoid(g)
-            if SITU:
-                a = (b1 * tanh_f32(g * ib1)) * sg * (b2 * tanh_f32(u * ib2))
-            else:
-                a = g * sg * u
-            if (
-                SHARED > 0
-            ):  # the shared experts' own activation (SwiGLU with their module's roundings, or SiTU)
-                a = tl.where(sh, _shared_act(g, u, dt, SHARED, sb1, isb1, sb2, isb2), a)
-            a = tl.where(ok, a, float("nan"))
-            tl.store(a_ptr + p * I + ii, a.to(dt), mask=im)
+        ii = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        im = ii < I
+        g_row = w1_ptr + e * s1_e + ii * s1_i  # [BLOCK_I] row pointers
+        u_row = w3_ptr + e * s3_e + ii * s3_i
+        if SHARED > 0:
+            sh = j == K
+            ok = ok | sh
+            g_row = tl.where(sh, w1s_ptr + ii * s1s_i, g_row)
+            u_row = tl.where(sh, w3s_ptr + ii * s3s_i, u_row)
+        if BLOCK_W == 0:
+            c1 = tl.arange(0, K1)
+            m1 = im[:, None] & (c1 < W)[None, :] & ok
+            wg = tl.load(g_row[:, None] + c1[None, :], mask=m1, other=0.0)
+            wu = tl.load(u_row[:, None] + c1[None, :], mask=m1, other=0.0)
+            if KT > 0:
+                c2 = K1 + tl.arange(0, KT)
+                mt = im[:, None] & (c2 < W)[None, :] & ok
+                wg2 = tl.load(g_row[:, None] + c2[None, :], mask=mt, other=0.0)
+                wu2 = tl.load(u_row[:, None] + c2[None, :], mask=mt, other=0.0)
+            xv = tl.load(x_ptr + n * s_x + c1, mask=c1 < W, other=0.0).to(tl.float32)
+            gs = tl.sum(wg.to(tl.float32) * xv[None, :], 1)
+            us = tl.sum(wu.to(tl.float32) * xv[None, :], 1)
+            if KT > 0:
+                x2 = tl.load(x_ptr + n * s_x + c2, mask=c2 < W, other=0.0).to(tl.float32)
+                gs += tl.sum(wg2.to(tl.float32) * x2[None, :], 1)
+                us += tl.sum(wu2.to(tl.float32) * x2[None, :], 1)
+        else:
+            g_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
+            u_acc = tl.zeros([BLOCK_I, BLOCK_W], dtype=tl.float32)
+            for t in tl.range(NW, num_stages=STAGES):
+                cols = t * BLOCK_W + tl.arange(0, BLOCK_W)
+                cm = cols < W
+                m2 = im[:, None] & cm[None, :] & ok
+                xv = tl.load(x_ptr + n * s_x + cols, mask=cm, other=0.0).to(tl.float32)
+                wg = tl.load(g_row[:, None] + cols[None, :], mask=m2, other=0.0)
+                wu = tl.load(u_row[:, None] + cols[None, :], mask=m2, other=0.0)
+                g_acc += wg.to(tl.float32) * xv[None, :]
+                u_acc += wu.to(tl.float32) * xv[None, :]
+            gs = tl.sum(g_acc, 1)
+            us = tl.sum(u_acc, 1)
+        dt = a_ptr.dtype.element_ty
+        g = gs.to(dt).to(tl.float32)
+        u = us.to(dt).to(tl.float32)
+        sg = tl.sigmoid(g)
+        if SITU:
+            a = (b1 * tanh_f32(g * ib1)) * sg * (b2 * tanh_f32(u * ib2))
+        else:
+            a = g * sg * u
+        if SHARED > 0:  # the shared experts' own activation (SwiGLU with their module's roundings, or SiTU)
+            a = tl.where(sh, _shared_act(g, u, dt, SHARED, sb1, isb1, sb2, isb2), a)
+        a = tl.where(ok, a, float("nan"))
+        tl.store(a_ptr + p * I + ii, a.to(dt), mask=im)
 
     @triton.jit
     def _experts_down_kernel(
@@ -420,8 +411,7 @@ if HAS_TRITON:
         a_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, E, W, I, s2_e, s2_w, add_ptr, s_add, res_ptr, s_res, w2s_ptr,
         s2s_w, K: tl.constexpr, BLOCK_O: tl.constexpr, IP: tl.constexpr, PDL: tl.constexpr,
         ADD: tl.constexpr = False, RES: tl.constexpr = False, SHARED: tl.constexpr = False,
-        gu_ptr=None, s_gu=0, sb1=1.0, isb1=1.0, sb2=1.0, isb2=1.0, GU: tl.constexpr = 0, ALL: tl.constexpr = 0,
-        KP: tl.constexpr = 1,
+        gu_ptr=None, s_gu=0, sb1=1.0, isb1=1.0, sb2=1.0, isb2=1.0, GU: tl.constexpr = 0,
     ):  # fmt: skip
         """out[n, o] = sum_j wt[n, j] * round(a[n * K + j] . w2[e_j, o]), the sum in fp32 in slot order (the
         per-pair down kernel followed by combine2, in one pass; NaN for an expert id outside [0, E)). ``ADD``: then
@@ -430,8 +420,7 @@ if HAS_TRITON:
         projection (``w2s [W, I]``) rounded and added to the rounded mixture (before ``add``). ``GU`` (with
         ``SHARED``; 1 SwiGLU, 2 SiTU, as :func:`_shared_act`): that activation formed here instead, from the shared
         experts' gate and up projections' fp32 sums at ``gu [n, :I]``, ``gu [n, I:2I]`` (``a`` then holds ``K`` rows
-        per token). ``ALL``: every expert's tile requested at once (``KP``: K's power of two) instead of the next one
-        while one is used."""
+        per token)."""
         ii = tl.arange(0, IP)
         im = ii < I
         oo = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -445,50 +434,25 @@ if HAS_TRITON:
         KS: tl.constexpr = K + (SHARED and GU == 0)
         n = tl.program_id(0).to(tl.int64)
         dt = out_ptr.dtype.element_ty
+        e = tl.load(idx_ptr + n * K).to(tl.int64)
+        ok = (e >= 0) & (e < E)
+        e = tl.where(ok, e, 0)
+        m = om[:, None] & im[None, :]
+        w = tl.load(w2_ptr + e * s2_e + oo[:, None] * s2_w + ii[None, :], mask=m & ok, other=0.0)
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
-        if ALL:
-            # every expert's tile requested at once ([KP, BLOCK_O, IP]), their products reduced together; then the
-            # rounded outputs weighted and summed in slot order (each row taken out exactly)
-            kk = tl.arange(0, KP)
-            km = kk < K
-            ev = tl.load(idx_ptr + n * K + kk, mask=km, other=0).to(tl.int64)
-            okv = (ev >= 0) & (ev < E)
-            ev = tl.where(okv, ev, 0)
-            m3 = (km & okv)[:, None, None] & om[None, :, None] & im[None, None, :]
-            w3d = tl.load(
-                w2_ptr + ev[:, None, None] * s2_e + oo[None, :, None] * s2_w + ii[None, None, :],
-                mask=m3,
-                other=0.0,
-            )
-            a2 = tl.load(
-                a_ptr + (n * KS + kk[:, None]) * I + ii[None, :], mask=km[:, None] & im[None, :], other=0.0
-            )
-            ys = tl.sum(w3d.to(tl.float32) * a2.to(tl.float32)[:, None, :], 2)  # [KP, BLOCK_O]
-            ys = tl.where(okv[:, None], ys, float("nan")).to(dt).to(tl.float32)
-            for j in tl.static_range(K):
-                yj = tl.sum(tl.where(kk[:, None] == j, ys, 0.0), 0)
-                acc += yj * tl.load(wt_ptr + n * K + j)
-        else:
-            e = tl.load(idx_ptr + n * K).to(tl.int64)
-            ok = (e >= 0) & (e < E)
-            e = tl.where(ok, e, 0)
-            m = om[:, None] & im[None, :]
-            w = tl.load(w2_ptr + e * s2_e + oo[:, None] * s2_w + ii[None, :], mask=m & ok, other=0.0)
-            for j in tl.static_range(K):
-                if j + 1 < K:  # the next expert's tile in flight while this one is used
-                    e2 = tl.load(idx_ptr + n * K + j + 1).to(tl.int64)
-                    ok2 = (e2 >= 0) & (e2 < E)
-                    e2 = tl.where(ok2, e2, 0)
-                    w2 = tl.load(
-                        w2_ptr + e2 * s2_e + oo[:, None] * s2_w + ii[None, :], mask=m & ok2, other=0.0
-                    )
-                av = tl.load(a_ptr + (n * KS + j) * I + ii, mask=im, other=0.0).to(tl.float32)
-                y = tl.sum(w.to(tl.float32) * av[None, :], 1)
-                y = tl.where(ok, y, float("nan")).to(dt).to(tl.float32)
-                acc += y * tl.load(wt_ptr + n * K + j)
-                if j + 1 < K:
-                    w = w2
-                    ok = ok2
+        for j in tl.static_range(K):
+            if j + 1 < K:  # the next expert's tile in flight while this one is used
+                e2 = tl.load(idx_ptr + n * K + j + 1).to(tl.int64)
+                ok2 = (e2 >= 0) & (e2 < E)
+                e2 = tl.where(ok2, e2, 0)
+                w2 = tl.load(w2_ptr + e2 * s2_e + oo[:, None] * s2_w + ii[None, :], mask=m & ok2, other=0.0)
+            av = tl.load(a_ptr + (n * KS + j) * I + ii, mask=im, other=0.0).to(tl.float32)
+            y = tl.sum(w.to(tl.float32) * av[None, :], 1)
+            y = tl.where(ok, y, float("nan")).to(dt).to(tl.float32)
+            acc += y * tl.load(wt_ptr + n * K + j)
+            if j + 1 < K:
+                w = w2
+                ok = ok2
         y = _round(acc, dt)
         if SHARED:
             if GU > 0:
@@ -513,11 +477,8 @@ def _down_combine(
     the activation then formed here), the addend and the residual of :func:`experts_small` in its store."""
     c = DOWN_COMBINE
     slots = c["programs_per_sm"] * sm_count(a.device)
-    kp, ip = triton.next_power_of_2(K), triton.next_power_of_2(I)
-    whole = kp * ip <= c["all_max_elems"]  # every expert's tile at once
-    cap = min(c["max_bo"], c["all_max_elems"] // (kp * ip)) if whole else c["max_bo"]
     bo = 1
-    while bo * 2 <= cap and N * triton.cdiv(W, bo * 2) >= slots:
+    while bo * 2 <= c["max_bo"] and N * triton.cdiv(W, bo * 2) >= slots:
         bo *= 2
     out = torch.empty(N, W, dtype=dtype, device=a.device)
     pdl = pdl_on(a)
@@ -526,8 +487,8 @@ def _down_combine(
     _experts_down_combine_kernel[(N, triton.cdiv(W, bo))](
         a, idx, weights, w2, out, E, W, I, w2.stride(0), w2.stride(1), ad, ad.stride(0), rs, rs.stride(0),
         w2 if w2s is None else w2s, 0 if w2s is None else w2s.stride(0),
-        K=K, BLOCK_O=bo, IP=ip, PDL=pdl, ADD=add is not None, RES=residual is not None, SHARED=w2s is not None,
-        ALL=int(whole), KP=kp, num_warps=c["num_warps"], **_gu_args(gu), **pdl_launch(pdl),
+        K=K, BLOCK_O=bo, IP=triton.next_power_of_2(I), PDL=pdl, ADD=add is not None, RES=residual is not None,
+        SHARED=w2s is not None, num_warps=c["num_warps"], **_gu_args(gu), **pdl_launch(pdl),
     )  # fmt: skip
     return out
 
@@ -868,8 +829,7 @@ def experts_small(
     else:  # whole rows: a power-of-two head and tail tile
         k1, kt = head_tail(W)
     pdl = pdl_on(x)
-    tiles = max(1, min(UP_TILES, triton.cdiv(I, bi)))
-    _experts_up_kernel[(N * KS, triton.cdiv(I, bi * tiles))](
+    _experts_up_kernel[(N * KS, triton.cdiv(I, bi))](
         x,
         idx,
         w1,
@@ -896,7 +856,6 @@ def experts_small(
         PDL=pdl,
         K1=k1,
         KT=kt,
-        TILES=tiles,
         **sel,
         **pdl_launch(pdl),
     )

@@ -164,9 +164,9 @@ class EngineConfig:
     # decode step of a model without AttnRes, with triton_gemv and gemv_residual, at one row: the add + norm launches
     # between the layer halves folded into their neighbours. After attention: the output projection's GEMV adds the
     # residual in its store, and a plain MoE layer's router GEMV forms the RMSNorm of that sum while reading it and
-    # writes the normed row for the routed experts (the shared experts' input GEMV, beside it on the side stream,
-    # forms the norm too); the routed experts' down + combine kernel then adds the shared experts' output and the
-    # residual in its store. Before attention: the next layer's fused input
+    # writes the normed row for the routed experts (and forms the shared experts' gate / up projections, whose rows
+    # follow the router's in one buffer: FOLD_SHARED); the routed experts' down + combine kernel then adds the shared
+    # experts' output (their activation and down projection formed there) and the residual in its store. Before attention: the next layer's fused input
     # projection forms its RMSNorm in the GEMV (`openk3.infer.gemv.Normed`) where the GEMV takes that weight
     # (`GEMV_DECODE["normed_max_bytes"]`). Same roundings as the separate ops (the norm's fp32 sum of squares in
     # another order). H200, 48B shape at batch 1: 2.45 -> 2.41 ms per step (bench/NOTES.md v17)
@@ -195,12 +195,14 @@ GRAPH_PRIORITY = -1
 # EngineConfig.fold_norms applies to decode steps of at most this many rows (the router GEMV and the fused routing
 # selection take one token)
 FOLD_NORMS_MAX_ROWS = 1
-# ... and where a folded MoE layer's shared experts run: "side" (the side stream, beside the router and the routed
-# experts), "slot" (one more slot of the routed experts' kernels; H200, 48B shape, batch 1: 2.45 -> 2.50 ms per
-# step with fold_norms, bench/NOTES.md v17) or "router" (their gate / up rows behind the router's in one weight
-# buffer, so that the router's GEMV forms their projections, and their activation and down projection in the
-# routed experts' down + combine kernel: no side stream; bench/NOTES.md v19). OPENK3_FOLD_SHARED overrides it
-FOLD_SHARED = os.environ.get("OPENK3_FOLD_SHARED", "side").strip() or "side"
+# ... and where a folded MoE layer's shared experts run: "router" (their gate / up rows behind the router's in one
+# weight buffer, so that the router's GEMV forms their projections, and their activation and down projection in the
+# routed experts' down + combine kernel: no side stream, two launches fewer per MoE layer; shared experts of the
+# routed experts' width only, others run on the side stream), "side" (the side stream, beside the router and the
+# routed experts) or "slot" (one more slot of the routed experts' kernels). H200, 48B shape, batch 1, ms per step:
+# router 2.33-2.34, side 2.36-2.37 (bench/NOTES.md v19); slot 2.50 against side 2.45 in v17. OPENK3_FOLD_SHARED
+# overrides it (benchmarks)
+FOLD_SHARED = os.environ.get("OPENK3_FOLD_SHARED", "router").strip() or "router"
 if FOLD_SHARED not in ("side", "slot", "router"):
     raise ValueError(f"OPENK3_FOLD_SHARED must be 'side', 'slot' or 'router', got {FOLD_SHARED!r}")
 
@@ -590,6 +592,7 @@ class Engine:
         r["fused_projection_layers"] = len(self._fused)
         r["fused_ffn_layers"] = len(self._fused_ffn)
         r["fused_ffn_output_layers"] = len(self._fused_ffn_out)
+        r["router_shared_layers"] = len(self._router_shared)
         r["fused_mla_glue_layers"] = len(self._mla_glue[2]) if self._mla_glue else 0
         r["absorbed_weight_bytes"] = sum(a.numel() * 4 + b.numel() * 4 for a, b in self._absorbed.values())
         return r
@@ -1515,20 +1518,22 @@ class Engine:
 
     def _moe_folded(self, i: int, small, layer, r: torch.Tensor) -> torch.Tensor:
         """``r + MoE(post_attention_layernorm(r))`` for ``r [B, 1, D]`` (fold_norms, see :meth:`_fold_moe`): the
-        router GEMV forms the norm and writes the normed row; the shared experts run on the side stream beside it
-        (their fused input GEMV forming the norm too; without one, after the router, reading its normed row), or
-        with ``FOLD_SHARED`` "slot" as one more slot of the routed experts' kernels (:meth:`_shared_slot`); the
-        routed experts' down + combine kernel adds their output and ``r`` in its store (the model's order and
-        roundings: ``r + (routed + shared)``)."""
+        router GEMV forms the norm and writes the normed row. The shared experts: with ``FOLD_SHARED`` "router" (where
+        :meth:`_plan_router_shared` put their gate / up rows behind the router's) that GEMV forms their projections
+        too and the down + combine kernel the rest; otherwise on the side stream beside it (their fused input GEMV
+        forming the norm too; without one, after the router, reading its normed row), or with "slot" as one more
+        slot of the routed experts' kernels (:meth:`_shared_slot`). The routed experts' down + combine kernel adds
+        their output and ``r`` in its store (the model's order and roundings: ``r + (routed + shared)``)."""
         moe = layer.block_sparse_moe
         norm = layer.post_attention_layernorm
         r0 = r[:, 0]
         xn = torch.empty_like(r0)
         shared = moe.shared_experts
-        rs = self._router_shared.get(i)  # their gate / up rows behind the router's (FOLD_SHARED "router")
-        if rs is not None and not _gemv.decode_gemv_ok(r0, rs):
-            rs = None
+        # their gate / up rows behind the router's (FOLD_SHARED "router", planned at start-up)
+        rs = self._router_shared.get(i) if FOLD_SHARED == "router" else None
         slot = self._shared_slot(small, moe) if FOLD_SHARED == "slot" or rs is not None else None
+        if rs is not None and (slot is None or not _gemv.decode_gemv_ok(r0, rs)):
+            rs = slot = None
         sd = None
         fused = self._fused_ffn.get(i)
         nx = _gemv.Normed(r0, norm.weight, norm.eps)
