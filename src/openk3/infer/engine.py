@@ -166,10 +166,11 @@ class EngineConfig:
     # residual in its store, and a plain MoE layer's router GEMV forms the RMSNorm of that sum while reading it and
     # writes the normed row for the routed experts (and forms the shared experts' gate / up projections, whose rows
     # follow the router's in one buffer: FOLD_SHARED); the routed experts' down + combine kernel then adds the shared
-    # experts' output (their activation and down projection formed there) and the residual in its store. Before attention: the next layer's fused input
-    # projection forms its RMSNorm in the GEMV (`openk3.infer.gemv.Normed`) where the GEMV takes that weight
-    # (`GEMV_DECODE["normed_max_bytes"]`). Same roundings as the separate ops (the norm's fp32 sum of squares in
-    # another order). H200, 48B shape at batch 1: 2.45 -> 2.41 ms per step (bench/NOTES.md v17)
+    # experts' output (their activation and down projection formed there) and the residual in its store. Before
+    # attention: the next layer's fused input projection forms its RMSNorm in the GEMV (`openk3.infer.gemv.Normed`)
+    # where the GEMV takes that weight (`GEMV_DECODE["normed_max_bytes"]`). Same roundings as the separate ops (the
+    # norm's fp32 sum of squares in another order). H200, 48B shape at batch 1: 2.45 -> 2.41 ms per step
+    # (bench/NOTES.md v17; the shared experts in the router's GEMV: 2.36-2.37 -> 2.33-2.34 in v19)
     fold_norms: bool = True
     # decode-step CUDA graphs with parallel_ffn: the step captured on a stream of the highest priority and the side
     # stream's branches at the lowest, so that where both have thread blocks waiting for an SM the main path's go
