@@ -9,7 +9,8 @@ end and the next one's start, and the kernels grouped by name (count per step, u
 ordered kernel sequence of one step (start offset, duration, gap before, name) to ``DIR/step_<preset>_b<B>.txt``.
 
 ``--off NAMES`` builds the engine with these ``EngineConfig`` booleans off (e.g. ``graph_priority``); ``--both``
-profiles each preset with them off and then with the defaults, on one model. ``--chain N`` also times chains of N dependent tiny kernels in one graph (a fixed cost per kernel, no bytes).
+profiles each preset with them off and then with the defaults, on one model. ``--chain N`` also times chains of N
+dependent tiny kernels in one graph (a fixed cost per kernel, no bytes).
 """
 
 from __future__ import annotations

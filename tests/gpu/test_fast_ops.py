@@ -421,29 +421,20 @@ def test_moe_small_down_combine(E, K, W, I, ppsm, ahead, check, monkeypatch):
         _rand(W, I, dtype=torch.bfloat16, scale=I**-0.5, g=g),
         act="silu",
     )
-    with torch.no_grad():
-        ys = moe_small.experts_small(
-            x, idx, wt, w13[:, :I], w2, w13[:, I:], act="situ", residual=res, shared=sx
-        )
-    check(
-        f"moe_small.down_combine_shared.E{E}.W{W}.I{I}.p{ppsm}.a{ahead}",
-        ys,
-        res + (y + sx.reference(x)),
-        4e-3,
-    )
-    # their gate / up sums formed elsewhere (the router's GEMV), the activation formed in the down + combine kernel
+    # and with their gate / up sums formed elsewhere (the router's GEMV), the activation formed in the down + combine
+    # kernel
     gu = torch.cat([x.float() @ sx.w1.float().t(), x.float() @ sx.w3.float().t()], dim=-1)
-    sg = dataclasses.replace(sx, gu=gu)
-    with torch.no_grad():
-        yg = moe_small.experts_small(
-            x, idx, wt, w13[:, :I], w2, w13[:, I:], act="situ", residual=res, shared=sg
+    for name, s in (("shared", sx), ("shared_gu", dataclasses.replace(sx, gu=gu))):
+        with torch.no_grad():
+            ys = moe_small.experts_small(
+                x, idx, wt, w13[:, :I], w2, w13[:, I:], act="situ", residual=res, shared=s
+            )
+        check(
+            f"moe_small.down_combine_{name}.E{E}.W{W}.I{I}.p{ppsm}.a{ahead}",
+            ys,
+            res + (y + s.reference(x)),
+            4e-3,
         )
-    check(
-        f"moe_small.down_combine_shared_gu.E{E}.W{W}.I{I}.p{ppsm}.a{ahead}",
-        yg,
-        res + (y + sg.reference(x)),
-        4e-3,
-    )
 
 
 @pytest.mark.parametrize(

@@ -510,14 +510,19 @@ def _down_combine(
     return out
 
 
+def _shared_act_args(sx: SharedExperts) -> tuple[dict, int]:
+    """The shared experts' activation arguments of the kernels (:func:`_shared_act`'s betas and reciprocals) and
+    its mode (1 SwiGLU, 2 SiTU)."""
+    b1, b2 = float(sx.beta1), float(sx.beta2)
+    return dict(sb1=b1, isb1=1.0 / b1, sb2=b2, isb2=1.0 / b2), 2 if sx.act == "situ" else 1
+
+
 def _gu_args(sx: SharedExperts | None) -> dict:
     """The down + combine kernel's arguments for shared experts whose gate / up sums are formed (``sx.gu``)."""
     if sx is None:
         return {}
-    return dict(
-        gu_ptr=sx.gu, s_gu=sx.gu.stride(0), sb1=float(sx.beta1), isb1=1.0 / float(sx.beta1),
-        sb2=float(sx.beta2), isb2=1.0 / float(sx.beta2), GU=2 if sx.act == "situ" else 1,
-    )  # fmt: skip
+    betas, mode = _shared_act_args(sx)
+    return dict(gu_ptr=sx.gu, s_gu=sx.gu.stride(0), GU=mode, **betas)
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
@@ -827,18 +832,8 @@ def experts_small(
         s2 = _row_major(shared.w2)
     if slot and not formed:
         s1, s3 = (_row_major(t) for t in (shared.w1, shared.w3))
-        sel = dict(
-            sel,
-            w1s_ptr=s1,
-            w3s_ptr=s3,
-            s1s_i=s1.stride(0),
-            s3s_i=s3.stride(0),
-            sb1=float(shared.beta1),
-            isb1=1.0 / float(shared.beta1),
-            sb2=float(shared.beta2),
-            isb2=1.0 / float(shared.beta2),
-            SHARED=2 if shared.act == "situ" else 1,
-        )
+        betas, mode = _shared_act_args(shared)
+        sel = dict(sel, w1s_ptr=s1, w3s_ptr=s3, s1s_i=s1.stride(0), s3s_i=s3.stride(0), SHARED=mode, **betas)
     bi, bw, ups = UP_TILE
     if bw:
         bw = min(bw, triton.next_power_of_2(W))

@@ -463,7 +463,8 @@ class Engine:
         self._fold_norms = bool(
             self._res_gemv and cfg.fold_norms and cfg.fuse_add_norm and not self.mcfg.use_attn_res
         )
-        # fold_norms with FOLD_SHARED "router": {layer: the router's and the shared experts' gate / up rows, one buffer}
+        # fold_norms with FOLD_SHARED "router": {layer: (the router's and the shared experts' gate / up rows in one
+        # buffer, the shared experts as moe_small.SharedExperts)}
         self._router_shared = (
             self._plan_router_shared() if self._fold_norms and FOLD_SHARED == "router" else {}
         )
@@ -532,11 +533,12 @@ class Engine:
                 out[i] = (buf, [m.weight.shape[0] for m in mods])
 
     @torch.no_grad()
-    def _plan_router_shared(self) -> dict[int, torch.Tensor]:
+    def _plan_router_shared(self) -> dict[int, tuple]:
         """Per plain MoE layer whose shared experts take the slot form (:meth:`_shared_slot`), one buffer holding the
         router's weight rows and then the shared experts' gate and up rows (the modules' weights re-pointed to its
         views, :func:`_share_buffer`; the layer's fused FFN input buffer becomes the view of the shared rows), so
-        that the router's GEMV forms the shared experts' projections in the same launch (FOLD_SHARED "router")."""
+        that the router's GEMV forms the shared experts' projections in the same launch (FOLD_SHARED "router"):
+        ``{layer: (buffer, SharedExperts over the views)}``."""
         try:
             from openk3.fast import moe_small
         except Exception:  # (optional fast paths)
@@ -544,13 +546,15 @@ class Engine:
         plan = {}
         for i, layer in enumerate(self.model.model.layers):
             moe = layer.block_sparse_moe if layer.is_moe else None
-            if moe is None or moe.latent or self._shared_slot(moe_small, moe) is None:
+            sx = None if moe is None or moe.latent else self._shared_slot(moe_small, moe)
+            if sx is None:
                 continue
             sh = moe.shared_experts
+            # (sx holds the modules' weight parameters, whose data become the new views)
             buf = _share_buffer([moe.gate, sh.gate_proj, sh.up_proj], 0)
             if buf is None:
                 continue
-            plan[i] = buf
+            plan[i] = (buf, sx)
             if i in self._fused_ffn:  # [gate; up] of the shared experts: now rows of the new buffer
                 self._fused_ffn[i] = (buf[moe.gate.weight.shape[0] :], self._fused_ffn[i][1])
         return plan
@@ -1531,10 +1535,11 @@ class Engine:
         xn = torch.empty_like(r0)
         shared = moe.shared_experts
         # their gate / up rows behind the router's (FOLD_SHARED "router", planned at start-up)
-        rs = self._router_shared.get(i) if FOLD_SHARED == "router" else None
-        slot = self._shared_slot(small, moe) if FOLD_SHARED == "slot" or rs is not None else None
-        if rs is not None and (slot is None or not _gemv.decode_gemv_ok(r0, rs)):
+        rs, slot = self._router_shared.get(i, (None, None)) if FOLD_SHARED == "router" else (None, None)
+        if rs is not None and not _gemv.decode_gemv_ok(r0, rs):
             rs = slot = None
+        if FOLD_SHARED == "slot":
+            slot = self._shared_slot(small, moe)
         sd = None
         fused = self._fused_ffn.get(i)
         nx = _gemv.Normed(r0, norm.weight, norm.eps)
