@@ -99,16 +99,6 @@ def _fold_shared(mode: str):
     return lambda: _patch(engine, "FOLD_SHARED", mode)
 
 
-def _down_combine(**kw):
-    from openk3.fast import moe_small
-
-    def patch():
-        undo = [_patch(moe_small.DOWN_COMBINE, k, v) for k, v in kw.items()]
-        return lambda: [u() for u in reversed(undo)]
-
-    return patch
-
-
 # --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
 KERNEL_VARIANTS = {
     "default": lambda: lambda: None,
@@ -126,10 +116,6 @@ KERNEL_VARIANTS = {
     "shared_side": _fold_shared("side"),
     "shared_slot": _fold_shared("slot"),
     "shared_router": _fold_shared("router"),
-    # the one-token down + combine kernel with two experts' tiles in flight beyond the one in use (sm_90: 110
-    # registers at the 48B shape's BLOCK_O 4, four programs per SM; 56 at BLOCK_O 2, its 1,152 programs in one wave)
-    "dc_ahead2": _down_combine(ahead=2),
-    "dc_ahead2_bo2": _down_combine(ahead=2, max_bo=2),
 }
 
 

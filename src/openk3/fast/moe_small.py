@@ -88,9 +88,8 @@ ROUTER_ROWS_MAX = 16  # experts per program of the logits kernel (fewer for few 
 # combine launch). BLOCK_O: the largest power of two (at most "max_bo") that leaves "programs_per_sm" programs per
 # SM; 0 tokens: the per-pair down kernel and combine2 always
 DOWN_COMBINE_MAX_TOKENS = _env_tokens("OPENK3_MOE_DOWN_COMBINE", 1)
-# "ahead": experts' tiles each program requests beyond the one it uses (1 or 2; each program walks its token's K
-# experts, a chain of K dependent loads at 1)
-DOWN_COMBINE = {"programs_per_sm": 4, "max_bo": 16, "num_warps": 4, "ahead": 1}
+# (Two experts' tiles in flight instead of one measured no faster on an H200, bench/NOTES.md v20.)
+DOWN_COMBINE = {"programs_per_sm": 4, "max_bo": 16, "num_warps": 4}
 # up to this many tokens the router logits come from openk3.infer.gemv's whole-row GEMV (fp32 sums, not rounded),
 # which requests its weight rows before waiting on the kernel before it (programmatic dependent launch); 0: the
 # logits kernel above always
@@ -422,7 +421,7 @@ if HAS_TRITON:
         a_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, E, W, I, s2_e, s2_w, add_ptr, s_add, res_ptr, s_res, w2s_ptr,
         s2s_w, K: tl.constexpr, BLOCK_O: tl.constexpr, IP: tl.constexpr, PDL: tl.constexpr,
         ADD: tl.constexpr = False, RES: tl.constexpr = False, SHARED: tl.constexpr = False,
-        gu_ptr=None, s_gu=0, sb1=1.0, isb1=1.0, sb2=1.0, isb2=1.0, GU: tl.constexpr = 0, AHEAD: tl.constexpr = 1,
+        gu_ptr=None, s_gu=0, sb1=1.0, isb1=1.0, sb2=1.0, isb2=1.0, GU: tl.constexpr = 0,
     ):  # fmt: skip
         """out[n, o] = sum_j wt[n, j] * round(a[n * K + j] . w2[e_j, o]), the sum in fp32 in slot order (the
         per-pair down kernel followed by combine2, in one pass; NaN for an expert id outside [0, E)). ``ADD``: then
@@ -431,7 +430,7 @@ if HAS_TRITON:
         projection (``w2s [W, I]``) rounded and added to the rounded mixture (before ``add``). ``GU`` (with
         ``SHARED``; 1 SwiGLU, 2 SiTU, as :func:`_shared_act`): that activation formed here instead, from the shared
         experts' gate and up projections' fp32 sums at ``gu [n, :I]``, ``gu [n, I:2I]`` (``a`` then holds ``K`` rows
-        per token). ``AHEAD`` (1 or 2): how many experts' tiles each program has in flight beyond the one in use."""
+        per token)."""
         ii = tl.arange(0, IP)
         im = ii < I
         oo = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -446,26 +445,17 @@ if HAS_TRITON:
         n = tl.program_id(0).to(tl.int64)
         dt = out_ptr.dtype.element_ty
         m = om[:, None] & im[None, :]
-        # the experts' tiles requested AHEAD ahead of their use (registers): slot j's while slot j - AHEAD's is used
+        # the next expert's tile requested before the current one is used (registers)
         ok, w = _down_tile(idx_ptr, w2_ptr, n, 0, K, E, s2_e, s2_w, oo, ii, m)
-        if AHEAD >= 2 and K > 1:
-            ok1, w1 = _down_tile(idx_ptr, w2_ptr, n, 1, K, E, s2_e, s2_w, oo, ii, m)
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
         for j in tl.static_range(K):
-            if j + AHEAD < K:
-                okf, wf = _down_tile(idx_ptr, w2_ptr, n, j + AHEAD, K, E, s2_e, s2_w, oo, ii, m)
+            if j + 1 < K:
+                okf, wf = _down_tile(idx_ptr, w2_ptr, n, j + 1, K, E, s2_e, s2_w, oo, ii, m)
             av = tl.load(a_ptr + (n * KS + j) * I + ii, mask=im, other=0.0).to(tl.float32)
             y = tl.sum(w.to(tl.float32) * av[None, :], 1)
             y = tl.where(ok, y, float("nan")).to(dt).to(tl.float32)
             acc += y * tl.load(wt_ptr + n * K + j)
-            if AHEAD >= 2:
-                if j + 1 < K:
-                    w = w1
-                    ok = ok1
-                if j + 2 < K:
-                    w1 = wf
-                    ok1 = okf
-            elif j + 1 < K:
+            if j + 1 < K:
                 w = wf
                 ok = okf
         y = _round(acc, dt)
@@ -491,8 +481,6 @@ def _down_combine(
     shared experts' down projection (``w2s``; ``gu``: their :class:`SharedExperts` whose gate / up sums are formed,
     the activation then formed here), the addend and the residual of :func:`experts_small` in its store."""
     c = DOWN_COMBINE
-    if c["ahead"] not in (1, 2):
-        raise ValueError(f"DOWN_COMBINE['ahead'] must be 1 or 2, got {c['ahead']!r}")
     slots = c["programs_per_sm"] * sm_count(a.device)
     bo = 1
     while bo * 2 <= c["max_bo"] and N * triton.cdiv(W, bo * 2) >= slots:
@@ -505,7 +493,7 @@ def _down_combine(
         a, idx, weights, w2, out, E, W, I, w2.stride(0), w2.stride(1), ad, ad.stride(0), rs, rs.stride(0),
         w2 if w2s is None else w2s, 0 if w2s is None else w2s.stride(0),
         K=K, BLOCK_O=bo, IP=triton.next_power_of_2(I), PDL=pdl, ADD=add is not None, RES=residual is not None,
-        SHARED=w2s is not None, AHEAD=c["ahead"], num_warps=c["num_warps"], **_gu_args(gu), **pdl_launch(pdl),
+        SHARED=w2s is not None, num_warps=c["num_warps"], **_gu_args(gu), **pdl_launch(pdl),
     )  # fmt: skip
     return out
 
