@@ -18,6 +18,9 @@ def rel():
 
 
 def pytest_collection_modifyitems(config, items):
+    # the Triton-interpreter tests take minutes each on a CPU: run them first, so that parallel workers
+    # (pytest -n 2) start on them together and share out the short tests afterwards
+    items.sort(key=lambda item: "interpreted" not in item.name)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
