@@ -480,7 +480,7 @@ def state_rmw_rows(state, slots, shape, state_bytes):
     import triton
     import triton.language as tl
 
-    from openk3.infer.kernels import _prefetch_l2
+    from openk3.fast._triton import prefetch_l2 as _prefetch_l2
 
     @triton.jit
     def rmw(state_ptr, slots_ptr, s_state, K: tl.constexpr, BV: tl.constexpr, PF: tl.constexpr):

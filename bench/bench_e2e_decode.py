@@ -99,6 +99,17 @@ def _fold_shared(mode: str):
     return lambda: _patch(engine, "FOLD_SHARED", mode)
 
 
+def _kn_config(table: str, key: str, value):
+    from openk3.infer import kernels as KN
+
+    return lambda: _patch(getattr(KN, table), key, value)
+
+
+def _both(*applies):
+    undo = [a() for a in applies]
+    return lambda: [u() for u in reversed(undo)]
+
+
 # --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
 KERNEL_VARIANTS = {
     "default": lambda: lambda: None,
@@ -116,6 +127,12 @@ KERNEL_VARIANTS = {
     "shared_side": _fold_shared("side"),
     "shared_slot": _fold_shared("slot"),
     "shared_router": _fold_shared("router"),
+    # the MLA prep's W_UK tile / the split kernel's table entries and first rows after the wait (as before v21)
+    "mla_prep_late": _kn_config("MLA_GLUE_CONFIG", "prep_early", False),
+    "mla_split_late": _kn_config("MLA_CONFIG", "early", False),
+    "mla_both_late": lambda: _both(
+        _kn_config("MLA_GLUE_CONFIG", "prep_early", False), _kn_config("MLA_CONFIG", "early", False)
+    ),
 }
 
 

@@ -707,6 +707,20 @@ def test_mla_decode_variants(trans, prefetch):
 
 
 @here
+@pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
+def test_mla_reads_before_the_wait(early, monkeypatch):
+    """The split kernel's lengths, table entries and first rows and the prep kernel's W_UK tile read before the wait
+    for the kernel before it (MLA_CONFIG["early"], MLA_GLUE_CONFIG["prep_early"]; the defaults) or after it: prep +
+    attention as the engine chains them, exact either way."""
+    monkeypatch.setitem(KN.MLA_CONFIG, "early", early)
+    monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "prep_early", early)
+    dt = torch.bfloat16
+    run_mla_prep_case(2, 4, 32, 16, 64, 16, dt, seed_of("early prep", early), PREP_TOL[dt], n_pad=1)
+    assert KN.MLA_GLUE_LAST_LAUNCH["prep"]["early"] == early
+    run_mla_case([1, 45, 71], 5, 64, 16, 16, dt, seed_of("early", early), MLA_TOL[dt], post=(32, dt, True))
+
+
+@here
 def test_mla_decode_min_chunk(monkeypatch):
     """MLA_CONFIG["few_min_chunk"] (at most few_min_chunk_rows rows) and the min_chunk override: a smaller least
     chunk gives a short context more splits; the output stays exact."""
@@ -1066,12 +1080,17 @@ def test_mla_decode_post_gpu(dtype, H, page_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,gated", [(32, False), (16, True)], ids=["48b-shape", "medium-shape"])
-def test_mla_glue_cuda_graph(H, gated):
+@pytest.mark.parametrize("B,early", [(4, True), (1, True), (4, False)], ids=["b4", "b1", "b4-late"])
+def test_mla_glue_cuda_graph(H, gated, B, early, monkeypatch):
     """Prep + attention with the post step folded in, captured in one CUDA graph at model shapes (bf16); each
     replay writes the new tokens' latents at the rows the attention then reads as the rows' last tokens, and matches
-    the reference steps on a copy of the cache (written rows, untouched rows, output)."""
-    gen = torch.Generator().manual_seed(seed_of("glue graph", H))
-    dt, B, ps, maxp, DN, DR, DC, DV = torch.bfloat16, 4, 16, 24, 128, 64, 512, 128
+    the reference steps on a copy of the cache (written rows, untouched rows, output). ``early``: the split kernel
+    asks for the rows before its wait for the prep kernel, which writes the newest of them (programmatic dependent
+    launch inside the graph), and the prep kernel loads W_UK before its own wait; or both after."""
+    monkeypatch.setitem(KN.MLA_CONFIG, "early", early)
+    monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "prep_early", early)
+    gen = torch.Generator().manual_seed(seed_of("glue graph", H, B))
+    dt, ps, maxp, DN, DR, DC, DV = torch.bfloat16, 16, 24, 128, 64, 512, 128
     kv = torch.randn(B * maxp + 1, ps, DC + DR, generator=gen).to(dt).to(DEV)
     table = torch.randperm(B * maxp, generator=gen).view(B, maxp).int().to(DEV)
     lens = torch.zeros(B, dtype=torch.int32, device=DEV)

@@ -109,6 +109,34 @@ if HAS_TRITON:
         if PDL:
             gdc_launch_dependents()
 
+    @triton.jit
+    def prefetch_l2(ptrs):
+        """Request the 128-byte lines holding ``ptrs`` into L2 (nothing waits for them and no registers hold them).
+        Compiled kernels only: the interpreter has no inline assembly (callers gate this on a constexpr)."""
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+            "=r,l",
+            [ptrs],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @triton.jit
+    def prefetch(ptrs, LEVEL: tl.constexpr):
+        """Request the lines holding ``ptrs`` into L1 (``LEVEL`` 1) or L2 (2); compiled kernels only."""
+        if LEVEL == 1:
+            tl.inline_asm_elementwise(
+                "prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;",
+                "=r,l",
+                [ptrs],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+        else:
+            prefetch_l2(ptrs)
+
 
 _SM_COUNT: dict[int, int] = {}
 

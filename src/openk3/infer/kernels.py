@@ -161,6 +161,9 @@ MLA_CONFIG = {
     "few_min_chunk": 32,
     "few_min_chunk_rows": 1,
     "max_splits": 64,
+    # the split kernel reads the rows' lengths and block-table entries and asks its first block of cache rows into
+    # L2 before it waits for the kernel before it (programmatic dependent launch), instead of after
+    "early": True,
     "overhead_blocks": 2,  # a program's fixed cost (pipeline fill, epilogue, partials) in blocks of work
 }
 # The MLA glue steps around the split kernel (EngineConfig.fuse_mla_glue): the prep kernel (latent norm + cache
@@ -176,6 +179,9 @@ MLA_GLUE_CONFIG = {
     "prep_elems": 8192,
     "prep_stages": 2,
     "prep_warps": 4,
+    # the held W_UK tile requested before the prep kernel waits for the kernel before it (programmatic dependent
+    # launch), instead of after
+    "prep_early": True,
     "post_rows": 8,
     "post_stages": 2,
     "post_warps": 4,
@@ -205,6 +211,8 @@ def available() -> tuple[bool, str]:
 
 if HAS_TRITON:
     from openk3.fast._triton import pdl_trigger, pdl_wait
+    from openk3.fast._triton import prefetch as _prefetch
+    from openk3.fast._triton import prefetch_l2 as _prefetch_l2
     from openk3.fast._triton import round_to as _round
 
     @triton.jit
@@ -239,34 +247,6 @@ if HAS_TRITON:
             win,
             mask=(cw[None, :] >= 1) & (cw[None, :] < W),
         )
-
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        """Request the 128-byte lines holding ``ptrs`` into L2 (nothing waits for them and no registers hold them).
-        Compiled kernels only: the interpreter has no inline assembly (callers gate this on a constexpr)."""
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-            "=r,l",
-            [ptrs],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-    @triton.jit
-    def _prefetch(ptrs, LEVEL: tl.constexpr):
-        """Request the lines holding ``ptrs`` into L1 (``LEVEL`` 1) or L2 (2); compiled kernels only."""
-        if LEVEL == 1:
-            tl.inline_asm_elementwise(
-                "prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;",
-                "=r,l",
-                [ptrs],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-        else:
-            _prefetch_l2(ptrs)
 
     @triton.jit
     def _add2(a0, b0, a1, b1):
@@ -601,14 +581,12 @@ if HAS_TRITON:
         return pages
 
     @triton.jit
-    def _mla_rows(
-        kv_ptr, pages, n0, end, s_kvp, s_kvt,
-        DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    def _mla_row_ptrs(
+        kv_ptr, pages, n0, s_kvp, s_kvt, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr
     ):  # fmt: skip
-        """The latent rows of tokens ``[n0, min(n0 + BLOCK_N, end))`` (zeros past ``end``), given the block's
-        :func:`_mla_pages`: (latent part ``[BLOCK_N, DC]``, rope part ``[BLOCK_N, DR]``)."""
+        """``[BLOCK_N]`` pointers to the cache rows of tokens ``[n0, n0 + BLOCK_N)``, given the block's
+        :func:`_mla_pages` (entries past the row's length: the padding page, still inside the pool)."""
         tn = tl.arange(0, BLOCK_N)
-        tm = n0 + tn < end
         if MODE == 1:
             row = kv_ptr + pages.to(tl.int64) * s_kvp + ((n0 % PAGE) + tn).to(tl.int64) * s_kvt
         elif MODE == 2:
@@ -617,6 +595,17 @@ if HAS_TRITON:
             row = kv_ptr + page.to(tl.int64) * s_kvp + (tn % PAGE).to(tl.int64) * s_kvt
         else:
             row = kv_ptr + pages.to(tl.int64) * s_kvp + ((n0 + tn) % PAGE).to(tl.int64) * s_kvt
+        return row
+
+    @triton.jit
+    def _mla_rows(
+        kv_ptr, pages, n0, end, s_kvp, s_kvt,
+        DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    ):  # fmt: skip
+        """The latent rows of tokens ``[n0, min(n0 + BLOCK_N, end))`` (zeros past ``end``), given the block's
+        :func:`_mla_pages`: (latent part ``[BLOCK_N, DC]``, rope part ``[BLOCK_N, DR]``)."""
+        tm = n0 + tl.arange(0, BLOCK_N) < end
+        row = _mla_row_ptrs(kv_ptr, pages, n0, s_kvp, s_kvt, PAGE, BLOCK_N, MODE)
         kn = tl.load(row[:, None] + tl.arange(0, DC)[None, :], mask=tm[:, None], other=0.0)
         kr = tl.load(row[:, None] + DC + tl.arange(0, DR)[None, :], mask=tm[:, None], other=0.0)
         return kn, kr
@@ -707,10 +696,14 @@ if HAS_TRITON:
         H, scale_log2, NS,
         PAGE: tl.constexpr, MODE: tl.constexpr, DIRECT: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, TRANS: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, EARLY: tl.constexpr = False, LINES: tl.constexpr = 1,
     ):  # fmt: skip
-        pdl_wait(PDL)
-        pdl_trigger(PDL)
+        # EARLY: the row's length and block-table entries (written before the step, by no kernel of it) read, and the
+        # first block's cache rows asked into L2, before the wait for the kernel before this one (the prep kernel,
+        # which writes the newest row: the rows are read again after the wait, from L2, the newest one included)
+        if not EARLY:
+            pdl_wait(PDL)
+            pdl_trigger(PDL)
         hb = tl.program_id(0)
         sp = tl.program_id(1)
         b = tl.program_id(2)
@@ -719,6 +712,19 @@ if HAS_TRITON:
         chunk = tl.cdiv(tl.cdiv(length, NS), BLOCK_N) * BLOCK_N
         start = sp * chunk
         end = tl.minimum(start + chunk, length)
+        bt = bt_ptr + b.to(tl.int64) * s_btb
+        pages = _mla_pages(bt, start, start, PAGE, BLOCK_N, MODE)
+        if PREFETCH:
+            pages = _mla_pages(bt, start, end, PAGE, BLOCK_N, MODE)
+        if EARLY:
+            if not INTERP:
+                if start < end:
+                    row = _mla_row_ptrs(kv_ptr, pages, start, s_kvp, s_kvt, PAGE, BLOCK_N, MODE)
+                    # one address per 128-byte line of each row (64 two-byte values)
+                    lines = tl.minimum(tl.arange(0, LINES) * 64, DC + DR - 1)
+                    _prefetch_l2(row[:, None] + lines[None, :])
+            pdl_wait(PDL)
+            pdl_trigger(PDL)
         hh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hm = hh < H
         dc = tl.arange(0, DC)
@@ -738,18 +744,13 @@ if HAS_TRITON:
             acc = tl.zeros([DC, BLOCK_H], tl.float32)
         else:
             acc = tl.zeros([BLOCK_H, DC], tl.float32)
-        bt = bt_ptr + b.to(tl.int64) * s_btb
         # loop-carried rows: used only by the register form (PREFETCH 1)
         kn = tl.zeros([BLOCK_N, DC], kv_dtype)
         kr = tl.zeros([BLOCK_N, DR], kv_dtype)
-        pages = _mla_pages(bt, start, start, PAGE, BLOCK_N, MODE)
-        if PREFETCH == 2:
-            pages = _mla_pages(bt, start, end, PAGE, BLOCK_N, MODE)
-        elif PREFETCH:
+        if PREFETCH == 1:
             # Triton's software pipeliner does not overlap loads whose addresses come from other loads (the block
             # table) with compute, so this is done by hand: while block i is scored, the rows of block i + 1 are in
             # flight (registers) and the block-table entries of block i + 2.
-            pages = _mla_pages(bt, start, end, PAGE, BLOCK_N, MODE)
             kn, kr = _mla_rows(kv_ptr, pages, start, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE)
             pages = _mla_pages(bt, start + BLOCK_N, end, PAGE, BLOCK_N, MODE)
         if INTERP:  # the CPU interpreter cannot take loaded values as range() bounds
@@ -854,7 +855,7 @@ if HAS_TRITON:
         B, H, eps,
         DN: tl.constexpr, DNP: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, HP: tl.constexpr,
         DCB: tl.constexpr, NC: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
-        INTERP: tl.constexpr, PDL: tl.constexpr,
+        INTERP: tl.constexpr, PDL: tl.constexpr, EARLY_W: tl.constexpr = False,
     ):  # fmt: skip
         """One MLA layer's prep step (:func:`mla_prep_triton`), a 1-D grid of ``H * NC + B`` programs. The first
         ``H * NC`` take one head and ``DCB`` columns of the absorbed query each, ``ql[:, h, cols] = q_nope[:, h] @
@@ -863,9 +864,11 @@ if HAS_TRITON:
         pipeliner, ``STAGES``), otherwise ``NB`` values of ``dn`` per step are read again for each row (from L1 /
         L2). The last ``B`` take one row each: the RMSNorm of its latent (fp32 statistics, rounded to the model
         dtype before and after the gain, as ``rms_norm``), the cache write of ``[c_hat, kr]`` and the rope part of
-        its absorbed query."""
-        pdl_wait(PDL)
-        pdl_trigger(PDL)
+        its absorbed query. ``EARLY_W`` (with ``NB == DNP``): the held ``W_UK`` tile (a weight, written by no kernel
+        of the step) is requested before the wait for the kernel before this one."""
+        if not EARLY_W:
+            pdl_wait(PDL)
+            pdl_trigger(PDL)
         pid = tl.program_id(0)
         dtype = q_ptr.dtype.element_ty
         if pid < H * NC:
@@ -879,6 +882,9 @@ if HAS_TRITON:
                 )
             else:
                 w_tile = tl.zeros([1, DCB], tl.float32)  # (unused)
+            if EARLY_W:
+                pdl_wait(PDL)
+                pdl_trigger(PDL)
             q_head = q_ptr + h * s_qh
             ql_head = ql_ptr + h * s_oh
             if INTERP:  # the CPU interpreter cannot take an argument as range() bound
@@ -895,6 +901,9 @@ if HAS_TRITON:
                         q_head + rr * s_qb, w_head, w_tile, ql_head + rr * s_ob, cols, s_wn, DN, DNP, DCB, NB
                     )
         else:
+            if EARLY_W:
+                pdl_wait(PDL)
+                pdl_trigger(PDL)
             b = (pid - H * NC).to(tl.int64)
             kv_dtype = kv_ptr.dtype.element_ty
             dc = tl.arange(0, DC)
@@ -1323,6 +1332,7 @@ def mla_decode_triton(
     trans: bool | None = None,
     prefetch: bool | None = None,
     min_chunk: int | None = None,
+    early: bool | None = None,
     w_uv: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
@@ -1332,8 +1342,8 @@ def mla_decode_triton(
     ``num_splits`` (default :func:`mla_num_splits` with the compiled kernel's occupancy), ``block_h`` (heads per
     program), ``block_n``, ``num_warps``, ``num_stages`` (Triton's pipeliner), ``trans`` (transposed products),
     ``prefetch`` (``True``: the next block's rows in registers; ``2``: the next block's page-table entries in
-    registers, the rows through the pipeliner) and ``min_chunk`` (least tokens per split) override
-    :data:`MLA_CONFIG`. The parameters used are left in :data:`MLA_LAST_LAUNCH`.
+    registers, the rows through the pipeliner), ``min_chunk`` (least tokens per split) and ``early`` (lengths,
+    table entries and the first rows asked for before the wait for the kernel before) override :data:`MLA_CONFIG`. The parameters used are left in :data:`MLA_LAST_LAUNCH`.
 
     With ``w_uv [H, dv, dc]`` the MLA post step (:mod:`openk3.infer.decode`: ``W_UV``, rounding to ``out_dtype``,
     times ``sigmoid(gate)`` with ``gate [B, H * dv]``) is applied too, folded into the reduce of the splits (one
@@ -1395,7 +1405,8 @@ def mla_decode_triton(
     )  # fmt: skip
     consts = dict(
         PAGE=page_size, MODE=mode, DC=DC, DR=DR, BLOCK_H=bh, BLOCK_N=bn, F32=kv_cache.dtype == torch.float32,
-        TRANS=tr, PREFETCH=pf, STAGES=st, INTERP=INTERPRET, PDL=pdl_on(q),
+        TRANS=tr, PREFETCH=pf, STAGES=st, INTERP=INTERPRET, PDL=pdl_on(q), EARLY=bool(cfg["early"] if early is None else early),
+        LINES=triton.next_power_of_2(triton.cdiv(D, 64)),
     )  # fmt: skip
     ns = num_splits
     if not ns:  # decided once per shape and configuration (this is on the decode step's host path)
@@ -1560,14 +1571,18 @@ def mla_prep_triton(
     rows = rows.to(torch.int64)
     pdl = pdl_on(q)
     st = cfg["prep_stages"]
-    MLA_GLUE_LAST_LAUNCH["prep"] = dict(chunks=chunks, NB=NB, stages=st, num_warps=cfg["prep_warps"], pdl=pdl)
+    early = bool(cfg["prep_early"]) and NB == DNP
+    MLA_GLUE_LAST_LAUNCH["prep"] = dict(
+        chunks=chunks, NB=NB, stages=st, num_warps=cfg["prep_warps"], pdl=pdl, early=early
+    )
     _mla_prep_kernel[(H * chunks + B,)](
         q, c, kr, norm_weight, w_uk, kv_cache, rows, ql,
         q.stride(0), q.stride(1), c.stride(0), kr.stride(0), w_uk.stride(0), w_uk.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), ql.stride(0), ql.stride(1),
         B, H, float(eps),
         DN=DN, DNP=DNP, DC=DC, DR=DR, HP=triton.next_power_of_2(H), DCB=DCB, NC=chunks, NB=NB,
-        PAGE=kv_cache.shape[1], STAGES=st, INTERP=INTERPRET, PDL=pdl, num_warps=cfg["prep_warps"], **pdl_launch(pdl),
+        PAGE=kv_cache.shape[1], STAGES=st, INTERP=INTERPRET, PDL=pdl, EARLY_W=early, num_warps=cfg["prep_warps"],
+        **pdl_launch(pdl),
     )  # fmt: skip
     return ql
 
