@@ -105,11 +105,6 @@ def _kn_config(table: str, key: str, value):
     return lambda: _patch(getattr(KN, table), key, value)
 
 
-def _both(*applies):
-    undo = [a() for a in applies]
-    return lambda: [u() for u in reversed(undo)]
-
-
 # --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
 KERNEL_VARIANTS = {
     "default": lambda: lambda: None,
@@ -127,12 +122,8 @@ KERNEL_VARIANTS = {
     "shared_side": _fold_shared("side"),
     "shared_slot": _fold_shared("slot"),
     "shared_router": _fold_shared("router"),
-    # the MLA prep's W_UK tile / the split kernel's table entries and first rows after the wait (as before v21)
+    # the MLA prep's W_UK tile loaded after the wait (as before v21)
     "mla_prep_late": _kn_config("MLA_GLUE_CONFIG", "prep_early", False),
-    "mla_split_late": _kn_config("MLA_CONFIG", "early", False),
-    "mla_both_late": lambda: _both(
-        _kn_config("MLA_GLUE_CONFIG", "prep_early", False), _kn_config("MLA_CONFIG", "early", False)
-    ),
 }
 
 
@@ -329,10 +320,49 @@ def profile_steps(eng, preset: str, B: int, steps: int = 5) -> None:
     head = f"{preset} batch {B}: {kernels / steps:.0f} GPU kernels per engine step ({steps} steps profiled)\n"
     INFO_PROFILE[f"{preset} b{B}"] = kernels / steps
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in preset)
+    gaps = ""
+    if DEV == "cuda":
+        trace = os.path.join(PROFILE, f"trace_{safe}_b{B}.json")
+        prof.export_chrome_trace(trace)
+        gaps = gap_report(trace, steps)
+        os.remove(trace)
     path = os.path.join(PROFILE, f"profile_{safe}_b{B}.txt")
     with open(path, "w") as f:
-        f.write(head + table_txt)
-    print(head + "\n".join(table_txt.splitlines()[:16]), flush=True)
+        f.write(head + table_txt + "\n" + gaps)
+    print(head + "\n".join(table_txt.splitlines()[:16]) + "\n" + gaps, flush=True)
+
+
+def gap_report(trace: str, steps: int, top: int = 12) -> str:
+    """Where the device idles between its operations in a profiled run (a chrome trace of torch.profiler): busy and
+    idle time per step, and the longest gaps with the operations on either side."""
+    with open(trace) as f:
+        ev = json.load(f)
+    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+    ops = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", "?"))
+        for e in ev
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    if not ops:
+        return "gap report: no device operations in the trace\n"
+    busy, idle, end, gaps = 0.0, 0.0, ops[0][1], []
+    busy = ops[0][1] - ops[0][0]
+    prev = ops[0][2]
+    for t0, t1, name in ops[1:]:
+        if t0 > end:
+            idle += t0 - end
+            gaps.append((t0 - end, prev, name))
+        busy += max(0.0, t1 - max(t0, end))
+        if t1 >= end:
+            end, prev = t1, name
+    gaps.sort(reverse=True)
+    lines = [
+        f"device: {len(ops) / steps:.0f} operations, busy {busy / steps:.1f} us, idle {idle / steps:.1f} us per step "
+        f"(span {(end - ops[0][0]) / steps:.1f} us per step)",
+        f"longest gaps (us, operation before -> after), of {len(gaps)}:",
+    ]
+    lines += [f"  {g:7.1f}  {a[:60]} -> {b[:60]}" for g, a, b in gaps[:top]]
+    return "\n".join(lines) + "\n"
 
 
 def table() -> str:

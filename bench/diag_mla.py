@@ -31,8 +31,6 @@ CONFIGS = {
     # the least tokens per split (default: MLA_CONFIG["few_min_chunk"] at few rows, else "min_chunk")
     "chunk64": dict(min_chunk=64),
     "chunk32": dict(min_chunk=32),
-    # lengths, table entries and the first block's rows read after the wait for the kernel before (as before v21)
-    "late": dict(early=False),
     # many heads (compute-bound): 64 heads per program on the M side of both products (heads x tokens scores,
     # heads x latent output), so every product is a Hopper warpgroup MMA (the transposed form's 32-token score
     # tiles fall back to mma.sync); 8 warps hold the [64, 512] fp32 accumulator at 128 registers per thread

@@ -708,16 +708,13 @@ def test_mla_decode_variants(trans, prefetch):
 
 @here
 @pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
-def test_mla_reads_before_the_wait(early, monkeypatch):
-    """The split kernel's lengths, table entries and first rows and the prep kernel's W_UK tile read before the wait
-    for the kernel before it (MLA_CONFIG["early"], MLA_GLUE_CONFIG["prep_early"]; the defaults) or after it: prep +
-    attention as the engine chains them, exact either way."""
-    monkeypatch.setitem(KN.MLA_CONFIG, "early", early)
+def test_mla_prep_weight_before_the_wait(early, monkeypatch):
+    """The prep kernel's held W_UK tile loaded before the wait for the kernel before it (MLA_GLUE_CONFIG
+    ["prep_early"], the default) or after it: exact either way."""
     monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "prep_early", early)
     dt = torch.bfloat16
     run_mla_prep_case(2, 4, 32, 16, 64, 16, dt, seed_of("early prep", early), PREP_TOL[dt], n_pad=1)
     assert KN.MLA_GLUE_LAST_LAUNCH["prep"]["early"] == early
-    run_mla_case([1, 45, 71], 5, 64, 16, 16, dt, seed_of("early", early), MLA_TOL[dt], post=(32, dt, True))
 
 
 @here
@@ -1084,10 +1081,8 @@ def test_mla_decode_post_gpu(dtype, H, page_size):
 def test_mla_glue_cuda_graph(H, gated, B, early, monkeypatch):
     """Prep + attention with the post step folded in, captured in one CUDA graph at model shapes (bf16); each
     replay writes the new tokens' latents at the rows the attention then reads as the rows' last tokens, and matches
-    the reference steps on a copy of the cache (written rows, untouched rows, output). ``early``: the split kernel
-    asks for the rows before its wait for the prep kernel, which writes the newest of them (programmatic dependent
-    launch inside the graph), and the prep kernel loads W_UK before its own wait; or both after."""
-    monkeypatch.setitem(KN.MLA_CONFIG, "early", early)
+    the reference steps on a copy of the cache (written rows, untouched rows, output). ``early``: the prep kernel
+    loads W_UK before its wait for the kernel before it (programmatic dependent launch inside the graph), or after."""
     monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "prep_early", early)
     gen = torch.Generator().manual_seed(seed_of("glue graph", H, B))
     dt, ps, maxp, DN, DR, DC, DV = torch.bfloat16, 16, 24, 128, 64, 512, 128

@@ -161,9 +161,6 @@ MLA_CONFIG = {
     "few_min_chunk": 32,
     "few_min_chunk_rows": 1,
     "max_splits": 64,
-    # the split kernel reads the rows' lengths and block-table entries and asks its first block of cache rows into
-    # L2 before it waits for the kernel before it (programmatic dependent launch), instead of after
-    "early": True,
     "overhead_blocks": 2,  # a program's fixed cost (pipeline fill, epilogue, partials) in blocks of work
 }
 # The MLA glue steps around the split kernel (EngineConfig.fuse_mla_glue): the prep kernel (latent norm + cache
@@ -180,7 +177,7 @@ MLA_GLUE_CONFIG = {
     "prep_stages": 2,
     "prep_warps": 4,
     # the held W_UK tile requested before the prep kernel waits for the kernel before it (programmatic dependent
-    # launch), instead of after
+    # launch), instead of after. H200, batch 1 (bench/NOTES.md v21): 48B shape 2.51 -> 2.49 ms per step
     "prep_early": True,
     "post_rows": 8,
     "post_stages": 2,
@@ -581,12 +578,14 @@ if HAS_TRITON:
         return pages
 
     @triton.jit
-    def _mla_row_ptrs(
-        kv_ptr, pages, n0, s_kvp, s_kvt, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr
+    def _mla_rows(
+        kv_ptr, pages, n0, end, s_kvp, s_kvt,
+        DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     ):  # fmt: skip
-        """``[BLOCK_N]`` pointers to the cache rows of tokens ``[n0, n0 + BLOCK_N)``, given the block's
-        :func:`_mla_pages` (entries past the row's length: the padding page, still inside the pool)."""
+        """The latent rows of tokens ``[n0, min(n0 + BLOCK_N, end))`` (zeros past ``end``), given the block's
+        :func:`_mla_pages`: (latent part ``[BLOCK_N, DC]``, rope part ``[BLOCK_N, DR]``)."""
         tn = tl.arange(0, BLOCK_N)
+        tm = n0 + tn < end
         if MODE == 1:
             row = kv_ptr + pages.to(tl.int64) * s_kvp + ((n0 % PAGE) + tn).to(tl.int64) * s_kvt
         elif MODE == 2:
@@ -595,17 +594,6 @@ if HAS_TRITON:
             row = kv_ptr + page.to(tl.int64) * s_kvp + (tn % PAGE).to(tl.int64) * s_kvt
         else:
             row = kv_ptr + pages.to(tl.int64) * s_kvp + ((n0 + tn) % PAGE).to(tl.int64) * s_kvt
-        return row
-
-    @triton.jit
-    def _mla_rows(
-        kv_ptr, pages, n0, end, s_kvp, s_kvt,
-        DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-    ):  # fmt: skip
-        """The latent rows of tokens ``[n0, min(n0 + BLOCK_N, end))`` (zeros past ``end``), given the block's
-        :func:`_mla_pages`: (latent part ``[BLOCK_N, DC]``, rope part ``[BLOCK_N, DR]``)."""
-        tm = n0 + tl.arange(0, BLOCK_N) < end
-        row = _mla_row_ptrs(kv_ptr, pages, n0, s_kvp, s_kvt, PAGE, BLOCK_N, MODE)
         kn = tl.load(row[:, None] + tl.arange(0, DC)[None, :], mask=tm[:, None], other=0.0)
         kr = tl.load(row[:, None] + DC + tl.arange(0, DR)[None, :], mask=tm[:, None], other=0.0)
         return kn, kr
@@ -696,14 +684,10 @@ if HAS_TRITON:
         H, scale_log2, NS,
         PAGE: tl.constexpr, MODE: tl.constexpr, DIRECT: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, TRANS: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr,
-        PDL: tl.constexpr, EARLY: tl.constexpr = False, LINES: tl.constexpr = 1,
+        PDL: tl.constexpr,
     ):  # fmt: skip
-        # EARLY: the row's length and block-table entries (written before the step, by no kernel of it) read, and the
-        # first block's cache rows asked into L2, before the wait for the kernel before this one (the prep kernel,
-        # which writes the newest row: the rows are read again after the wait, from L2, the newest one included)
-        if not EARLY:
-            pdl_wait(PDL)
-            pdl_trigger(PDL)
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
         hb = tl.program_id(0)
         sp = tl.program_id(1)
         b = tl.program_id(2)
@@ -712,19 +696,6 @@ if HAS_TRITON:
         chunk = tl.cdiv(tl.cdiv(length, NS), BLOCK_N) * BLOCK_N
         start = sp * chunk
         end = tl.minimum(start + chunk, length)
-        bt = bt_ptr + b.to(tl.int64) * s_btb
-        pages = _mla_pages(bt, start, start, PAGE, BLOCK_N, MODE)
-        if PREFETCH:
-            pages = _mla_pages(bt, start, end, PAGE, BLOCK_N, MODE)
-        if EARLY:
-            if not INTERP:
-                if start < end:
-                    row = _mla_row_ptrs(kv_ptr, pages, start, s_kvp, s_kvt, PAGE, BLOCK_N, MODE)
-                    # one address per 128-byte line of each row (64 two-byte values)
-                    lines = tl.minimum(tl.arange(0, LINES) * 64, DC + DR - 1)
-                    _prefetch_l2(row[:, None] + lines[None, :])
-            pdl_wait(PDL)
-            pdl_trigger(PDL)
         hh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hm = hh < H
         dc = tl.arange(0, DC)
@@ -744,13 +715,18 @@ if HAS_TRITON:
             acc = tl.zeros([DC, BLOCK_H], tl.float32)
         else:
             acc = tl.zeros([BLOCK_H, DC], tl.float32)
+        bt = bt_ptr + b.to(tl.int64) * s_btb
         # loop-carried rows: used only by the register form (PREFETCH 1)
         kn = tl.zeros([BLOCK_N, DC], kv_dtype)
         kr = tl.zeros([BLOCK_N, DR], kv_dtype)
-        if PREFETCH == 1:
+        pages = _mla_pages(bt, start, start, PAGE, BLOCK_N, MODE)
+        if PREFETCH == 2:
+            pages = _mla_pages(bt, start, end, PAGE, BLOCK_N, MODE)
+        elif PREFETCH:
             # Triton's software pipeliner does not overlap loads whose addresses come from other loads (the block
             # table) with compute, so this is done by hand: while block i is scored, the rows of block i + 1 are in
             # flight (registers) and the block-table entries of block i + 2.
+            pages = _mla_pages(bt, start, end, PAGE, BLOCK_N, MODE)
             kn, kr = _mla_rows(kv_ptr, pages, start, end, s_kvp, s_kvt, DC, DR, PAGE, BLOCK_N, MODE)
             pages = _mla_pages(bt, start + BLOCK_N, end, PAGE, BLOCK_N, MODE)
         if INTERP:  # the CPU interpreter cannot take loaded values as range() bounds
@@ -1332,7 +1308,6 @@ def mla_decode_triton(
     trans: bool | None = None,
     prefetch: bool | None = None,
     min_chunk: int | None = None,
-    early: bool | None = None,
     w_uv: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
@@ -1342,8 +1317,8 @@ def mla_decode_triton(
     ``num_splits`` (default :func:`mla_num_splits` with the compiled kernel's occupancy), ``block_h`` (heads per
     program), ``block_n``, ``num_warps``, ``num_stages`` (Triton's pipeliner), ``trans`` (transposed products),
     ``prefetch`` (``True``: the next block's rows in registers; ``2``: the next block's page-table entries in
-    registers, the rows through the pipeliner), ``min_chunk`` (least tokens per split) and ``early`` (lengths,
-    table entries and the first rows asked for before the wait for the kernel before) override :data:`MLA_CONFIG`. The parameters used are left in :data:`MLA_LAST_LAUNCH`.
+    registers, the rows through the pipeliner) and ``min_chunk`` (least tokens per split) override
+    :data:`MLA_CONFIG`. The parameters used are left in :data:`MLA_LAST_LAUNCH`.
 
     With ``w_uv [H, dv, dc]`` the MLA post step (:mod:`openk3.infer.decode`: ``W_UV``, rounding to ``out_dtype``,
     times ``sigmoid(gate)`` with ``gate [B, H * dv]``) is applied too, folded into the reduce of the splits (one
@@ -1405,8 +1380,7 @@ def mla_decode_triton(
     )  # fmt: skip
     consts = dict(
         PAGE=page_size, MODE=mode, DC=DC, DR=DR, BLOCK_H=bh, BLOCK_N=bn, F32=kv_cache.dtype == torch.float32,
-        TRANS=tr, PREFETCH=pf, STAGES=st, INTERP=INTERPRET, PDL=pdl_on(q), EARLY=bool(cfg["early"] if early is None else early),
-        LINES=triton.next_power_of_2(triton.cdiv(D, 64)),
+        TRANS=tr, PREFETCH=pf, STAGES=st, INTERP=INTERPRET, PDL=pdl_on(q),
     )  # fmt: skip
     ns = num_splits
     if not ns:  # decided once per shape and configuration (this is on the decode step's host path)
