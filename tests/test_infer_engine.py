@@ -957,3 +957,24 @@ def test_cli_engine_flag_defaults_match_engine_config():
     } <= checked, checked
     for name in checked:
         assert args[name] == fields[name], (name, args[name], fields[name])
+
+
+def test_swap_ids_in_place_and_reordered():
+    """Overlap's token hand-over: row b takes src[k] for each (b, k); rows continuing in place are one copy, other
+    pairings (a row finished, one joined) go through their indices; rows without a pair keep their ids."""
+    from openk3.infer.engine import _swap_ids
+
+    src = torch.tensor([11, 12, 13])
+    for pairs, want in (
+        ([(0, 0), (1, 1)], [11, 12, 7, 8]),
+        ([(0, 0), (1, 1), (2, 2)], [11, 12, 13, 8]),
+        ([(1, 0), (2, 2)], [5, 11, 13, 8]),
+        ([(0, 1), (1, 0)], [12, 11, 7, 8]),
+        ([(1, 1)], [5, 12, 7, 8]),
+    ):
+        ids = torch.tensor([5, 6, 7, 8])
+        _swap_ids(ids, (pairs, src))
+        assert ids.tolist() == want, (pairs, ids.tolist())
+    ids = torch.tensor([5, 6])
+    _swap_ids(ids, None)
+    assert ids.tolist() == [5, 6]

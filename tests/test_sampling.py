@@ -29,6 +29,24 @@ def test_greedy_is_argmax():
     assert out[[0, 2, 4]].tolist() == logits.argmax(-1)[[0, 2, 4]].tolist()
 
 
+def test_greedy_on_low_precision_logits():
+    """All-greedy rows without a penalty take the argmax of the logits as they are: bf16 logits (ties made by the
+    rounding, a NaN row) give the indices of their fp32 copy, as int64; a penalty or a sampled row still works on
+    the fp32 copy."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 300, generator=g) * 3).to(torch.bfloat16)
+    x[1, 7] = x[1, 250] = x[1].max() + 1  # a tie: the first index wins
+    x[2, 5] = float("nan")
+    got = sample(x, temperature=0.0)
+    assert got.dtype == torch.long and torch.equal(got, x.float().argmax(-1)), (got, x.float().argmax(-1))
+    assert int(got[1]) == 7 and int(got[2]) == 5
+    seen = torch.zeros(4, 300, dtype=torch.bool)
+    seen[0, int(got[0])] = True
+    pen = sample(x, temperature=0.0, repetition_penalty=50.0, seen=seen)
+    want = apply_repetition_penalty(x.float(), seen, [50.0] * 4).argmax(-1)
+    assert torch.equal(pen, want) and int(pen[0]) != int(got[0])
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent():
     torch.manual_seed(0)
     logits = torch.randn(4, 100)

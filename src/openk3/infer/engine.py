@@ -247,10 +247,15 @@ class IncrementalDetokenizer:
 
 
 def _swap_ids(ids: torch.Tensor, ids_from) -> None:
-    """ids[b] = src[k] for each (b, k) of ``ids_from = (pairs, src)`` (device to device; None: nothing)."""
+    """ids[b] = src[k] for each (b, k) of ``ids_from = (pairs, src)`` (device to device; None: nothing). The usual
+    case, every row continuing in place ((0, 0), (1, 1), ...), is one copy; otherwise the pairs' indices go to the
+    device first."""
     if not ids_from:
         return
     pairs, src = ids_from
+    if all(b == i and k == i for i, (b, k) in enumerate(pairs)):
+        ids[: len(pairs)].copy_(src[: len(pairs)])
+        return
     dst = torch.tensor([b for b, _ in pairs], dtype=torch.long).to(ids.device, non_blocking=True)
     idx = torch.tensor([k for _, k in pairs], dtype=torch.long).to(src.device, non_blocking=True)
     ids.index_copy_(0, dst, src.index_select(0, idx).to(ids.dtype))
@@ -1588,15 +1593,20 @@ class Engine:
     def _graph_decode(self, bucket, meta, lengths, table, B: int, ids_from=None) -> torch.Tensor:
         if bucket not in self._graphs:
             self._capture(bucket)
-        g, (b_meta, b_len, b_table), out = self._graphs[bucket]
-        # three copies, padding rows included; table columns past W keep earlier page ids (valid pool pages) and
-        # are never read: each row reads the pages of its own length only
-        b_meta.copy_(meta, non_blocking=True)
-        b_len.copy_(lengths, non_blocking=True)
+        g, (b_meta, b_len, b_table), out, (buf, host) = self._graphs[bucket]
+        # two copies, padding rows included: meta and lengths through one host buffer laid out as the device one
+        # (pageable: the copy has taken the bytes when it returns), then the table; table columns past W keep
+        # earlier page ids (valid pool pages) and are never read: each row reads the pages of its own length only
+        n = meta.shape[1]
+        host[: 24 * n].view(torch.long).view(3, n).copy_(meta)
+        host[24 * n :].view(torch.int32).copy_(lengths)
+        buf.copy_(host, non_blocking=True)
         b_table[:, : table.shape[1]].copy_(table, non_blocking=True)
         _swap_ids(b_meta[0], ids_from)
         g.replay()
-        return out[:B].clone()
+        # the rows of the graph's output buffer: read by this step's sampling, queued before the next replay; kept
+        # logits (record_logits) outlive it, so they get a copy
+        return out[:B].clone() if self.cfg.record_logits else out[:B]
 
     def capture_graphs(self) -> int:
         """Capture the decode graph of every batch bucket now (a server calls this at start-up, so that no request
@@ -1621,9 +1631,13 @@ class Engine:
 
     def _capture(self, bucket: int) -> None:
         dev, pool = self.device, self.pool
-        # token ids, slots, cache rows: scratch rows until a step fills them
-        meta = torch.tensor([[v] * bucket for v in self._scratch_row()], dtype=torch.long, device=dev)
-        lengths = torch.ones(bucket, dtype=torch.int32, device=dev)
+        # token ids, slots, cache rows [3, bucket] int64, then the lengths [bucket] int32, in one buffer (one copy
+        # per step); scratch rows until a step fills them
+        buf = torch.empty(28 * bucket, dtype=torch.uint8, device=dev)
+        meta = buf[: 24 * bucket].view(torch.long).view(3, bucket)
+        lengths = buf[24 * bucket :].view(torch.int32)
+        meta.copy_(torch.tensor([[v] * bucket for v in self._scratch_row()], dtype=torch.long))
+        lengths.fill_(1)
         table = torch.full((bucket, self._max_pages_per_seq), pool.dummy_page, dtype=torch.int32, device=dev)
         bufs = (meta[0], meta[1], table, lengths, meta[2])
         s = torch.cuda.Stream(dev)
@@ -1640,7 +1654,7 @@ class Engine:
         with torch.cuda.graph(g, pool=self._graph_pool, stream=cap, capture_error_mode="thread_local"):
             out = self._decode_forward(*bufs)
         self._graph_pool = g.pool()
-        self._graphs[bucket] = (g, (meta, lengths, table), out)
+        self._graphs[bucket] = (g, (meta, lengths, table), out, (buf, torch.empty_like(buf, device="cpu")))
 
     # ------------------------------------------------------------------------------------------------ stats
     def stats(self) -> dict:

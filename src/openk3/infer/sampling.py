@@ -224,8 +224,10 @@ def sample(
         if isinstance(repetition_penalty, (int, float))
         else [float(r) for r in repetition_penalty]
     )
-    x = logits.float()
-    if seen is not None and any(r != 1.0 for r in pens):
+    penalised = seen is not None and any(r != 1.0 for r in pens)
+    # greedy rows alone, no penalty: the argmax of the logits as they are (the fp32 copy has the same order)
+    x = logits.float() if penalised or any(t > 0 for t in temps) else logits
+    if penalised:
         x = apply_repetition_penalty(x, seen, pens)
     greedy_ids = x.argmax(-1)
     sampled_rows = [i for i, t in enumerate(temps) if t > 0]
