@@ -421,7 +421,7 @@ def test_cli_generate_chat_help_and_errors(tmp_path, monkeypatch, capsys):
 
     monkeypatch.chdir(tmp_path)  # no runs/default here: the embedded tiny model is used
     monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
-    common = ["-n", "4", "--temperature", "0", "--max-tokens", "512"]
+    common = ["-n", "4", "--temperature", "0", "--max-total-tokens", "512"]
     assert main(["generate", "--prompt", "def f(x):", "-q", *common]) == 0
     assert capsys.readouterr().out.startswith("def f(x):")
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\nagain\n/exit\n"))
@@ -436,6 +436,23 @@ def test_cli_generate_chat_help_and_errors(tmp_path, monkeypatch, capsys):
     assert len(err) == 1 and "does not exist" in err[0]
     assert main(["generate", "-q", "--top-p", "0", *common]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+def test_cli_max_tokens_is_new_tokens():
+    """``--max-tokens`` means new tokens, as the API's ``max_tokens`` (the same as ``-n`` / ``--max-new-tokens``);
+    the cache pool's size is ``--max-total-tokens``; ``serve`` takes no ``--max-tokens`` (requests carry theirs)."""
+    from openk3.cli import build_parser
+
+    parser = build_parser()
+    for cmd in ("generate", "chat"):
+        for flag in ("--max-tokens", "--max-new-tokens", "-n"):
+            a = parser.parse_args([cmd, flag, "7", "--max-total-tokens", "512"])
+            assert a.max_new_tokens == 7 and a.pool_tokens == 512, (cmd, flag)
+        a = parser.parse_args([cmd])
+        assert a.max_new_tokens in (128, 256) and a.pool_tokens is None
+    assert parser.parse_args(["serve", "--max-total-tokens", "64"]).pool_tokens == 64
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--max-tokens", "64"])
 
 
 def test_decode_step_refused_when_unsupported(monkeypatch):
@@ -462,7 +479,7 @@ def test_decode_step_refused_when_unsupported(monkeypatch):
 
 
 def test_pool_plan_from_free_gpu_memory(tiny, monkeypatch):
-    """On CUDA without --max-tokens the pool takes the free memory times the utilisation, minus the reserve and the
+    """On CUDA without --max-total-tokens the pool takes the free memory times the utilisation, minus the reserve and the
     per-sequence state; too little memory is a clear error (the CUDA query is stubbed: runs on CPU)."""
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (10 * gib, 80 * gib))

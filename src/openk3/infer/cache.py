@@ -123,7 +123,7 @@ def plan_pool(
     if max_tokens is not None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens (cache size) must be >= 1, got {max_tokens}")
-        pages, src = -(-max_tokens // page_size), f"--max-tokens {max_tokens}"
+        pages, src = -(-max_tokens // page_size), f"--max-total-tokens {max_tokens}"
     elif dev.type == "cuda":
         free, _total = torch.cuda.mem_get_info(dev)
         budget = int(free * gpu_memory_utilization) - reserve_bytes - (max_seqs + 1) * bps

@@ -46,11 +46,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16, help="tokens per cache page (default 16)")
     g.add_argument("--max-seqs", type=int, default=64, help="sequences decoded together at most (default 64)")
     g.add_argument(
-        "--max-tokens",
+        "--max-total-tokens",
         dest="pool_tokens",
         type=int,
         default=None,
-        help="cache pool size in tokens (default: from free GPU memory; 32768 on CPU)",
+        help="cache pool size in tokens, shared by every sequence (default: from free GPU memory; 32768 on CPU)",
     )
     g.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="fraction of free GPU memory to use"
@@ -195,12 +195,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new_default: int | None) -> None:
     g = p.add_argument_group("sampling")
+    default = max_new_default or "up to the context length"
     g.add_argument(
         "-n",
         "--max-new-tokens",
+        "--max-tokens",
+        dest="max_new_tokens",
         type=int,
         default=max_new_default,
-        help=f"tokens to generate at most (default {max_new_default or 'up to the context length'})",
+        help=f"tokens to generate at most, as the API's max_tokens (default {default})",
     )
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")

@@ -378,7 +378,7 @@ class Engine:
         mml = min(self.mcfg.max_position_embeddings, cap)
         # what sets the context length, for the errors of requests that exceed it
         self._ctx_source = (
-            f"the cache pool holds {cap} tokens (EngineConfig.max_tokens, --max-tokens)"
+            f"the cache pool holds {cap} tokens (EngineConfig.max_tokens, --max-total-tokens)"
             if cap < self.mcfg.max_position_embeddings
             else "the model's max_position_embeddings"
         )
@@ -386,7 +386,7 @@ class Engine:
             if cfg.max_model_len > mml:
                 raise ValueError(
                     f"max_model_len {cfg.max_model_len} exceeds what the model and the cache allow ({mml}); "
-                    "raise --max-tokens or lower --max-model-len"
+                    "raise --max-total-tokens or lower --max-model-len"
                 )
             mml = cfg.max_model_len
             self._ctx_source = "max_model_len (--max-model-len)"
