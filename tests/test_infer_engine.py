@@ -479,8 +479,8 @@ def test_decode_step_refused_when_unsupported(monkeypatch):
 
 
 def test_pool_plan_from_free_gpu_memory(tiny, monkeypatch):
-    """On CUDA without --max-total-tokens the pool takes the free memory times the utilisation, minus the reserve and the
-    per-sequence state; too little memory is a clear error (the CUDA query is stubbed: runs on CPU)."""
+    """On CUDA without --max-total-tokens the pool takes the free memory times the utilisation, minus the reserve
+    and the per-sequence state; too little memory is a clear error (the CUDA query is stubbed: runs on CPU)."""
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (10 * gib, 80 * gib))
     lay = CacheLayout.from_config(tiny.config)

@@ -177,7 +177,7 @@ MLA_GLUE_CONFIG = {
     "prep_stages": 2,
     "prep_warps": 4,
     # the held W_UK tile requested before the prep kernel waits for the kernel before it (programmatic dependent
-    # launch), instead of after. H200, batch 1 (bench/NOTES.md v21): 48B shape 2.51 -> 2.49 ms per step
+    # launch), instead of after. H200, batch 1 (bench/NOTES.md v21): 48B shape 2.35 -> 2.33-2.34 ms per step
     "prep_early": True,
     "post_rows": 8,
     "post_stages": 2,
