@@ -43,6 +43,7 @@ INFO_PROFILE: dict[str, float] = {}
 PROFILE = ""  # directory for kernel profiles (--profile), empty: off
 DEV = "cuda"
 WALL = False  # --wall-timing
+SAMPLING: dict = {}  # --temperature / --top-p / --seed: the requests' sampling (default greedy)
 
 
 def empty_cache():
@@ -185,6 +186,7 @@ def run_preset(
         + "".join(f" {k.removeprefix('fuse_')}={'on' if v else 'off'}" for k, v in (flags or {}).items())
         + ("" if moe_small_n is None else f" moe-small<={moe_small_n}")
         + (f" [{variant}]" if variant else "")
+        + "".join(f" {k}={v}" for k, v in SAMPLING.items())
     )
     undo = KERNEL_VARIANTS[variant]() if variant else None
     t0 = time.time()
@@ -238,7 +240,7 @@ def run_preset(
     for B in batches:
         try:
             prompts = [torch.randint(0, V, (context,), generator=g).tolist() for _ in range(B)]
-            params = SamplingParams(max_tokens=extra, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=extra, ignore_eos=True, **{"temperature": 0.0, **SAMPLING})
             reqs = [eng.submit(p, params) for p in prompts]
             tp = time.time()
             while not all(len(r.output_ids) >= warm for r in reqs):  # prefill + warm-up (graph capture)
@@ -424,6 +426,14 @@ def main():
         metavar="NAMES",
         help=f"A/B of module-level kernel choices, each a separate engine on the same model: {sorted(KERNEL_VARIANTS)}",
     )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the requests' sampling temperature (default 0: greedy, what the tables report)",
+    )
+    ap.add_argument("--top-p", type=float, default=1.0, help="the requests' nucleus mass (default 1: off)")
+    ap.add_argument("--seed", type=int, default=None, help="seeded requests (counter-based Gumbel draws)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
     ap.add_argument(
         "--profile",
@@ -432,9 +442,14 @@ def main():
     )
     ap.add_argument("--out", default=default or os.path.join(ROOT, "bench", "out", "e2e_decode.json"))
     args = ap.parse_args()
-    global DEV, PROFILE, WALL
+    global DEV, PROFILE, WALL, SAMPLING
     DEV = args.device
     WALL = args.wall_timing
+    SAMPLING = {
+        k: v
+        for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("seed", args.seed))
+        if v is not None and (k, v) not in (("temperature", 0.0), ("top_p", 1.0))
+    }
     if DEV == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_e2e_decode.py needs a CUDA device (or --device cpu for a smoke run)")
     batches = [int(b) for b in args.batches.split(",")]

@@ -387,6 +387,49 @@ def test_engine_seeded_sampling_on_cuda(graphs):
     assert other.output_ids != alone.output_ids
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=0.0),
+        dict(temperature=0.8, top_p=0.95),
+        dict(temperature=0.8, top_k=40, seed=7),
+        dict(temperature=0.0, repetition_penalty=1.3),
+    ],
+    ids=["greedy", "top-p", "top-k-seeded", "penalty"],
+)
+def test_engine_decode_steps_do_not_synchronise(kw):
+    """Decode steps with CUDA graphs and overlap issue no synchronising CUDA call beyond the step's wait for the
+    previous step's tokens (a CUDA event): no blocking host-to-device copy (each synchronises the stream first, so
+    the next step could not be queued while the GPU runs this one), no ``.item()``; greedy and sampled rows, a
+    finished row mid-run (its batch shrinks). ``torch.cuda.set_sync_debug_mode`` counts them."""
+    import warnings
+
+    model = _model("small", torch.bfloat16)
+    eng = Engine(
+        model, None, page_size=16, max_seqs=4, max_tokens=4096, use_cuda_graphs=True, prefix_cache=False
+    )
+    V = model.config.vocab_size
+    sp = [SamplingParams(max_tokens=n, ignore_eos=True, **kw) for n in (40, 12, 40)]
+    reqs = [eng.submit(p, s) for p, s in zip(_prompts(21, [9, 30, 17], V), sp)]
+    while not all(len(r.output_ids) >= 4 for r in reqs):  # prefill, first steps
+        eng.step()
+    assert eng.capture_graphs() > 0  # every batch bucket (a capture synchronises)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(16):  # the 12-token request finishes in here
+                eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert reqs[1].finished and not syncs, syncs[:3]
+    while eng.has_work():
+        eng.step()
+    assert all(len(r.output_ids) == s.max_tokens for r, s in zip(reqs, sp))
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_engine_pdl(graphs, monkeypatch):
     """EngineConfig.pdl (our decode kernels with programmatic dependent launch, in CUDA graphs and eagerly; here at

@@ -27,6 +27,17 @@ import torch
 
 from openk3.config import K3Config
 
+
+def device_tensor(data, dtype: torch.dtype, device) -> torch.Tensor:
+    """``data`` (a number, a list, or a tensor) as a ``dtype`` tensor on ``device``, copied to a CUDA device without
+    waiting for the work queued there: a blocking host-to-device copy synchronises the stream first, which would
+    keep the engine's decode steps from running ahead of the GPU (a non-blocking copy from pageable memory has taken
+    the bytes when it returns)."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device=device, dtype=dtype, non_blocking=True)
+    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+
 __all__ = ["CacheLayout", "PoolPlan", "plan_pool", "PagedHybridCache", "PrefixCache", "Snapshot"]
 
 
@@ -284,8 +295,8 @@ class PagedHybridCache:
     def slot_mapping(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """Flat row index (page * page_size + offset) of positions [start, end) of a sequence: [end - start]."""
         ps = self.page_size
-        return torch.tensor(
-            [pages[t // ps] * ps + t % ps for t in range(start, end)], dtype=torch.long, device=self.device
+        return device_tensor(
+            [pages[t // ps] * ps + t % ps for t in range(start, end)], torch.long, self.device
         )
 
     def write_latent(self, j: int, rows: torch.Tensor, latent: torch.Tensor) -> None:
@@ -295,7 +306,7 @@ class PagedHybridCache:
     def gather_latent(self, j: int, pages: list[int], length: int) -> torch.Tensor:
         """Contiguous latent [length, dc + dr] of the first ``length`` tokens of a sequence (MLA pool layer ``j``)."""
         n = self.pages_for(length)
-        idx = torch.tensor(pages[:n], dtype=torch.long, device=self.device)
+        idx = device_tensor(pages[:n], torch.long, self.device)
         return self.kv[j].index_select(0, idx).reshape(-1, self.layout.latent_dim)[:length]
 
 

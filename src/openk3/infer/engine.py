@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from openk3.fast._triton import pdl_scope
 from openk3.infer import gemv as _gemv
-from openk3.infer.cache import PagedHybridCache, PrefixCache, plan_pool
+from openk3.infer.cache import PagedHybridCache, PrefixCache, device_tensor, plan_pool
 from openk3.infer.decode import (
     mla_post_reference,
     mla_prep_reference,
@@ -256,8 +256,8 @@ def _swap_ids(ids: torch.Tensor, ids_from) -> None:
     if all(b == i and k == i for i, (b, k) in enumerate(pairs)):
         ids[: len(pairs)].copy_(src[: len(pairs)])
         return
-    dst = torch.tensor([b for b, _ in pairs], dtype=torch.long).to(ids.device, non_blocking=True)
-    idx = torch.tensor([k for _, k in pairs], dtype=torch.long).to(src.device, non_blocking=True)
+    dst = device_tensor([b for b, _ in pairs], torch.long, ids.device)
+    idx = device_tensor([k for _, k in pairs], torch.long, src.device)
     ids.index_copy_(0, dst, src.index_select(0, idx).to(ids.dtype))
 
 
@@ -822,7 +822,7 @@ class Engine:
             req.prefix_hit = max(req.prefix_hit, hit)
             if req.params.repetition_penalty != 1.0:
                 req.seen = torch.zeros(self.mcfg.vocab_size, dtype=torch.bool, device=self.device)
-                req.seen[torch.tensor(req.all_ids, device=self.device)] = True
+                req.seen[device_tensor(req.all_ids, torch.long, self.device)] = True
 
     def _alloc_page(self) -> int | None:
         while True:
@@ -959,7 +959,7 @@ class Engine:
                 caches[li] = {"c": lat[..., :dc], "kr": lat[..., dc:]}
             else:
                 caches[li] = {}
-        ids = torch.tensor([req.all_ids[start:end]], dtype=torch.long, device=self.device)
+        ids = device_tensor([req.all_ids[start:end]], torch.long, self.device)
         self._walk(
             self.model.model.embed_tokens(ids), lambda i, layer, x: layer.self_attn(x, cache=caches[i])
         )
@@ -1133,7 +1133,7 @@ class Engine:
         if not keep:
             return
         rows = [batch[b] for b in keep]
-        lg = logits if len(keep) == len(batch) else logits[torch.tensor(keep, device=logits.device)]
+        lg = logits if len(keep) == len(batch) else logits[device_tensor(keep, torch.long, logits.device)]
         toks = self._sample_rows(rows, lg)
         host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=toks.is_cuda)
         host.copy_(toks, non_blocking=True)

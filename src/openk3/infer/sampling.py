@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openk3.infer.cache import device_tensor
+
 __all__ = [
     "SamplingParams",
     "apply_repetition_penalty",
@@ -88,7 +90,7 @@ class SamplingParams:
 
 def _col(x: float | Sequence[float] | torch.Tensor, B: int, logits: torch.Tensor) -> torch.Tensor:
     """Per-row parameter as a [B, 1] fp32 tensor on the logits' device."""
-    t = torch.as_tensor(x, dtype=torch.float32, device=logits.device)
+    t = device_tensor(x, torch.float32, logits.device)
     return t.reshape(-1, 1).expand(B, 1) if t.numel() == 1 else t.reshape(B, 1)
 
 
@@ -117,7 +119,7 @@ def top_k_filter(logits: torch.Tensor, k: int | Sequence[int] | torch.Tensor) ->
     """Keep each row's ``k`` largest logits (ties with the k-th are kept), set the rest to -inf. ``k <= 0`` or
     ``k >= V`` leaves the row unchanged."""
     B, V = logits.shape
-    kk = torch.as_tensor(k, dtype=torch.long, device=logits.device).reshape(-1)
+    kk = device_tensor(k, torch.long, logits.device).reshape(-1)
     kk = kk.expand(B) if kk.numel() == 1 else kk.reshape(B)
     kk = torch.where((kk <= 0) | (kk > V), torch.full_like(kk, V), kk)
     sorted_vals = logits.sort(dim=-1, descending=True).values
@@ -233,21 +235,21 @@ def sample(
     sampled_rows = [i for i, t in enumerate(temps) if t > 0]
     if not sampled_rows:
         return greedy_ids
-    rows = torch.tensor(sampled_rows, device=x.device)
+    rows = device_tensor(sampled_rows, torch.long, x.device)
     xs = apply_temperature(x[rows], [temps[i] for i in sampled_rows])
     ks = [top_k] * B if isinstance(top_k, int) else list(top_k)
     ps = [top_p] * B if isinstance(top_p, (int, float)) else list(top_p)
     k_rows = [int(ks[i]) for i in sampled_rows]
     p_rows = [float(ps[i]) for i in sampled_rows]
     if any(0 < k < V for k in k_rows):
-        xs = top_k_filter(xs, torch.tensor(k_rows, device=x.device))
+        xs = top_k_filter(xs, device_tensor(k_rows, torch.long, x.device))
     if any(p < 1.0 for p in p_rows):
         xs = top_p_filter(xs, p_rows)
     out = greedy_ids.clone()
     if keys is not None:
         if len(keys) != B:
             raise ValueError(f"keys: expected one per row ({B}), got {len(keys)}")
-        kt = torch.tensor([keys[i] for i in sampled_rows], dtype=torch.long, device=x.device)
+        kt = device_tensor([keys[i] for i in sampled_rows], torch.long, x.device)
         out[rows] = gumbel_argmax(xs, kt)
         return out
     probs = torch.softmax(xs, dim=-1)
@@ -256,7 +258,7 @@ def sample(
     # cost ~10-20 us each at large batches); seeded rows: one draw each from their own generator
     free = [j for j, g in enumerate(gens) if g is None]
     if free:
-        sel = torch.tensor(free, device=x.device)
+        sel = device_tensor(free, torch.long, x.device)
         out[rows[sel]] = torch.multinomial(probs[sel], 1)[:, 0]
     for j, g in enumerate(gens):
         if g is not None:
