@@ -822,7 +822,7 @@ class Engine:
             req.prefix_hit = max(req.prefix_hit, hit)
             if req.params.repetition_penalty != 1.0:
                 req.seen = torch.zeros(self.mcfg.vocab_size, dtype=torch.bool, device=self.device)
-                req.seen[device_tensor(req.all_ids, torch.long, self.device)] = True
+                req.seen.index_fill_(0, device_tensor(req.all_ids, torch.long, self.device), True)
 
     def _alloc_page(self) -> int | None:
         while True:
@@ -1147,8 +1147,10 @@ class Engine:
         req.output_ids.append(t)
         req.all_ids.append(t)
         self.metrics["generation_tokens_total"] += 1
-        if req.seen is not None:
-            req.seen[t] = True
+        if (
+            req.seen is not None
+        ):  # (a fill launch: assigning a Python scalar would copy it over and synchronise)
+            req.seen[t : t + 1].fill_(True)
         p = req.params
         if t in p.stop_token_ids or (not p.ignore_eos and t in self.eos_ids):
             self._finish(req, "stop")
