@@ -1147,9 +1147,8 @@ class Engine:
         req.output_ids.append(t)
         req.all_ids.append(t)
         self.metrics["generation_tokens_total"] += 1
-        if (
-            req.seen is not None
-        ):  # (a fill launch: assigning a Python scalar would copy it over and synchronise)
+        if req.seen is not None:
+            # a fill launch: assigning a Python scalar (seen[t] = True) copies it over and synchronises
             req.seen[t : t + 1].fill_(True)
         p = req.params
         if t in p.stop_token_ids or (not p.ignore_eos and t in self.eos_ids):
