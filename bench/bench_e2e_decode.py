@@ -88,12 +88,6 @@ def _up_tile(tile: tuple[int, int, int]):
     return lambda: _patch(moe_small, "UP_TILE", tile)
 
 
-def _mla_post_streamed():
-    from openk3.infer import kernels as KN
-
-    return _patch(KN.MLA_GLUE_CONFIG, "post_whole_elems", 0)
-
-
 def _fold_shared(mode: str):
     from openk3.infer import engine
 
@@ -117,7 +111,7 @@ KERNEL_VARIANTS = {
     "up_8x256": _up_tile((8, 256, 3)),
     "up_16x128": _up_tile((16, 128, 3)),
     # the MLA reduce + post kernel as before v18: W_UV streamed after the combine
-    "mla_post_streamed": _mla_post_streamed,
+    "mla_post_streamed": _kn_config("MLA_GLUE_CONFIG", "post_whole_elems", 0),
     # where a folded plain MoE layer's shared experts run (engine.FOLD_SHARED): the side stream, one more slot of the
     # routed kernels, or their gate / up rows in the router's GEMV and the rest in the down + combine kernel
     "shared_side": _fold_shared("side"),
@@ -347,9 +341,7 @@ def gap_report(trace: str, steps: int, top: int = 12) -> str:
     )
     if not ops:
         return "gap report: no device operations in the trace\n"
-    busy, idle, end, gaps = 0.0, 0.0, ops[0][1], []
-    busy = ops[0][1] - ops[0][0]
-    prev = ops[0][2]
+    busy, idle, end, prev, gaps = ops[0][1] - ops[0][0], 0.0, ops[0][1], ops[0][2], []
     for t0, t1, name in ops[1:]:
         if t0 > end:
             idle += t0 - end

@@ -261,6 +261,12 @@ def _swap_ids(ids: torch.Tensor, ids_from) -> None:
     ids.index_copy_(0, dst, src.index_select(0, idx).to(ids.dtype))
 
 
+def _meta_views(buf: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode graph's input buffer (``28 * n`` bytes, on the device or its host twin): token ids / slots / cache
+    rows ``[3, n]`` int64, then the lengths ``[n]`` int32."""
+    return buf[: 24 * n].view(torch.long).view(3, n), buf[24 * n :].view(torch.int32)
+
+
 class _DoneEvent:
     """Stand-in for a CUDA event on CPU (work there is done when it returns)."""
 
@@ -1216,7 +1222,7 @@ class Engine:
             except Exception as e:  # capture failed (host sync in some op): run eagerly from now on
                 self._disable_graphs(e)
         dev = self.device
-        meta, lengths, table = meta[:, :B].to(dev), lengths[:B].to(dev), table[:B].to(dev)
+        meta, lengths, table = (device_tensor(t, t.dtype, dev) for t in (meta[:, :B], lengths[:B], table[:B]))
         _swap_ids(meta[0], ids_from)
         return self._decode_forward(meta[0], meta[1], table, lengths, meta[2])
 
@@ -1598,9 +1604,9 @@ class Engine:
         # two copies, padding rows included: meta and lengths through one host buffer laid out as the device one
         # (pageable: the copy has taken the bytes when it returns), then the table; table columns past W keep
         # earlier page ids (valid pool pages) and are never read: each row reads the pages of its own length only
-        n = meta.shape[1]
-        host[: 24 * n].view(torch.long).view(3, n).copy_(meta)
-        host[24 * n :].view(torch.int32).copy_(lengths)
+        h_meta, h_len = _meta_views(host, meta.shape[1])
+        h_meta.copy_(meta)
+        h_len.copy_(lengths)
         buf.copy_(host, non_blocking=True)
         b_table[:, : table.shape[1]].copy_(table, non_blocking=True)
         _swap_ids(b_meta[0], ids_from)
@@ -1635,8 +1641,7 @@ class Engine:
         # token ids, slots, cache rows [3, bucket] int64, then the lengths [bucket] int32, in one buffer (one copy
         # per step); scratch rows until a step fills them
         buf = torch.empty(28 * bucket, dtype=torch.uint8, device=dev)
-        meta = buf[: 24 * bucket].view(torch.long).view(3, bucket)
-        lengths = buf[24 * bucket :].view(torch.int32)
+        meta, lengths = _meta_views(buf, bucket)
         meta.copy_(torch.tensor([[v] * bucket for v in self._scratch_row()], dtype=torch.long))
         lengths.fill_(1)
         table = torch.full((bucket, self._max_pages_per_seq), pool.dummy_page, dtype=torch.int32, device=dev)
