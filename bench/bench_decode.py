@@ -19,7 +19,9 @@
 * a small sweep of launch configurations at the target shapes (``--no-sweep`` skips it);
 * few-token MoE (``openk3.fast.moe_small``, section ``moe``) at 1, 4 and 16 tokens for the medium, 48B and K3 expert
   shapes: its router (two kernels) vs ``openk3.ops.moe.route``, its routed experts (three kernels) vs the permuted
-  ``torch._grouped_mm`` path; bytes = router weight, resp. the distinct experts' weights the tokens route to.
+  ``torch._grouped_mm`` path; bytes = router weight, resp. the distinct experts' weights the tokens route to;
+* the token draw (section ``draw``, not in the default sections): sorting-free top-p / Gumbel-max kernels against
+  the PyTorch path (sort-based top-p), greedy against ``argmax``, B in {1, 16, 64}, 163,840 fp32 logits.
 
 Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, median; ``--l2-flush read`` flushes
 by reading instead of zeroing, which leaves no dirty lines to write back during the call) of a CUDA-graph replay of
@@ -723,6 +725,55 @@ def moe_section(sweep: bool):
         empty_cache()
 
 
+DRAW_BATCHES = (1, 16, 64)
+DRAW_VOCAB = 163840  # the Kimi-Linear / K3 vocabulary
+
+
+def draw_section(sweep: bool):
+    """The engine's token draw from fp32 logits [B, 163840]: ours (openk3.infer.sample_kernels, no sort) against
+    the PyTorch path it replaced (temperature, sort-based top-p, the one-program-per-row Gumbel kernel), sampled
+    with the CLI's defaults (temperature 0.8, top-p 0.95), and greedy against ``argmax``. Bytes: one read of the
+    logits."""
+    from openk3.infer.sample_kernels import gumbel_argmax_triton, sample_triton
+    from openk3.infer.sampling import apply_temperature, sample_keys, top_p_filter
+
+    print("token draw (fp32 logits):", flush=True)
+    V = DRAW_VOCAB
+    for B in DRAW_BATCHES:
+        if time.time() - T0 > BUDGET:
+            INFO["skipped"].append(f"draw B={B}: time budget")
+            continue
+        x = torch.randn(B, V, device=DEV) * 3
+        keys = torch.tensor(sample_keys(range(B), [1] * B), device=DEV)
+        par = torch.tensor([[0.8, 0.95, 0.0, 1.0]] * B, device=DEV)
+        greedy = torch.tensor([[0.0, 1.0, 0.0, 1.0]] * B, device=DEV)
+        t_col = torch.full((B, 1), 0.8, device=DEV)
+        p_col = torch.full((B, 1), 0.95, device=DEV)
+
+        def ours():
+            return sample_triton(x, par, keys)
+
+        def peer():
+            return gumbel_argmax_triton(top_p_filter(apply_temperature(x, t_col), p_col), keys)
+
+        INFO["checks"][f"draw.B{B}.same_tokens"] = float((ours() == peer()).float().mean())
+        row("draw top-p", f"B{B} V{V} t0.8 p0.95", bench(ours), bench(peer), "torch sort path", B * V * 4, 0)
+        INFO["checks"][f"draw.B{B}.greedy_same"] = float(
+            (sample_triton(x, greedy, keys, top_p=False) == x.argmax(-1)).float().mean()
+        )
+        row(
+            "draw greedy",
+            f"B{B} V{V}",
+            bench(lambda: sample_triton(x, greedy, keys, top_p=False)),
+            bench(lambda: x.argmax(-1)),
+            "torch argmax",
+            B * V * 4,
+            0,
+        )
+        x = None
+        empty_cache()
+
+
 def table() -> str:
     hdr = (
         "op",
@@ -835,7 +886,12 @@ def main():
         argv=sys.argv,
     )
     ceilings()
-    for name, fn in (("kda", kda_section), ("mla", mla_section), ("moe", moe_section)):
+    for name, fn in (
+        ("kda", kda_section),
+        ("mla", mla_section),
+        ("moe", moe_section),
+        ("draw", draw_section),
+    ):
         if name not in args.sections.split(","):
             continue
         try:

@@ -100,6 +100,12 @@ def _kn_config(table: str, key: str, value):
     return lambda: _patch(getattr(KN, table), key, value)
 
 
+def _draw_sorted():
+    from openk3.infer import sampling
+
+    return _patch(sampling.FAST_DRAW, "on", False)
+
+
 # --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
 KERNEL_VARIANTS = {
     "default": lambda: lambda: None,
@@ -119,6 +125,8 @@ KERNEL_VARIANTS = {
     "shared_router": _fold_shared("router"),
     # the MLA prep's W_UK tile loaded after the wait (as before v21)
     "mla_prep_late": _kn_config("MLA_GLUE_CONFIG", "prep_early", False),
+    # the token draw through PyTorch (top-p's sort, one program per row for the Gumbel draw), as before v22
+    "draw_sorted": _draw_sorted,
 }
 
 

@@ -440,6 +440,137 @@ def test_gumbel_argmax_kernel(R, V):
         assert torch.equal(got, want)
 
 
+def _nucleus_mass_above(xs: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """Per row: the probability mass (of softmax(xs), xs already filtered) of the tokens strictly more likely than
+    ``tok``, in fp64: a token is in the top-p set iff this is below p."""
+    pr = torch.softmax(xs.double(), -1)
+    xt = xs.gather(1, tok[:, None])
+    return (pr * (xs > xt)).sum(-1)
+
+
+def run_draw_case(B, V, dtype, temps, ks, ps, pens, seed, scale=3.0, seen_frac=0.0, ninf=False):
+    """:func:`openk3.infer.sampling.sample` with draw keys through the Triton kernels against the PyTorch path
+    (sort-based top-p, the same Gumbel noise): the same token per row, except where the reference's own token lies
+    within fp32 rounding of the top-p boundary. Returns (the tokens, the rows' filtered scaled logits)."""
+    from openk3.infer.sampling import (
+        apply_repetition_penalty,
+        apply_temperature,
+        sample,
+        sample_keys,
+        top_k_filter,
+    )
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (scale * torch.randn(B, V, generator=gen)).to(dtype)
+    if ninf:
+        x[:, 1::4] = float("-inf")
+    seen = (torch.rand(B, V, generator=gen) < seen_frac).to(DEV) if seen_frac else None
+    x = x.to(DEV)
+    keys = sample_keys(range(seed, seed + B), [3] * B)
+    kw = dict(temperature=temps, top_k=ks, top_p=ps, repetition_penalty=pens, seen=seen, keys=keys)
+    with poisoned_empty():
+        got = sample(x, fast=True, **kw)
+    want = sample(x, fast=False, **kw)
+    assert got.dtype == torch.long and got.shape == (B,)
+    # the filtered, scaled logits of each row (greedy rows: penalised only), for the checks below
+    per = (lambda v: [v] * B) if not isinstance(temps, list) else (lambda v: v)
+    xp = x.float() if seen is None else apply_repetition_penalty(x, seen, pens)
+    xs = apply_temperature(xp, temps)
+    kk = [k if 0 < k < V else V for k in (ks if isinstance(ks, list) else [ks] * B)]
+    xs = top_k_filter(xs, torch.tensor(kk, device=DEV))
+    diff = (got != want).cpu()
+    if bool(diff.any()):
+        pp = torch.tensor(ps if isinstance(ps, list) else [ps] * B, dtype=torch.float64)
+        near = (_nucleus_mass_above(xs, want).cpu() - pp).abs() < 1e-5
+        tmp = torch.tensor(per(temps)) if isinstance(temps, list) else torch.full((B,), float(temps))
+        assert bool((near | (tmp <= 0))[diff].all()), (got, want)
+        assert not CUDA or diff.float().mean() <= 0.05
+    if not CUDA:
+        assert torch.equal(got, want)
+    return got, xs
+
+
+@here
+@pytest.mark.parametrize(
+    "B,V,dtype,settings",
+    [
+        (4, 3000, torch.float32, "mixed"),
+        (4, 3000, torch.bfloat16, "mixed-penalty"),
+        (24, 2500, torch.float32, "small-p"),
+        (2, 10, torch.float32, "tiny"),
+        (3, 2049, torch.bfloat16, "greedy"),
+        (5, 1025, torch.float32, "minus-inf"),
+    ],
+)
+def test_sample_kernels(B, V, dtype, settings):
+    """The sorting-free keyed draw (three Triton kernels) against the sort-based PyTorch path: temperatures, top-k,
+    top-p, repetition penalty, greedy rows mixed in, -inf logits; on small p most rows need the rejection rounds
+    (checked here: the unfiltered pick is outside the nucleus), some the per-row rounds of the last kernel."""
+    seed = seed_of("draw", B, V, settings)
+    temps, ks, ps, pens, kw = [0.8, 0.0, 1.0, 2.0], [0, 0, 50, 0], [0.95, 1.0, 0.9, 0.3], 1.0, {}
+    if settings == "mixed-penalty":
+        pens, kw = [1.3, 1.2, 1.5, 1.1], {"seen_frac": 0.1}
+    elif settings == "small-p":
+        temps, ks, ps, kw = (
+            [1.0] * B,
+            [0] * (B - 4) + [7, 40, 0, 300],
+            [0.02 + 0.04 * i for i in range(B)],
+            {},
+        )
+        kw = {"scale": 0.5}
+    elif settings == "tiny":
+        temps, ks, ps = [1.0, 0.0], [3, 0], [0.5, 1.0]
+    elif settings == "greedy":
+        temps, ks, ps = [0.0] * B, 0, 1.0
+    elif settings == "minus-inf":
+        temps, ks, ps, kw = [1.0] * B, [0, 5, 0, 0, 2], [0.5, 0.7, 1.0, 1e-9, 0.99], {"ninf": True}
+    got, xs = run_draw_case(B, V, dtype, temps, ks, ps, pens, seed, **kw)
+    assert bool(torch.isfinite(xs.gather(1, got[:, None])).all()), "drew a token the filters exclude"
+    if settings == "small-p":
+        from openk3.infer.sampling import gumbel_scores, sample_keys
+
+        keys = torch.tensor(sample_keys(range(seed, seed + B), [3] * B), device=DEV)
+        sc = gumbel_scores(xs, keys)
+        first = sc.argmax(-1)  # the first round's pick: not kept in most rows at these p
+        pp = torch.tensor(ps, dtype=torch.float64)
+        out1 = _nucleus_mass_above(xs, first).cpu() >= pp
+        second = sc.masked_fill(xs <= xs.gather(1, first[:, None]), float("-inf")).argmax(-1)
+        out2 = out1 & (_nucleus_mass_above(xs, second).cpu() >= pp)
+        assert int(out1.sum()) >= B // 3 and int(out2.sum()) >= 1, (out1, out2)
+
+
+@here
+def test_sample_kernels_refusals():
+    from openk3.infer.sample_kernels import sample_triton
+
+    x = torch.randn(2, 8, device=DEV)
+    par = torch.zeros(2, 4, device=DEV)
+    keys = torch.zeros(2, dtype=torch.long, device=DEV)
+    with pytest.raises(ValueError, match="params"):
+        sample_triton(x, par[:, :3].contiguous(), keys)
+    with pytest.raises(ValueError, match="keys"):
+        sample_triton(x, par, keys[:1])
+    with pytest.raises(ValueError, match="lower"):
+        sample_triton(x, par, keys, lower=torch.zeros(3, device=DEV))
+    with pytest.raises(ValueError, match="seen"):
+        sample_triton(x, par, keys, seen=torch.zeros(2, 7, dtype=torch.bool, device=DEV))
+    with pytest.raises(ValueError, match="logits"):
+        sample_triton(x[0], par, keys)
+
+
+@pytest.mark.gpu
+@here
+@pytest.mark.parametrize("B", [1, 7, 64])
+def test_sample_kernels_gpu(B):
+    """Model-sized vocabulary (163,840), the CLI's defaults and top-k / penalty rows."""
+    V = 163840
+    temps = [0.8] * B
+    ps = [0.95 if i % 3 else 0.3 for i in range(B)]
+    ks = [0 if i % 4 else 50 for i in range(B)]
+    run_draw_case(B, V, torch.float32, temps, ks, ps, 1.0, seed_of("draw-gpu", B))
+    run_draw_case(B, V, torch.bfloat16, [0.0] * B, 0, 1.0, 1.2, seed_of("draw-gpu-greedy", B), seen_frac=0.01)
+
+
 # ---------------------------------------------------------------------------------------------------------- MLA
 def run_mla_case(lengths, H, DC, DR, page_size, dtype, seed, tol, n_pad=1, poison=False, post=None, **kw):
     """Rows with ``lengths`` (row 1 shares its first pages with row 0, as after a prefix hit) plus ``n_pad`` padded

@@ -387,6 +387,33 @@ def test_engine_seeded_sampling_on_cuda(graphs):
     assert other.output_ids != alone.output_ids
 
 
+def test_engine_draw_kernels_match_torch_path(monkeypatch):
+    """The engine's token draw through the Triton kernels (sampling.FAST_DRAW on, the default) and through the
+    PyTorch path (sort-based top-p): the same tokens for seeded requests with top-p, top-k, a repetition penalty and
+    a greedy row in one batch (a difference would need a token within fp32 rounding of the top-p boundary)."""
+    from openk3.infer import sampling
+
+    model = _model("small", torch.bfloat16)
+    V = model.config.vocab_size
+    prompts = _prompts(31, [9, 30, 17, 5], V)
+    sp = [
+        SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=1.0, top_p=0.3, top_k=20, seed=2, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(
+            max_tokens=24, temperature=1.2, repetition_penalty=1.2, top_k=5, seed=3, ignore_eos=True
+        ),
+    ]
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setitem(sampling.FAST_DRAW, "on", on)
+        eng = Engine(
+            model, None, page_size=16, max_seqs=4, max_tokens=4096, use_cuda_graphs=True, prefix_cache=False
+        )
+        outs[on] = [r.output_ids for r in eng.generate(prompts, sp)]
+    assert outs[True] == outs[False]
+
+
 @pytest.mark.parametrize(
     "kw",
     [

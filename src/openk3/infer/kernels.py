@@ -73,6 +73,7 @@ import torch
 from openk3.fast._triton import pdl_launch, pdl_on
 from openk3.fast._triton import sm_count as _sm_count
 from openk3.infer.decode import FAST_KDA_DECODE, FAST_MLA_DECODE
+from openk3.infer.sample_kernels import gumbel_argmax_triton
 
 try:
     import triton
@@ -974,61 +975,6 @@ if HAS_TRITON:
         _mla_post_rows(
             cbar, wuv_ptr, gate_ptr, o_ptr, b, h, vs, s_wh, s_wv, s_gb, s_ob, DC, DV, VB, VC, STAGES, GATE
         )
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _h32(x):
-        """openk3.infer.sampling._h32 on uint32 (wrapping arithmetic)."""
-        x = ((x >> 16) ^ x) * 0x45D9F3B
-        x = ((x >> 16) ^ x) * 0x45D9F3B
-        return (x >> 16) ^ x
-
-    @triton.jit
-    def _gumbel_argmax_kernel(
-        x_ptr, key_ptr, out_ptr, V, s_x, BLOCK: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr
-    ):
-        """out[r] = argmax_i x[r, i] + G(key_r, i), first index on ties (sampling.gumbel_argmax_reference)."""
-        pdl_wait(PDL)
-        pdl_trigger(PDL)
-        r = tl.program_id(0).to(tl.int64)
-        key = tl.load(key_ptr + r).to(tl.uint32)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        besti = tl.full([BLOCK], 2147483647, tl.int32)
-        for t in tl.range(NB, num_stages=3):  # the logits stream through shared memory, two blocks ahead
-            i = t * BLOCK + tl.arange(0, BLOCK)
-            m = i < V
-            x = tl.load(x_ptr + r * s_x + i, mask=m, other=float("-inf")).to(tl.float32)
-            h = _h32(_h32(i.to(tl.uint32)) ^ key)
-            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            sc = x + -tl.log(-tl.log(u))
-            up = m & (sc > best)  # strict: each lane keeps its first maximum
-            best = tl.where(up, sc, best)
-            besti = tl.where(up, i, besti)
-        mx = tl.max(best, 0)
-        tl.store(out_ptr + r, tl.min(tl.where(best == mx, besti, 2147483647), 0).to(tl.int64))
-
-
-def gumbel_argmax_triton(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """One program per row of ``logits`` [R, V]: the counter-based draw of ``openk3.infer.sampling.gumbel_argmax``."""
-    if logits.dim() != 2 or keys.shape != (logits.shape[0],):
-        raise ValueError(
-            f"gumbel_argmax: logits [R, V] and keys [R], got {tuple(logits.shape)}, {tuple(keys.shape)}"
-        )
-    R, V = logits.shape
-    out = torch.empty(R, dtype=torch.long, device=logits.device)
-    if R == 0:
-        return out
-    x = _row_major(logits)
-    # one program per row: wide blocks keep enough bytes in flight
-    BLOCK = min(2048, triton.next_power_of_2(V))
-    pdl = pdl_on(x)
-    _gumbel_argmax_kernel[(R,)](
-        x, keys.to(device=x.device, dtype=torch.long).contiguous(), out, V, x.stride(0), BLOCK=BLOCK,
-        NB=triton.cdiv(V, BLOCK), PDL=pdl, num_warps=8, **pdl_launch(pdl),
-    )  # fmt: skip
-    return out
 
 
 def _row_major(x: torch.Tensor) -> torch.Tensor:

@@ -189,13 +189,28 @@ def gumbel_argmax_reference(logits: torch.Tensor, keys: torch.Tensor) -> torch.T
 
 
 def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """:func:`gumbel_argmax_reference`, in one Triton kernel on CUDA (``openk3.infer.kernels``)."""
-    if logits.is_cuda:
-        from openk3.infer import kernels
+    """:func:`gumbel_argmax_reference`, in one Triton kernel on CUDA (``openk3.infer.sample_kernels``)."""
+    from openk3.fast._triton import triton_ok
 
-        if kernels.available()[0]:
-            return kernels.gumbel_argmax_triton(logits, keys)
+    if logits.is_cuda and triton_ok()[0]:
+        from openk3.infer.sample_kernels import gumbel_argmax_triton
+
+        return gumbel_argmax_triton(logits, keys)
     return gumbel_argmax_reference(logits, keys)
+
+
+# fast=None in sample(): the Triton draw on CUDA when this is on (off: the PyTorch path, for A/B measurements)
+FAST_DRAW = {"on": True}
+
+
+def _triton_draws() -> bool:
+    from openk3.fast._triton import triton_ok
+
+    return FAST_DRAW["on"] and triton_ok()[0]
+
+
+def _per_row(v, B: int, cast) -> list:
+    return [cast(v)] * B if isinstance(v, (int, float)) else [cast(e) for e in v]
 
 
 def sample(
@@ -208,47 +223,55 @@ def sample(
     seen: torch.Tensor | None = None,
     generators: Sequence[torch.Generator | None] | None = None,
     keys: Sequence[int] | None = None,
+    fast: bool | None = None,
 ) -> torch.Tensor:
     """Next token per row. logits: [B, V]; per-row settings (scalars broadcast); ``seen [B, V]`` marks tokens for the
     repetition penalty. Draws: with ``keys`` (one per row, :func:`sample_keys` of the request's seed and position),
-    one counter-based Gumbel-max pass for every sampled row (:func:`gumbel_argmax`; what the engine uses); else
-    ``generators``, one per row (``None`` = torch's default generator), one ``multinomial`` per seeded row.
-    Returns ids [B] int64.
+    one counter-based Gumbel-max draw for every sampled row (what the engine uses); else ``generators``, one per row
+    (``None`` = torch's default generator), one ``multinomial`` per seeded row. Returns ids [B] int64.
 
     Either way a sampled row's token depends only on its own seed (and position), so a seeded request gets the
-    same tokens whatever else is in the batch."""
+    same tokens whatever else is in the batch.
+
+    ``fast``: the keyed draw (or an all-greedy batch) through the Triton kernels of
+    :mod:`openk3.infer.sample_kernels` (no sort, no per-row pass over the vocabulary): ``None`` = on CUDA when
+    Triton is there, ``True`` = always (CPU tensors need ``TRITON_INTERPRET=1``), ``False`` = the PyTorch
+    transforms below. The two give the same tokens up to fp32 rounding of the probability mass next to ``top_p``
+    (and keep all tokens tied at the top-p boundary, where the sort keeps them in its order)."""
     B, V = logits.shape
-    temps = (
-        [float(temperature)] * B if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
-    )
-    pens = (
-        [float(repetition_penalty)] * B
-        if isinstance(repetition_penalty, (int, float))
-        else [float(r) for r in repetition_penalty]
-    )
+    temps = _per_row(temperature, B, float)
+    pens = _per_row(repetition_penalty, B, float)
+    ks = _per_row(top_k, B, int)
+    ps = _per_row(top_p, B, float)
+    if not (len(temps) == len(pens) == len(ks) == len(ps) == B):
+        raise ValueError(f"sample: per-row settings must have one value per row ({B})")
+    if keys is not None and len(keys) != B:
+        raise ValueError(f"keys: expected one per row ({B}), got {len(keys)}")
+    if seen is not None and tuple(seen.shape) != (B, V):
+        raise ValueError(f"seen must be [B, V] = {(B, V)}, got {tuple(seen.shape)}")
+    sampled_rows = [i for i, t in enumerate(temps) if t > 0]
+    if fast is None:
+        fast = logits.is_cuda and _triton_draws()
+    if fast and (keys is not None or not sampled_rows):
+        return _sample_triton(logits, temps, ks, ps, pens, seen, keys, sampled_rows)
     penalised = seen is not None and any(r != 1.0 for r in pens)
     # greedy rows alone, no penalty: the argmax of the logits as they are (the fp32 copy has the same order)
-    x = logits.float() if penalised or any(t > 0 for t in temps) else logits
+    x = logits.float() if penalised or sampled_rows else logits
     if penalised:
         x = apply_repetition_penalty(x, seen, pens)
     greedy_ids = x.argmax(-1)
-    sampled_rows = [i for i, t in enumerate(temps) if t > 0]
     if not sampled_rows:
         return greedy_ids
     rows = device_tensor(sampled_rows, torch.long, x.device)
     xs = apply_temperature(x[rows], [temps[i] for i in sampled_rows])
-    ks = [top_k] * B if isinstance(top_k, int) else list(top_k)
-    ps = [top_p] * B if isinstance(top_p, (int, float)) else list(top_p)
-    k_rows = [int(ks[i]) for i in sampled_rows]
-    p_rows = [float(ps[i]) for i in sampled_rows]
+    k_rows = [ks[i] for i in sampled_rows]
+    p_rows = [ps[i] for i in sampled_rows]
     if any(0 < k < V for k in k_rows):
         xs = top_k_filter(xs, device_tensor(k_rows, torch.long, x.device))
     if any(p < 1.0 for p in p_rows):
         xs = top_p_filter(xs, p_rows)
     out = greedy_ids.clone()
     if keys is not None:
-        if len(keys) != B:
-            raise ValueError(f"keys: expected one per row ({B}), got {len(keys)}")
         kt = device_tensor([keys[i] for i in sampled_rows], torch.long, x.device)
         out[rows] = gumbel_argmax(xs, kt)
         return out
@@ -264,6 +287,38 @@ def sample(
         if g is not None:
             out[sampled_rows[j]] = torch.multinomial(probs[j], 1, generator=g)[0]
     return out
+
+
+def _sample_triton(logits, temps, ks, ps, pens, seen, keys, sampled_rows) -> torch.Tensor:
+    """:func:`sample`'s keyed draw through :func:`openk3.infer.sample_kernels.sample_triton`: one host-to-device
+    copy of the per-row settings and one of the keys; top-k rows add a ``torch.topk`` for their bound."""
+    from openk3.infer.sample_kernels import sample_triton
+
+    B, V = logits.shape
+    dev = logits.device
+    penalised = seen is not None and any(r != 1.0 for r in pens)
+    params = device_tensor([[t, p, 0.0, r] for t, p, r in zip(temps, ps, pens)], torch.float32, dev)
+    kt = device_tensor(list(keys) if keys is not None else [0] * B, torch.long, dev)
+    k_rows = [i for i in sampled_rows if 0 < ks[i] < V]
+    lower = None
+    x = logits
+    if k_rows:
+        if penalised:  # the bound is a statistic of the penalised logits: apply the penalty here, once
+            x = apply_repetition_penalty(logits, seen, pens)
+            seen = None
+        rk = device_tensor(k_rows, torch.long, dev)
+        top = torch.topk(x[rk], max(ks[i] for i in k_rows), dim=-1).values
+        kth = top.gather(1, device_tensor([[ks[i] - 1] for i in k_rows], torch.long, dev))[:, 0]
+        lower = torch.full((B,), float("-inf"), dtype=torch.float32, device=dev)
+        lower[rk] = kth.float()
+    return sample_triton(
+        x,
+        params,
+        kt,
+        lower=lower,
+        seen=seen if penalised else None,
+        top_p=any(ps[i] < 1.0 for i in sampled_rows),
+    )
 
 
 # --------------------------------------------------------------------------------------------- stop strings
