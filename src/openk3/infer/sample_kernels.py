@@ -101,9 +101,12 @@ if HAS_TRITON:
             lo = tl.load(lo_ptr + r)
             lo = tl.where(sampled, lo / tl.where(sampled, t, 1.0), float("-inf"))  # greedy rows: no bound
             x = tl.where(x < lo, float("-inf"), x)
-        h = _h32(_h32(i.to(tl.uint32)) ^ key)
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        sc = tl.where(sampled, x + -tl.log(-tl.log(u)), x)
+        if sampled:  # the noise only where it is drawn (a greedy row's chunk is a plain load and max)
+            h = _h32(_h32(i.to(tl.uint32)) ^ key)
+            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            sc = x + -tl.log(-tl.log(u))
+        else:
+            sc = x
         return x, sc
 
     @triton.jit
@@ -150,7 +153,9 @@ if HAS_TRITON:
         i = c * CH + tl.arange(0, CH)
         x, sc = _draw_values(x_ptr, seen_ptr, lo_ptr, r, i, V, s_x, s_s, t, pen, key, SEEN, LO)
         m = tl.max(x, 0)
-        s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - m), 0.0), 0)
+        s = tl.zeros_like(m)
+        if (t > 0) & (tl.load(par_ptr + r * 4 + 1) < 1.0):  # the normaliser only where top-p needs it
+            s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - m), 0.0), 0)
         best, bi, bx = _first_max(sc, i, x)
         o = (r * P + c) * 4
         tl.store(ws_ptr + o, m)
@@ -176,11 +181,17 @@ if HAS_TRITON:
             pen = tl.load(par_ptr + r * 4 + 3)
             key = tl.load(key_ptr + r).to(tl.uint32)
             m, z, j, xj = _row_parts(ws_ptr, wi_ptr, r, P, PB)
-            i = c * CH + tl.arange(0, CH)
-            x, sc = _draw_values(x_ptr, seen_ptr, lo_ptr, r, i, V, s_x, s_s, t, pen, key, SEEN, LO)
-            above = x > xj
-            g = tl.sum(tl.where(above, tl.exp(x - m), 0.0), 0)
-            best, bi, bx = _first_max(tl.where(above, sc, float("-inf")), i, x)
+            g = tl.zeros_like(z)
+            best = g + float("-inf")
+            bx = best
+            bi = tl.zeros_like(j) + 2147483647
+            # a chunk without a token above the pick has nothing to add (its max, from the first pass)
+            if tl.load(ws_ptr + (r * P + c) * 4) > xj:
+                i = c * CH + tl.arange(0, CH)
+                x, sc = _draw_values(x_ptr, seen_ptr, lo_ptr, r, i, V, s_x, s_s, t, pen, key, SEEN, LO)
+                above = x > xj
+                g = tl.sum(tl.where(above, tl.exp(x - m), 0.0), 0)
+                best, bi, bx = _first_max(tl.where(above, sc, float("-inf")), i, x)
             o = (r * P + c) * 4
             tl.store(w2_ptr + o, g)
             tl.store(w2_ptr + o + 1, best)
@@ -190,8 +201,8 @@ if HAS_TRITON:
     @triton.jit
     def _draw_final(
         x_ptr, seen_ptr, lo_ptr, par_ptr, key_ptr, ws_ptr, wi_ptr, w2_ptr, out_ptr, V, P, s_x, s_s,
-        PB: tl.constexpr, FB: tl.constexpr, NB: tl.constexpr, SEEN: tl.constexpr, LO: tl.constexpr,
-        TOPP: tl.constexpr, PDL: tl.constexpr,
+        PB: tl.constexpr, FB: tl.constexpr, CPB: tl.constexpr, NB: tl.constexpr, SEEN: tl.constexpr,
+        LO: tl.constexpr, TOPP: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (R,): the row's token (see the module docstring)."""
         pdl_wait(PDL)
@@ -223,16 +234,19 @@ if HAS_TRITON:
                         ni = tl.full([FB], 2147483647, tl.int32)
                         nx = tl.full([FB], float("-inf"), tl.float32)
                         for b in range(NB):
-                            i = b * FB + tl.arange(0, FB)
-                            x, sc = _draw_values(
-                                x_ptr, seen_ptr, lo_ptr, r, i, V, s_x, s_s, t, pen, key, SEEN, LO
-                            )
-                            above = x > xj
-                            ga += tl.where(above, tl.exp(x - m), 0.0)
-                            up = above & (sc > nb)  # strict: each lane keeps its first maximum
-                            nb = tl.where(up, sc, nb)
-                            ni = tl.where(up, i, ni)
-                            nx = tl.where(up, x, nx)
+                            cc = b * CPB + tl.arange(0, CPB)
+                            cm = tl.load(ws_ptr + (r * P + cc) * 4, mask=cc < P, other=float("-inf"))
+                            if tl.max(cm, 0) > xj:  # blocks without a token above the pick are skipped
+                                i = b * FB + tl.arange(0, FB)
+                                x, sc = _draw_values(
+                                    x_ptr, seen_ptr, lo_ptr, r, i, V, s_x, s_s, t, pen, key, SEEN, LO
+                                )
+                                above = x > xj
+                                ga += tl.where(above, tl.exp(x - m), 0.0)
+                                up = above & (sc > nb)  # strict: each lane keeps its first maximum
+                                nb = tl.where(up, sc, nb)
+                                ni = tl.where(up, i, ni)
+                                nx = tl.where(up, x, nx)
                         kept = (tl.sum(ga, 0) < p * z) | (xj >= m)  # the most likely token is always kept
                         _, nj, nxj = _first_max(nb, ni, nx)
                         done = kept | (nj == 2147483647)
@@ -326,7 +340,7 @@ def sample_triton(
             num_warps=cfg["num_warps"], **pdl_launch(pdl),
         )  # fmt: skip
     _draw_final[(R,)](
-        *args, ws, wi, w2, out, V, P, x.stride(0), ss, PB=PB, FB=FB, NB=triton.cdiv(V, FB), **flags, TOPP=top_p,
+        *args, ws, wi, w2, out, V, P, x.stride(0), ss, PB=PB, FB=FB, CPB=FB // CH, NB=triton.cdiv(V, FB), **flags, TOPP=top_p,
         PDL=pdl, num_warps=cfg["final_warps"], **pdl_launch(pdl),
     )  # fmt: skip
     return out
