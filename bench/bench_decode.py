@@ -20,7 +20,7 @@
 * few-token MoE (``openk3.fast.moe_small``, section ``moe``) at 1, 4 and 16 tokens for the medium, 48B and K3 expert
   shapes: its router (two kernels) vs ``openk3.ops.moe.route``, its routed experts (three kernels) vs the permuted
   ``torch._grouped_mm`` path; bytes = router weight, resp. the distinct experts' weights the tokens route to;
-* the token draw (section ``draw``, not in the default sections): sorting-free top-p / Gumbel-max kernels against
+* the token draw (section ``draw``): sorting-free top-p / Gumbel-max kernels against
   the PyTorch path (sort-based top-p), greedy against ``argmax``, B in {1, 16, 64}, 163,840 fp32 logits.
 
 Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, median; ``--l2-flush read`` flushes
@@ -825,7 +825,7 @@ def main():
         action="store_true",
         help="time the Python call instead of a CUDA-graph replay of it",
     )
-    ap.add_argument("--sections", default="kda,mla,moe")
+    ap.add_argument("--sections", default="kda,mla,moe,draw")
     ap.add_argument(
         "--l2-flush",
         choices=("zero", "read"),

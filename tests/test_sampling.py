@@ -1,5 +1,7 @@
 """Sampling transforms and stop-string helpers (pure functions)."""
 
+import os
+
 import pytest
 import torch
 
@@ -225,3 +227,16 @@ def test_params_defaults_and_normalisation():
     assert p.stop == ["###"] and not p.greedy
     assert SamplingParams(temperature=0).validate().greedy
     assert SamplingParams(max_tokens=None).validate().max_tokens is None
+
+
+def test_sample_refuses_bad_shapes_and_an_unavailable_fast_path():
+    x = torch.randn(2, 5)
+    with pytest.raises(ValueError, match="one value per row"):
+        sample(x, temperature=[1.0, 1.0, 1.0], keys=[1, 2])
+    with pytest.raises(ValueError, match="seen"):
+        sample(x, repetition_penalty=1.2, seen=torch.zeros(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="keys"):
+        sample(x, keys=[1])
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(RuntimeError, match="fast=True"):
+            sample(x, keys=[1, 2], fast=True)

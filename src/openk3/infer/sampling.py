@@ -252,6 +252,12 @@ def sample(
     sampled_rows = [i for i, t in enumerate(temps) if t > 0]
     if fast is None:
         fast = logits.is_cuda and _triton_draws()
+    elif fast:
+        from openk3.fast._triton import triton_ok
+
+        ok, why = triton_ok(logits)
+        if not ok:
+            raise RuntimeError(f"sample(fast=True) needs the Triton kernels on these logits: {why}")
     if fast and (keys is not None or not sampled_rows):
         return _sample_triton(logits, temps, ks, ps, pens, seen, keys, sampled_rows)
     penalised = seen is not None and any(r != 1.0 for r in pens)
