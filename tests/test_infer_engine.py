@@ -248,6 +248,72 @@ def test_preemption_recomputes_exactly(tiny):
     assert small.stats()["pages_free"] == small.pool.num_pages
 
 
+def _check_logprobs(model, r, tol=1e-4):
+    """A request's logprobs / prompt logprobs against log_softmax of a full re-forward of its final sequence:
+    each chosen token's value, and the top-k ids (where the k-th is clearly above the next) and values."""
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([r.all_ids[:-1]])).logits[0].float(), -1)
+    n = r.num_prompt
+    rows = []  # (position predicting the token, TokenLogprob, k)
+    if r.params.logprobs is not None:
+        assert [e.id for e in r.logprobs] == r.output_ids
+        rows += [(n - 1 + j, e, r.params.logprobs) for j, e in enumerate(r.logprobs)]
+    if r.params.prompt_logprobs is not None:
+        pl = r.prompt_logprobs
+        assert len(pl) == n and pl[0] is None
+        assert [e.id for e in pl[1:]] == r.prompt_ids[1:]
+        rows += [(p, e, r.params.prompt_logprobs) for p, e in enumerate(pl[1:])]
+    assert rows
+    for p, e, k in rows:
+        assert abs(e.logprob - float(lp[p, e.id])) < tol, (p, e.logprob, float(lp[p, e.id]))
+        assert len(e.top) == k
+        if k:
+            ref = lp[p].topk(k + 1)
+            got_v = torch.tensor([v for _, v in e.top])
+            assert float((got_v - ref.values[:k]).abs().max()) < tol
+            clear = ref.values[:-1] - ref.values[1:] > 1e-3
+            ids = [i for i, _ in e.top]
+            assert all(ids[j] == int(ref.indices[j]) for j in range(k) if clear[j])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_logprobs_match_full_forward(tiny, overlap):
+    """SamplingParams.logprobs / prompt_logprobs: log_softmax of the model's logits at every generated and prompt
+    token (sampled, greedy and penalised rows in one batch; a one-token prompt); a request asking for prompt
+    logprobs does not take a cached prefix (the second run of the same prompt would hit it), and gets the same
+    values again; prompt logprobs survive a preemption (recomputed positions are not recorded twice)."""
+    eng = Engine(tiny, None, page_size=16, max_seqs=4, max_tokens=1024, overlap=overlap, prefix_interval=16)
+    prompts = _prompts(41, [1, 9, 40])
+    sp = [
+        SamplingParams(max_tokens=8, temperature=0.7, seed=3, logprobs=3, prompt_logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1.0, prompt_logprobs=5, ignore_eos=True),
+    ]
+    reqs = eng.generate(prompts, sp)
+    for r in reqs:
+        _check_logprobs(tiny, r)
+    assert reqs[1].prompt_logprobs is None and reqs[2].logprobs == []
+    again = eng.generate([prompts[2]], sp[2])[0]
+    assert again.prefix_hit == 0 and again.prompt_logprobs[1:] == reqs[2].prompt_logprobs[1:]
+    plain = eng.generate([prompts[2]], SamplingParams(max_tokens=2, temperature=0))[0]
+    assert plain.prefix_hit > 0  # the cache had the prefix
+    small = Engine(tiny, None, page_size=4, max_seqs=3, max_tokens=72, prefix_cache=False, overlap=overlap)
+    lp = SamplingParams(max_tokens=30, temperature=0, logprobs=1, prompt_logprobs=1, ignore_eos=True)
+    reqs = small.generate(_prompts(6, [20, 25, 30]), lp)
+    assert small.stats()["preemptions_total"] > 0
+    for r in reqs:
+        _check_logprobs(tiny, r)
+
+
+def test_logprobs_params_validation():
+    for bad in (-1, 21, 2.5, True):
+        with pytest.raises(ValueError, match="logprobs"):
+            SamplingParams(logprobs=bad).validate()
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad).validate()
+    SamplingParams(logprobs=0, prompt_logprobs=20).validate()
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
 def test_continuous_batching_and_chunked_prefill_do_not_stall(tiny, overlap):
     eng = Engine(

@@ -253,6 +253,77 @@ def test_client_disconnect_frees_pages_and_others_continue(server, client, engin
 
 
 # ------------------------------------------------------------------------------------------------ errors
+def _reference_greedy(engine, ids, steps):
+    """Greedy continuation of ``ids`` by full re-forwards of the served model over the tokenizer's vocabulary (the
+    model's extra rows masked, as the engine does): (the new ids, the last forward's log_softmax [positions, V])."""
+    model, seq = engine.model, list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([seq])).logits[0].float()
+            logits[:, engine.tok_vocab :] = float("-inf")
+            lp = torch.log_softmax(logits, -1)
+            seq.append(int(lp[-1].argmax()))
+    return seq[len(ids) :], lp
+
+
+def test_logprobs_completions_echo_and_chat(client, server, engine):
+    """logprobs (generated tokens), echo + logprobs (prompt tokens, the first null), streaming equal to
+    non-streaming, and chat's logprobs / top_logprobs, against log_softmax of a full re-forward; a prompt longer
+    than the prefix-cache interval sent twice with echo gets the same prompt logprobs (no cached prefix)."""
+    tok = engine.tokenizer
+    ids = list(range(40, 110))  # 70 tokens: above the engine's prefix interval (32)
+    new, lp = _reference_greedy(engine, ids, 5)
+    kw = dict(
+        model=MODEL, prompt=ids, max_tokens=5, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
+    r = client.completions.create(**kw)
+    got = r.choices[0].logprobs
+    assert got.tokens == [tok.decode([t]) for t in new]
+    want = [float(lp[len(ids) - 1 + j, t]) for j, t in enumerate(new)]
+    assert max(abs(a - b) for a, b in zip(got.token_logprobs, want)) < 1e-3
+    for j, top in enumerate(got.top_logprobs):  # greedy: the chosen token is the most likely one
+        assert 3 <= len(top) <= 4 and got.tokens[j] in top
+        assert abs(max(top.values()) - got.token_logprobs[j]) < 1e-6
+    assert got.text_offset == [sum(len(t) for t in got.tokens[:j]) for j in range(5)]
+    # echo: the prompt's text and its tokens' logprobs first
+    for _ in range(2):  # the second time the prefix cache holds this prompt: it must not be used
+        e = client.completions.create(echo=True, **kw).choices[0]
+        assert e.text == tok.decode(ids) + r.choices[0].text
+        el = e.logprobs
+        assert len(el.tokens) == len(ids) + 5 and el.token_logprobs[0] is None and el.top_logprobs[0] is None
+        want_p = [float(lp[p, ids[p + 1]]) for p in range(len(ids) - 1)]
+        assert max(abs(a - b) for a, b in zip(el.token_logprobs[1 : len(ids)], want_p)) < 1e-3
+        assert el.token_logprobs[len(ids) :] == got.token_logprobs
+    # streaming: the chunks' logprobs add up to the non-streaming ones
+    chunks = list(client.completions.create(stream=True, echo=True, **kw))
+    toks = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    vals = [
+        v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs
+    ]
+    assert toks == el.tokens and vals == el.token_logprobs
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == e.text
+    # chat
+    msgs = [{"role": "user", "content": "hello"}]
+    ck = dict(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    c = client.chat.completions.create(**ck)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert (
+            item.token == item.top_logprobs[0].token
+            and abs(item.logprob - item.top_logprobs[0].logprob) < 1e-6
+        )
+        assert item.bytes == list(item.token.encode("utf-8"))
+    streamed = [
+        it for ev in client.chat.completions.create(stream=True, **ck) if ev.choices and ev.choices[0].logprobs
+        for it in ev.choices[0].logprobs.content
+    ]  # fmt: skip
+    assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def _err(r, status):
     assert r.status_code == status, r.text
     e = r.json()["error"]
@@ -269,7 +340,14 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
         _err(h.post(url, json={"model": MODEL, "prompt": 5}), 400)
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "temperature": "hot"}), 400)
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "top_p": 0}), 400)
-        _err(h.post(url, json={"model": MODEL, "prompt": "x", "logprobs": 3}), 400)
+        _err(h.post(url, json={"model": MODEL, "prompt": "x", "logprobs": 21}), 400)
+        _err(h.post(url, json={"model": MODEL, "prompt": "x", "logprobs": "3"}), 400)
+        _err(h.post(url, json={"model": MODEL, "prompt": "x", "echo": "yes"}), 400)
+        chat_url, hi = server + "/v1/chat/completions", [{"role": "user", "content": "hi"}]
+        _err(h.post(chat_url, json={"model": MODEL, "messages": hi, "top_logprobs": 2}), 400)
+        _err(
+            h.post(chat_url, json={"model": MODEL, "messages": hi, "logprobs": True, "top_logprobs": 30}), 400
+        )
         _err(h.post(url, json={"model": MODEL, "prompt": [1, 10**9]}), 400)
         _err(h.post(server + "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
         _err(

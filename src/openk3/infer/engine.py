@@ -49,7 +49,15 @@ from openk3.infer.decode import (
     resolve_mla_decode,
 )
 from openk3.infer.glue import add_rms_norm
-from openk3.infer.sampling import SamplingParams, find_stop, sample, sample_keys, stop_holdback
+from openk3.infer.sampling import (
+    SamplingParams,
+    find_stop,
+    logprob_entries,
+    sample,
+    sample_keys,
+    stop_holdback,
+    token_logprobs,
+)
 from openk3.modules.ffn import GLUMLP
 from openk3.ops import backend as _backend
 from openk3.ops.attnres import make_reader
@@ -218,6 +226,10 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    # SamplingParams.logprobs: one TokenLogprob per token of new_token_ids; prompt_logprobs: None for the first
+    # prompt token, then one per prompt token (in the request's first output only)
+    new_logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class IncrementalDetokenizer:
@@ -261,6 +273,13 @@ def _swap_ids(ids: torch.Tensor, ids_from) -> None:
     ids.index_copy_(0, dst, src.index_select(0, idx).to(ids.dtype))
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied to (pinned) host memory without waiting: valid once an event recorded after it has passed."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 def _meta_views(buf: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode graph's input buffer (``28 * n`` bytes, on the device or its host twin): token ids / slots / cache
     rows ``[3, n]`` int64, then the lengths ``[n]`` int32."""
@@ -286,6 +305,9 @@ class _Pending:
     host: torch.Tensor  # [B], filled by a non-blocking copy
     ready: object  # CUDA event recorded after that copy (or _DoneEvent)
     logits: torch.Tensor | None  # the step's logits rows (record_logits only)
+    logprobs: tuple | None = (
+        None  # token_logprobs' tensors, copied to pinned host memory (SamplingParams.logprobs)
+    )
 
 
 class Request:
@@ -318,6 +340,9 @@ class Request:
         self.seen: torch.Tensor | None = None
         self.seed: int | None = None  # sampled requests: the draw seed (params.seed, or a random one)
         self.logits_log: list[torch.Tensor] = []
+        self.logprobs: list = []  # TokenLogprob per output token (params.logprobs)
+        self.prompt_lps: list = []  # TokenLogprob per prompt token after the first (params.prompt_logprobs)
+        self._prompt_lps_sent = False
         self.prefix_hit = 0
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
@@ -327,6 +352,14 @@ class Request:
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """``None`` for the first prompt token, then a TokenLogprob per prompt token (params.prompt_logprobs)."""
+        return None if self.params.prompt_logprobs is None else [None, *self.prompt_lps]
+
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and len(self.prompt_lps) < self.num_prompt - 1
 
 
 class Engine:
@@ -785,7 +818,7 @@ class Engine:
             target = len(req.all_ids) - 1
             snap = (
                 self.prefix.lookup(req.all_ids, target, record=False)
-                if (self.prefix and target > 0)
+                if (self.prefix and target > 0 and not req.wants_prompt_logprobs())
                 else None
             )
             hit = snap.length if snap else 0
@@ -883,9 +916,12 @@ class Engine:
         self.requests.pop(req.id, None)
         req.done_event.set()
 
-    def _emit(self, req: Request, new_ids: list[int], text: str) -> None:
+    def _emit(self, req: Request, new_ids: list[int], text: str, lps: list | None = None) -> None:
         if req.on_output is None:
             return
+        prompt_lps = None
+        if req.params.prompt_logprobs is not None and not req._prompt_lps_sent:
+            prompt_lps, req._prompt_lps_sent = req.prompt_logprobs, True
         out = RequestOutput(
             req.id,
             new_ids,
@@ -895,6 +931,8 @@ class Engine:
             req.num_prompt,
             len(req.output_ids),
             req.error,
+            new_logprobs=lps if req.params.logprobs is not None else None,
+            prompt_logprobs=prompt_lps,
         )
         try:
             req.on_output(out)
@@ -966,9 +1004,11 @@ class Engine:
             else:
                 caches[li] = {}
         ids = device_tensor([req.all_ids[start:end]], torch.long, self.device)
-        self._walk(
+        h = self._walk(
             self.model.model.embed_tokens(ids), lambda i, layer, x: layer.self_attn(x, cache=caches[i])
         )
+        if req.wants_prompt_logprobs():
+            self._prompt_logprobs(req, h[0], start, end)
         for li in lay.kda_layers:
             j, d = pool.pool_index[li], caches[li]
             pool.conv[j, s].copy_(torch.stack([d["conv_q"][0], d["conv_k"][0], d["conv_v"][0]]))
@@ -979,6 +1019,22 @@ class Engine:
                 d = caches[li]
                 lat = torch.cat([d["c"][0, start:end], d["kr"][0, start:end].to(d["c"].dtype)], dim=-1)
                 pool.write_latent(pool.pool_index[li], rows, lat)
+
+    def _prompt_logprobs(self, req: Request, h: torch.Tensor, start: int, end: int) -> None:
+        """Record the prompt tokens' logprobs that positions [start, end) predict (``h``: their final hidden
+        states), those not recorded yet (a preempted request recomputes from 0), in pieces of 256 positions so that
+        the fp32 logits stay small."""
+        k = req.params.prompt_logprobs
+        p0 = max(start, len(req.prompt_lps))  # position p predicts prompt token p + 1
+        p1 = min(end, req.num_prompt - 1)
+        for a in range(p0, p1, 256):
+            b = min(p1, a + 256)
+            logits = torch.nn.functional.linear(h[a - start : b - start], self.model.output_weight)
+            if self.tok_vocab < logits.shape[-1]:
+                logits[:, self.tok_vocab :] = float("-inf")
+            ids = req.all_ids[a + 1 : b + 1]
+            tl = token_logprobs(logits, device_tensor(ids, torch.long, logits.device), k)
+            req.prompt_lps.extend(logprob_entries(*tl, ids, [k] * len(ids)))
 
     # ------------------------------------------------------------------------------------------------ layer walk
     def _walk(
@@ -1051,17 +1107,30 @@ class Engine:
         self.metrics["decode_steps_total"] += 1
         for r in batch:
             r.num_computed += 1
-        self._append_tokens(batch, self._sample_rows(batch, logits).tolist(), logits)
+        toks = self._sample_rows(batch, logits)
+        lps = self._logprob_rows(batch, logits, toks)
+        self._append_tokens(batch, toks.tolist(), logits, lps)
 
-    def _append_tokens(self, batch: list[Request], toks: list[int], logits: torch.Tensor | None) -> None:
-        """Append each row's sampled token (and, with record_logits, its logits row); rows finished meanwhile (an
-        abort while the tokens were on their way) are skipped."""
+    def _logprob_rows(self, batch: list[Request], logits: torch.Tensor, toks: torch.Tensor) -> tuple | None:
+        """token_logprobs of the step's rows when any asks for them (params.logprobs), on the device."""
+        ks = [r.params.logprobs for r in batch if r.params.logprobs is not None]
+        return token_logprobs(logits, toks, max(ks)) if ks else None
+
+    def _append_tokens(
+        self, batch: list[Request], toks: list[int], logits: torch.Tensor | None, lps: tuple | None = None
+    ) -> None:
+        """Append each row's sampled token (and, with record_logits, its logits row; with ``lps``, the rows'
+        :meth:`_logprob_rows` tensors, its TokenLogprob); rows finished meanwhile (an abort while the tokens were
+        on their way) are skipped."""
+        entries = [None] * len(batch)
+        if lps is not None:
+            entries = logprob_entries(*lps, toks, [r.params.logprobs for r in batch])
         for b, (r, t) in enumerate(zip(batch, toks)):
             if r.finished:
                 continue
             if self.cfg.record_logits:
                 r.logits_log.append(logits[b].float().cpu())
-            self._append_token(r, int(t))
+            self._append_token(r, int(t), entries[b])
 
     def _decode_batch(self, ready: list[Request]) -> list[Request]:
         """The rows of the next decode step, in admission order, each with a page for its new token."""
@@ -1131,7 +1200,7 @@ class Engine:
         if pend is not None:  # step t's tokens, while step t+1 runs
             self._pending = None
             pend.ready.synchronize()
-            self._append_tokens(pend.batch, pend.host.tolist(), pend.logits)
+            self._append_tokens(pend.batch, pend.host.tolist(), pend.logits, pend.logprobs)
         if not batch:
             return
         # rows that stopped at step t: their step t+1 is discarded
@@ -1141,15 +1210,20 @@ class Engine:
         rows = [batch[b] for b in keep]
         lg = logits if len(keep) == len(batch) else logits[device_tensor(keep, torch.long, logits.device)]
         toks = self._sample_rows(rows, lg)
-        host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=toks.is_cuda)
-        host.copy_(toks, non_blocking=True)
+        host = _to_host(toks)
+        lps = self._logprob_rows(rows, lg, toks)
+        if lps is not None:
+            lps = tuple(_to_host(t) for t in lps)
         ready_ev = torch.cuda.Event() if toks.is_cuda else _DoneEvent()
         ready_ev.record()
-        self._pending = _Pending(rows, toks, host, ready_ev, lg if self.cfg.record_logits else None)
+        self._pending = _Pending(rows, toks, host, ready_ev, lg if self.cfg.record_logits else None, lps)
 
-    def _append_token(self, req: Request, t: int) -> None:
+    def _append_token(self, req: Request, t: int, lp=None) -> None:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
+        if lp is not None:
+            req.logprobs.append(lp)
+        lps = [lp] if lp is not None else None
         req.output_ids.append(t)
         req.all_ids.append(t)
         self.metrics["generation_tokens_total"] += 1
@@ -1162,14 +1236,14 @@ class Engine:
             return
         text = self._extend_text(req, req.detok.push(t)) if req.detok is not None else ""
         if req.stop_hit:
-            self._emit(req, [t], text)
+            self._emit(req, [t], text, lps)
             self._finish(req, "stop")
             return
         if len(req.output_ids) >= req.max_new or len(req.all_ids) >= self.max_model_len:
-            self._emit(req, [t], text)
+            self._emit(req, [t], text, lps)
             self._finish(req, "length")
             return
-        self._emit(req, [t], text)
+        self._emit(req, [t], text, lps)
 
     def _bucket(self, B: int) -> int | None:
         """The CUDA-graph batch bucket a decode batch of B rows runs in (None: eager)."""

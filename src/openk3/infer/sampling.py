@@ -16,7 +16,10 @@ import torch
 from openk3.infer.cache import device_tensor
 
 __all__ = [
+    "MAX_LOGPROBS",
     "SamplingParams",
+    "TokenLogprob",
+    "token_logprobs",
     "apply_repetition_penalty",
     "apply_temperature",
     "top_k_filter",
@@ -30,6 +33,19 @@ __all__ = [
 ]
 
 
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (logprobs / prompt_logprobs)
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the model's distribution and the ``k`` most likely tokens there,
+    ``top = [(token id, logprob), ...]`` most likely first."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation settings.
@@ -39,6 +55,10 @@ class SamplingParams:
     already present in the prompt or the output (HF semantics). ``seed`` makes sampling reproducible, whatever
     else runs in the same batch. ``stop``: strings that end generation (not included in the text);
     ``stop_token_ids``: extra ids that end generation; the end-of-sequence id does too unless ``ignore_eos``.
+    ``logprobs`` k (0..20; ``None`` = off): each generated token's log-probability under the model's distribution
+    (``log_softmax`` of the logits, before penalty, temperature and filters) and the k most likely tokens with
+    theirs. ``prompt_logprobs`` k: the same for each prompt token after the first (a request asking for them does
+    not reuse a cached prefix).
     """
 
     max_tokens: int | None = 16
@@ -50,6 +70,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> SamplingParams:
         """Raise ``ValueError`` (with the field name) for an invalid value; returns self."""
@@ -74,6 +96,12 @@ class SamplingParams:
         num("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS
+            ):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not all(isinstance(s, str) for s in self.stop):
@@ -325,6 +353,31 @@ def _sample_triton(logits, temps, ks, ps, pens, seen, keys, sampled_rows) -> tor
         seen=seen if penalised else None,
         top_p=any(ps[i] < 1.0 for i in sampled_rows),
     )
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """``log_softmax`` (fp32) of ``logits [N, V]`` at ``ids [N]``, and its ``k`` largest values with their ids:
+    (chosen [N], top values [N, k], top ids [N, k]); all on the logits' device."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, ids.reshape(-1, 1).to(device=lp.device, dtype=torch.long))[:, 0]
+    if k > 0:
+        top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        return chosen, top.values, top.indices
+    empty = lp.new_empty(lp.shape[0], 0)
+    return chosen, empty, empty.long()
+
+
+def logprob_entries(chosen, top_v, top_i, ids, ks) -> list[TokenLogprob | None]:
+    """Host-side :class:`TokenLogprob` per row from :func:`token_logprobs`' tensors (one transfer each); ``ks``: each
+    row's k (``None``: that row gets ``None``)."""
+    chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
+    out = []
+    for b, k in enumerate(ks):
+        if k is None:
+            out.append(None)
+            continue
+        out.append(TokenLogprob(int(ids[b]), chosen[b], list(zip(top_i[b][:k], top_v[b][:k]))))
+    return out
 
 
 # --------------------------------------------------------------------------------------------- stop strings

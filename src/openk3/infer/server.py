@@ -8,6 +8,13 @@ slot freed at the next engine step).
 
 Extra request fields beyond OpenAI's (as vLLM accepts them): ``top_k``, ``repetition_penalty``, ``stop_token_ids``,
 ``ignore_eos``.
+
+Log-probabilities (of the model's distribution: ``log_softmax`` of the logits before penalty, temperature and
+filters): completions take ``logprobs`` k (0-20: each token's logprob and the k most likely tokens, plus the chosen
+one) and ``echo`` (the prompt's text before the completion; with ``logprobs``, the prompt tokens' logprobs too, the
+first one ``null``: scoring a text as evaluation harnesses do); chat takes ``logprobs: true`` and ``top_logprobs``
+(0-20). A token's text is the tokenizer's decoding of that token alone (``token_id:N`` without a tokenizer), and
+``text_offset`` adds up those texts' lengths.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import hmac
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,7 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.infer.engine import Engine, RequestOutput
-from openk3.infer.sampling import SamplingParams
+from openk3.infer.sampling import MAX_LOGPROBS, SamplingParams
 
 __all__ = ["create_app", "serve", "ApiError"]
 
@@ -69,10 +77,7 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
             raise ApiError(
                 400, f"'{name}' is not supported by this server (use repetition_penalty)", param=name
             )
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
-    if body.get("echo"):
-        raise ApiError(400, "'echo' is not supported by this server", param="echo")
+    logprobs, prompt_logprobs = _logprob_params(body, chat=chat)
     if body.get("logit_bias"):
         raise ApiError(400, "'logit_bias' is not supported by this server", param="logit_bias")
     if body.get("suffix"):
@@ -112,12 +117,34 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
         stop=list(stop),
         stop_token_ids=list(stop_ids),
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         params.validate()
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     return params, n
+
+
+def _logprob_params(body: dict, *, chat: bool) -> tuple[int | None, int | None]:
+    """(logprobs, prompt_logprobs) of SamplingParams from a request's OpenAI fields."""
+
+    def k_of(name: str) -> int | None:
+        k = _get(body, name, int, None)
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise ApiError(400, f"'{name}' must lie in [0, {MAX_LOGPROBS}], got {k}", param=name)
+        return k
+
+    if chat:
+        on = _get(body, "logprobs", bool, False)
+        top = k_of("top_logprobs")
+        if top is not None and top > 0 and not on:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return ((top or 0) if on else None), None
+    k = k_of("logprobs")
+    echo = _get(body, "echo", bool, False)
+    return k, (k if echo else None)
 
 
 def _with_seed(params: SamplingParams, i: int) -> SamplingParams:
@@ -273,6 +300,39 @@ def create_app(
     def usage(prompt: int, completion: int) -> dict:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def tok_text(i: int) -> str:
+        return tok.decode([i]) if tok is not None else f"token_id:{i}"
+
+    def completion_logprobs(pairs, offset: int) -> tuple[dict, int]:
+        """The completions API's logprobs object for (token id, TokenLogprob or None) pairs whose text starts at
+        ``offset``; returns it and the offset after them."""
+        d: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, e in pairs:
+            t = tok_text(tid)
+            top = None
+            if e is not None:
+                top = {tok_text(i): v for i, v in e.top}
+                top.setdefault(t, e.logprob)  # the chosen token is always listed
+            d["tokens"].append(t)
+            d["token_logprobs"].append(None if e is None else e.logprob)
+            d["top_logprobs"].append(top)
+            d["text_offset"].append(offset)
+            offset += len(t)
+        return d, offset
+
+    def chat_logprobs(entries) -> dict:
+        """The chat API's logprobs object ({"content": [...]}) for TokenLogprobs."""
+
+        def item(i: int, v: float) -> dict:
+            t = tok_text(i)
+            return {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+
+        return {
+            "content": [
+                dict(item(e.id, e.logprob), top_logprobs=[item(i, v) for i, v in e.top]) for e in entries
+            ]
+        }
+
     # -------------------------------------------------------------------------------------------- plain routes
     @app.get("/health")
     async def health():
@@ -352,6 +412,16 @@ def create_app(
         cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         stream = bool(body.get("stream"))
         include_usage = _stream_options(body) if stream else False
+        echo = bool(_get(body, "echo", bool, False))
+        want_lp = params.logprobs is not None
+
+        def echo_text(i: int) -> str:  # choice i's prompt as text
+            p = prompts[i // n]
+            return p if isinstance(p, str) else (tok.decode(p) if tok is not None else "")
+
+        def prompt_pairs(i: int, plps) -> list:  # choice i's prompt tokens with their logprobs (first: None)
+            ids = group.reqs[i].prompt_ids
+            return list(zip(ids, plps if plps is not None else [None] * len(ids)))
 
         def chunk(choices, usage_=None):
             d = {
@@ -369,17 +439,30 @@ def create_app(
 
             async def gen():
                 completion = 0
+                started: set[int] = set()
+                offsets = [0] * len(group.reqs)
                 try:
                     async for i, out in group.events():
                         if out.error:
                             yield _sse(ApiError(500, out.error, type_="server_error").body())
                             continue
                         completion += len(out.new_token_ids)
-                        if out.new_text or out.finished:
+                        text, pairs = out.new_text, []
+                        if i not in started:  # the choice's first output: the echoed prompt goes first
+                            started.add(i)
+                            if echo:
+                                text = echo_text(i) + text
+                                if want_lp:
+                                    pairs = prompt_pairs(i, out.prompt_logprobs)
+                        lp = None
+                        if want_lp:
+                            pairs += [(e.id, e) for e in out.new_logprobs or []]
+                            lp, offsets[i] = completion_logprobs(pairs, offsets[i])
+                        if text or out.finished or pairs:
                             c = {
                                 "index": i,
-                                "text": out.new_text,
-                                "logprobs": None,
+                                "text": text,
+                                "logprobs": lp,
                                 "finish_reason": out.finish_reason if out.finished else None,
                             }
                             yield _sse(chunk([c]))
@@ -393,12 +476,16 @@ def create_app(
                 gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
 
-        texts, reasons, completion = await _collect(group, request)
-        choices = [
-            {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]}
-            for i in range(len(texts))
-        ]
-        return chunk(choices, usage(group.prompt_tokens, completion))
+        got = await _collect(group, request)
+        choices = []
+        for i in range(len(got.texts)):
+            lp = None
+            if want_lp:
+                pairs = prompt_pairs(i, got.prompt_logprobs[i]) if echo else []
+                lp, _ = completion_logprobs(pairs + [(e.id, e) for e in got.logprobs[i]], 0)
+            text = (echo_text(i) if echo else "") + got.texts[i]
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": got.reasons[i]})
+        return chunk(choices, usage(group.prompt_tokens, got.completion))
 
     # -------------------------------------------------------------------------------------------- chat
     def chat_prompt(body: dict) -> str:
@@ -475,11 +562,12 @@ def create_app(
                             yield _sse(ApiError(500, out.error, type_="server_error").body())
                             continue
                         completion += len(out.new_token_ids)
-                        if out.new_text:
+                        lp = chat_logprobs(out.new_logprobs) if out.new_logprobs else None
+                        if out.new_text or lp is not None:
                             c = {
                                 "index": i,
                                 "delta": {"content": out.new_text},
-                                "logprobs": None,
+                                "logprobs": lp,
                                 "finish_reason": None,
                             }
                             yield _sse(chunk([c]))
@@ -501,17 +589,17 @@ def create_app(
                 gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
 
-        texts, reasons, completion = await _collect(group, request)
+        got = await _collect(group, request)
         choices = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": texts[i]},
-                "logprobs": None,
-                "finish_reason": reasons[i],
+                "message": {"role": "assistant", "content": got.texts[i]},
+                "logprobs": chat_logprobs(got.logprobs[i]) if params.logprobs is not None else None,
+                "finish_reason": got.reasons[i],
             }
             for i in range(n)
         ]
-        return chunk(choices, usage(group.prompt_tokens, completion), obj="chat.completion")
+        return chunk(choices, usage(group.prompt_tokens, got.completion), obj="chat.completion")
 
     return app
 
@@ -532,19 +620,30 @@ def serve(
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
 
 
-async def _collect(group, request) -> tuple[list[str], list[str | None], int]:
-    """Drain a non-streaming request group: (texts, finish reasons, completion token count)."""
-    texts = [""] * len(group.reqs)
-    reasons: list[str | None] = [None] * len(group.reqs)
-    completion = 0
+@dataclass
+class _Collected:
+    texts: list[str]
+    reasons: list[str | None]
+    completion: int  # completion tokens of all choices
+    logprobs: list[list]  # TokenLogprobs per choice (SamplingParams.logprobs)
+    prompt_logprobs: list  # per choice: None, or the prompt's logprobs (first None)
+
+
+async def _collect(group, request) -> _Collected:
+    """Drain a non-streaming request group."""
+    k = len(group.reqs)
+    got = _Collected([""] * k, [None] * k, 0, [[] for _ in range(k)], [None] * k)
     try:
         async for i, out in group.events(request):
             if out.error:
                 raise ApiError(500, out.error, type_="server_error")
-            texts[i] += out.new_text
-            completion += len(out.new_token_ids)
+            got.texts[i] += out.new_text
+            got.completion += len(out.new_token_ids)
+            got.logprobs[i] += out.new_logprobs or []
+            if out.prompt_logprobs is not None:
+                got.prompt_logprobs[i] = out.prompt_logprobs
             if out.finished:
-                reasons[i] = out.finish_reason
+                got.reasons[i] = out.finish_reason
     finally:
         group.abort()
-    return texts, reasons, completion
+    return got
