@@ -43,7 +43,7 @@ INFO_PROFILE: dict[str, float] = {}
 PROFILE = ""  # directory for kernel profiles (--profile), empty: off
 DEV = "cuda"
 WALL = False  # --wall-timing
-SAMPLING: dict = {}  # --temperature / --top-p / --seed: the requests' sampling (default greedy)
+SAMPLING: dict = {}  # --temperature / --top-p / --seed / --logprobs: the requests' sampling (default greedy)
 
 
 def empty_cache():
@@ -434,6 +434,12 @@ def main():
     )
     ap.add_argument("--top-p", type=float, default=1.0, help="the requests' nucleus mass (default 1: off)")
     ap.add_argument("--seed", type=int, default=None, help="seeded requests (counter-based Gumbel draws)")
+    ap.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="the requests ask for each token's logprob and K alternatives",
+    )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (tiny presets)")
     ap.add_argument(
         "--profile",
@@ -447,7 +453,12 @@ def main():
     WALL = args.wall_timing
     SAMPLING = {
         k: v
-        for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("seed", args.seed))
+        for k, v in (
+            ("temperature", args.temperature),
+            ("top_p", args.top_p),
+            ("seed", args.seed),
+            ("logprobs", args.logprobs),
+        )
         if v is not None and (k, v) not in (("temperature", 0.0), ("top_p", 1.0))
     }
     if DEV == "cuda" and not torch.cuda.is_available():

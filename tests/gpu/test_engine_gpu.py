@@ -387,6 +387,38 @@ def test_engine_seeded_sampling_on_cuda(graphs):
     assert other.output_ids != alone.output_ids
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
+def test_engine_logprobs_on_cuda(overlap):
+    """SamplingParams.logprobs / prompt_logprobs with CUDA graphs (fp32 model): each value against log_softmax of
+    a full re-forward of the final sequence on the GPU, the top ids where clearly ordered."""
+    model = _model("small", torch.float32)
+    eng = Engine(
+        model, None, page_size=16, max_seqs=4, max_tokens=4096, use_cuda_graphs=True, overlap=overlap
+    )
+    V = model.config.vocab_size
+    sp = [
+        SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=4, logprobs=4, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, prompt_logprobs=3, ignore_eos=True),
+    ]
+    reqs = eng.generate(_prompts(51, [13, 300], V), sp)
+    for r in reqs:
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([r.all_ids[:-1]], device=DEV)).logits[0].float(), -1)
+        rows = [(r.num_prompt - 1 + j, e, r.params.logprobs) for j, e in enumerate(r.logprobs)]
+        if r.params.prompt_logprobs is not None:
+            rows += [(p, e, r.params.prompt_logprobs) for p, e in enumerate(r.prompt_logprobs[1:])]
+            assert len(r.prompt_logprobs) == r.num_prompt
+        assert len(rows) >= 10 and [e.id for e in r.logprobs] == r.output_ids
+        for p, e, k in rows:
+            assert abs(e.logprob - float(lp[p, e.id])) < 2e-3, (p, e.logprob, float(lp[p, e.id]))
+            ref = lp[p].topk(k + 1)
+            assert len(e.top) == k
+            for j, (i, v) in enumerate(e.top):
+                assert abs(v - float(ref.values[j])) < 2e-3
+                if float(ref.values[j] - ref.values[j + 1]) > 1e-2:
+                    assert i == int(ref.indices[j])
+
+
 def test_engine_draw_kernels_match_torch_path(monkeypatch):
     """The engine's token draw through the Triton kernels (sampling.FAST_DRAW on, the default) and through the
     PyTorch path (sort-based top-p): the same tokens for seeded requests with top-p, top-k, a repetition penalty and
@@ -421,8 +453,9 @@ def test_engine_draw_kernels_match_torch_path(monkeypatch):
         dict(temperature=0.8, top_p=0.95),
         dict(temperature=0.8, top_k=40, seed=7),
         dict(temperature=0.0, repetition_penalty=1.3),
+        dict(temperature=0.8, top_p=0.95, logprobs=2),
     ],
-    ids=["greedy", "top-p", "top-k-seeded", "penalty"],
+    ids=["greedy", "top-p", "top-k-seeded", "penalty", "logprobs"],
 )
 def test_engine_decode_steps_do_not_synchronise(kw):
     """Decode steps with CUDA graphs and overlap issue no synchronising CUDA call beyond the step's wait for the
