@@ -21,7 +21,8 @@
   shapes: its router (two kernels) vs ``openk3.ops.moe.route``, its routed experts (three kernels) vs the permuted
   ``torch._grouped_mm`` path; bytes = router weight, resp. the distinct experts' weights the tokens route to;
 * the token draw (section ``draw``): sorting-free top-p / Gumbel-max kernels against
-  the PyTorch path (sort-based top-p), greedy against ``argmax``, B in {1, 16, 64}, 163,840 fp32 logits.
+  the PyTorch path (sort-based top-p), greedy against ``argmax``, the logprobs of the chosen token and the 5 most
+  likely (``token_logprobs``) against ``log_softmax`` + ``topk``; B in {1, 16, 64}, 163,840 fp32 logits.
 
 Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each call, median; ``--l2-flush read`` flushes
 by reading instead of zeroing, which leaves no dirty lines to write back during the call) of a CUDA-graph replay of
@@ -735,7 +736,7 @@ def draw_section(sweep: bool):
     with the CLI's defaults (temperature 0.8, top-p 0.95), and greedy against ``argmax``. Bytes: one read of the
     logits."""
     from openk3.infer.sample_kernels import gumbel_argmax_triton, sample_triton
-    from openk3.infer.sampling import apply_temperature, sample_keys, top_p_filter
+    from openk3.infer.sampling import apply_temperature, sample_keys, token_logprobs, top_p_filter
 
     print("token draw (fp32 logits):", flush=True)
     V = DRAW_VOCAB
@@ -767,6 +768,21 @@ def draw_section(sweep: bool):
             bench(lambda: sample_triton(x, greedy, keys, top_p=False)),
             bench(lambda: x.argmax(-1)),
             "torch argmax",
+            B * V * 4,
+            0,
+        )
+        ids = x.argmax(-1)
+
+        def lp_peer():
+            lp = torch.log_softmax(x, -1)
+            return lp.gather(1, ids[:, None]), lp.topk(5, dim=-1)
+
+        row(
+            "logprobs k5",
+            f"B{B} V{V}",
+            bench(lambda: token_logprobs(x, ids, 5)),
+            bench(lp_peer),
+            "log_softmax + topk",
             B * V * 4,
             0,
         )

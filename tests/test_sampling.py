@@ -240,3 +240,23 @@ def test_sample_refuses_bad_shapes_and_an_unavailable_fast_path():
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(RuntimeError, match="fast=True"):
             sample(x, keys=[1, 2], fast=True)
+
+
+@pytest.mark.parametrize("V,k", [(8192, 5), (3000, 3), (2048, 0), (4096, 20)])
+def test_token_logprobs_match_log_softmax(V, k):
+    """token_logprobs (logsumexp; two-stage top-k over whole 1,024-wide chunks, or one topk) against
+    log_softmax + topk."""
+    from openk3.infer.sampling import token_logprobs
+
+    g = torch.Generator().manual_seed(V + k)
+    x = (3 * torch.randn(4, V, generator=g)).to(torch.bfloat16)
+    ids = torch.randint(0, V, (4,), generator=g)
+    chosen, vals, idx = token_logprobs(x, ids, k)
+    lp = torch.log_softmax(x.float(), -1)
+    assert (chosen - lp.gather(1, ids[:, None])[:, 0]).abs().max() < 1e-5
+    ref = lp.topk(k, dim=-1)
+    assert vals.shape == (4, k) and idx.shape == (4, k) and idx.dtype == torch.long
+    assert torch.allclose(vals, ref.values, rtol=0, atol=1e-5)
+    # same values at the returned ids (bf16 logits tie often: ids may differ only among equal values)
+    assert torch.allclose(lp.gather(1, idx), ref.values, rtol=0, atol=1e-5)
+    assert bool((vals[:, :-1] >= vals[:, 1:]).all())

@@ -357,14 +357,29 @@ def _sample_triton(logits, temps, ks, ps, pens, seen, keys, sampled_rows) -> tor
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """``log_softmax`` (fp32) of ``logits [N, V]`` at ``ids [N]``, and its ``k`` largest values with their ids:
-    (chosen [N], top values [N, k], top ids [N, k]); all on the logits' device."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, ids.reshape(-1, 1).to(device=lp.device, dtype=torch.long))[:, 0]
-    if k > 0:
-        top = lp.topk(min(k, lp.shape[-1]), dim=-1)
-        return chosen, top.values, top.indices
-    empty = lp.new_empty(lp.shape[0], 0)
-    return chosen, empty, empty.long()
+    (chosen [N], top values [N, k], top ids [N, k]); all on the logits' device. The log-normaliser comes from one
+    ``logsumexp`` (no [N, V] output); the top k of a vocabulary of whole 1,024-wide chunks in two stages (each
+    chunk's top k, then the best of those), which spreads a single row over many programs."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    chosen = (x.gather(1, ids.reshape(-1, 1).to(device=x.device, dtype=torch.long)) - lse)[:, 0]
+    N, V = x.shape
+    k = min(k, V)
+    if k <= 0:
+        empty = x.new_empty(N, 0)
+        return chosen, empty, empty.long()
+    C = 1024
+    if V % C == 0 and V // C > 1 and k <= C:
+        part = x.view(N, V // C, C).topk(k, dim=-1)  # [N, V / C, k]
+        vals, pos = part.values.reshape(N, -1).topk(k, dim=-1)
+        idx = (
+            (part.indices + torch.arange(0, V, C, device=x.device)[None, :, None])
+            .reshape(N, -1)
+            .gather(1, pos)
+        )
+    else:
+        vals, idx = x.topk(k, dim=-1)
+    return chosen, vals - lse, idx
 
 
 def logprob_entries(chosen, top_v, top_i, ids, ks) -> list[TokenLogprob | None]:
