@@ -540,6 +540,29 @@ def test_sample_kernels(B, V, dtype, settings):
 
 
 @here
+@pytest.mark.parametrize("N,V,k", [(3, 3000, 5), (2, 4096, 20), (4, 700, 0), (1, 10, 3), (2, 2049, 1)])
+def test_logprobs_kernel(N, V, k):
+    """The two-launch logprobs (chunk parts and top k, then the merge) against logsumexp + topk in PyTorch: the
+    chosen tokens' values, the top values, and their ids (the same values where ids differ: ties)."""
+    from openk3.infer.sample_kernels import logprobs_triton
+
+    gen = torch.Generator().manual_seed(seed_of("logprobs", N, V, k))
+    x = (3 * torch.randn(N, V, generator=gen)).to(torch.bfloat16).to(DEV)  # bf16: many exact ties
+    x[:, ::7] = float("-inf")
+    ids = (1 + 7 * torch.randint(0, (V - 2) // 7 + 1, (N,), generator=gen)).to(DEV)  # finite logits
+    chosen, tv, ti = logprobs_triton(x, ids, k)
+    lp = torch.log_softmax(x.float(), -1)
+    check("chosen", chosen, lp.gather(1, ids[:, None])[:, 0], 1e-5)
+    ref = lp.topk(k, dim=-1)
+    assert tv.shape == (N, k) and ti.shape == (N, k) and ti.dtype == torch.long
+    if k:
+        check("top values", tv, ref.values, 1e-5)
+        assert torch.allclose(lp.gather(1, ti), ref.values, rtol=0, atol=1e-5)
+        assert bool((ti % 7 != 0).all()), "an excluded (-inf) token among the top"
+        assert all(len(set(r)) == k for r in ti.tolist())  # k distinct tokens per row
+
+
+@here
 def test_sample_kernels_refusals():
     from openk3.infer.sample_kernels import sample_triton
 

@@ -42,7 +42,7 @@ except Exception:  # pragma: no cover - triton missing
     triton = tl = None
     HAS_TRITON = False
 
-__all__ = ["SAMPLE_CONFIG", "gumbel_argmax_triton", "sample_triton"]
+__all__ = ["SAMPLE_CONFIG", "gumbel_argmax_triton", "logprobs_triton", "sample_triton"]
 
 # CH: tokens per program of the two chunked passes (V = 163,840: 160 programs per row); FB: tokens per step of
 # the per-row rounds of the last kernel.
@@ -254,6 +254,96 @@ if HAS_TRITON:
                         xj = tl.where(kept, xj, nxj)
         j = tl.where(j == 2147483647, 0, j)  # a row without a finite logit: token 0, as torch's argmax
         tl.store(out_ptr + r, j.to(tl.int64))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _lp_pass1(
+        x_ptr, cv_ptr, ci_ptr, ws_ptr, V, P, s_x, CH: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr
+    ):
+        """Grid (P, N): chunk ``c`` of row ``r``: its max and sum of exp(x - max), and its KP largest logits with
+        their ids (largest first; the first index among equal values)."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+        c = tl.program_id(0)
+        r = tl.program_id(1).to(tl.int64)
+        i = c * CH + tl.arange(0, CH)
+        x = tl.load(x_ptr + r * s_x + i, mask=i < V, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, 0)
+        s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - m), 0.0), 0)
+        tl.store(ws_ptr + (r * P + c) * 2, m)
+        tl.store(ws_ptr + (r * P + c) * 2 + 1, s)
+        o = (r * P + c) * KP
+        for j in tl.static_range(KP):
+            v = tl.max(x, 0)
+            b = tl.min(tl.where(x == v, i, 2147483647), 0)
+            tl.store(cv_ptr + o + j, v)
+            tl.store(ci_ptr + o + j, b)
+            x = tl.where(i == b, float("-inf"), x)
+
+    @triton.jit
+    def _lp_final(
+        x_ptr, id_ptr, cv_ptr, ci_ptr, ws_ptr, ch_ptr, tv_ptr, ti_ptr, P, s_x, k,
+        PB: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (N,): the row's log-normaliser from the chunks' parts, the chosen token's logprob, and the k best of
+        the chunks' candidates (largest first, the first index among equal values) minus the normaliser."""
+        pdl_wait(PDL)
+        pdl_trigger(PDL)
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, PB)
+        cm = tl.load(ws_ptr + (r * P + c) * 2, mask=c < P, other=float("-inf"))
+        cs = tl.load(ws_ptr + (r * P + c) * 2 + 1, mask=c < P, other=0.0)
+        m = tl.max(cm, 0)
+        lse = m + tl.log(tl.sum(tl.where(cm > float("-inf"), cs * tl.exp(cm - m), 0.0), 0))
+        tok = tl.load(id_ptr + r)
+        tl.store(ch_ptr + r, tl.load(x_ptr + r * s_x + tok).to(tl.float32) - lse)
+        if KP > 0:
+            q = tl.arange(0, PB * KP)
+            mq = q < P * KP
+            v = tl.load(cv_ptr + r * P * KP + q, mask=mq, other=float("-inf"))
+            ids = tl.load(ci_ptr + r * P * KP + q, mask=mq, other=2147483647)
+            for j in tl.static_range(KP):
+                if j < k:
+                    best = tl.max(v, 0)
+                    b = tl.min(tl.where(v == best, ids, 2147483647), 0)
+                    tl.store(tv_ptr + r * k + j, best - lse)
+                    tl.store(ti_ptr + r * k + j, b.to(tl.int64))
+                    v = tl.where(ids == b, float("-inf"), v)
+
+
+def logprobs_triton(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """``openk3.infer.sampling.token_logprobs`` in two launches: per chunk of 1,024 logits its max, sum of exps and
+    top k (grid [P, N]); per row the merge (grid [N])."""
+    if logits.dim() != 2 or ids.shape != (logits.shape[0],):
+        raise ValueError(
+            f"logprobs: logits [N, V] and ids [N], got {tuple(logits.shape)}, {tuple(ids.shape)}"
+        )
+    N, V = logits.shape
+    if not 0 <= k <= 32 or V >= _BIG:
+        raise ValueError(f"logprobs: k must lie in [0, 32] and V below 2**31, got k={k}, V={V}")
+    k = min(k, V)
+    dev = logits.device
+    chosen = torch.empty(N, dtype=torch.float32, device=dev)
+    tv = torch.empty(N, k, dtype=torch.float32, device=dev)
+    ti = torch.empty(N, k, dtype=torch.long, device=dev)
+    if N == 0:
+        return chosen, tv, ti
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    CH = min(1024, triton.next_power_of_2(V))
+    P = triton.cdiv(V, CH)
+    KP = triton.next_power_of_2(k) if k else 0
+    ws = torch.empty(N, P, 2, dtype=torch.float32, device=dev)
+    cv = torch.empty(N, P, max(KP, 1), dtype=torch.float32, device=dev)
+    ci = torch.empty(N, P, max(KP, 1), dtype=torch.int32, device=dev)
+    pdl = pdl_on(x)
+    _lp_pass1[(P, N)](x, cv, ci, ws, V, P, x.stride(0), CH=CH, KP=KP, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+    _lp_final[(N,)](
+        x, ids.to(device=dev, dtype=torch.long).contiguous(), cv, ci, ws, chosen, tv, ti, P, x.stride(0), k,
+        PB=triton.next_power_of_2(P), KP=KP, PDL=pdl, num_warps=8, **pdl_launch(pdl),
+    )  # fmt: skip
+    return chosen, tv, ti
 
 
 def gumbel_argmax_triton(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -357,28 +357,16 @@ def _sample_triton(logits, temps, ks, ps, pens, seen, keys, sampled_rows) -> tor
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """``log_softmax`` (fp32) of ``logits [N, V]`` at ``ids [N]``, and its ``k`` largest values with their ids:
-    (chosen [N], top values [N, k], top ids [N, k]); all on the logits' device. The log-normaliser comes from one
-    ``logsumexp`` (no [N, V] output); the top k of a vocabulary of whole 1,024-wide chunks in two stages (each
-    chunk's top k, then the best of those), which spreads a single row over many programs."""
+    (chosen [N], top values [N, k], top ids [N, k]); all on the logits' device. On CUDA (``FAST_DRAW``) two Triton
+    launches (:func:`openk3.infer.sample_kernels.logprobs_triton`); else a ``logsumexp`` and a ``topk``."""
+    if logits.is_cuda and _triton_draws() and 0 <= k <= 32:
+        from openk3.infer.sample_kernels import logprobs_triton
+
+        return logprobs_triton(logits, ids, k)
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     chosen = (x.gather(1, ids.reshape(-1, 1).to(device=x.device, dtype=torch.long)) - lse)[:, 0]
-    N, V = x.shape
-    k = min(k, V)
-    if k <= 0:
-        empty = x.new_empty(N, 0)
-        return chosen, empty, empty.long()
-    C = 1024
-    if V % C == 0 and V // C > 1 and k <= C:
-        part = x.view(N, V // C, C).topk(k, dim=-1)  # [N, V / C, k]
-        vals, pos = part.values.reshape(N, -1).topk(k, dim=-1)
-        idx = (
-            (part.indices + torch.arange(0, V, C, device=x.device)[None, :, None])
-            .reshape(N, -1)
-            .gather(1, pos)
-        )
-    else:
-        vals, idx = x.topk(k, dim=-1)
+    vals, idx = x.topk(min(max(k, 0), x.shape[-1]), dim=-1)
     return chosen, vals - lse, idx
 
 
