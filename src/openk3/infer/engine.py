@@ -305,9 +305,8 @@ class _Pending:
     host: torch.Tensor  # [B], filled by a non-blocking copy
     ready: object  # CUDA event recorded after that copy (or _DoneEvent)
     logits: torch.Tensor | None  # the step's logits rows (record_logits only)
-    logprobs: tuple | None = (
-        None  # token_logprobs' tensors, copied to pinned host memory (SamplingParams.logprobs)
-    )
+    # token_logprobs' tensors, copied to pinned host memory (SamplingParams.logprobs)
+    logprobs: tuple | None = None
 
 
 class Request:
@@ -1029,7 +1028,7 @@ class Engine:
         p1 = min(end, req.num_prompt - 1)
         for a in range(p0, p1, 256):
             b = min(p1, a + 256)
-            logits = torch.nn.functional.linear(h[a - start : b - start], self.model.output_weight)
+            logits = self._lin(h[a - start : b - start], self.model.output_weight, torch.float32)  # as decode
             if self.tok_vocab < logits.shape[-1]:
                 logits[:, self.tok_vocab :] = float("-inf")
             ids = req.all_ids[a + 1 : b + 1]
