@@ -305,6 +305,50 @@ def test_logprobs_match_full_forward(tiny, overlap):
         _check_logprobs(tiny, r)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_frequency_presence_penalties_match_reference(tiny, overlap):
+    """Greedy decoding with frequency / presence penalties (and a repetition penalty on one row): every token is the
+    argmax of a full re-forward's logits after the penalties over the output so far (where that argmax is clear);
+    a small pool that preempts gives the same tokens (the counts rebuilt from the output on re-admission)."""
+    sp = [  # a negative frequency penalty rewards repeats, so the output changes visibly
+        SamplingParams(
+            max_tokens=24, temperature=0, presence_penalty=1.0, repetition_penalty=1.4, ignore_eos=True
+        ),
+        SamplingParams(
+            max_tokens=24, temperature=0, frequency_penalty=-2.0, presence_penalty=0.5, ignore_eos=True
+        ),
+    ]
+    prompts = _prompts(61, [6, 20])
+    eng = Engine(tiny, None, page_size=16, max_seqs=4, max_tokens=1024, overlap=overlap, record_logits=True)
+    reqs = eng.generate(prompts, sp)
+    plain = eng.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert reqs[1].output_ids != plain[1].output_ids  # the penalties changed something
+    checked = 0
+    for r in reqs:
+        n, sp_ = r.num_prompt, r.params
+        with torch.no_grad():
+            logits = tiny(torch.tensor([r.all_ids[:-1]])).logits[0, n - 1 :].float()
+        for j, t in enumerate(r.output_ids):
+            x = logits[j].clone()
+            if sp_.repetition_penalty != 1.0:
+                seen = torch.zeros_like(x, dtype=torch.bool)
+                seen[r.all_ids[: n + j]] = True
+                x = torch.where(
+                    seen, torch.where(x > 0, x / sp_.repetition_penalty, x * sp_.repetition_penalty), x
+                )
+            c = torch.bincount(torch.tensor(r.output_ids[:j], dtype=torch.long), minlength=x.shape[0]).float()
+            x = x - sp_.frequency_penalty * c - sp_.presence_penalty * (c > 0).float()
+            top2 = x.topk(2).values
+            if float(top2[0] - top2[1]) > 1e-3:
+                assert t == int(x.argmax()), (j, t, int(x.argmax()))
+                checked += 1
+    assert checked >= 40
+    small = Engine(tiny, None, page_size=4, max_seqs=2, max_tokens=48, prefix_cache=False, overlap=overlap)
+    again = small.generate(prompts, sp)
+    assert small.stats()["preemptions_total"] > 0
+    assert [r.output_ids for r in again] == [r.output_ids for r in reqs]
+
+
 def test_logprobs_params_validation():
     for bad in (-1, 21, 2.5, True):
         with pytest.raises(ValueError, match="logprobs"):

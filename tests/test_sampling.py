@@ -260,3 +260,37 @@ def test_token_logprobs_match_log_softmax(V, k):
     # same values at the returned ids (bf16 logits tie often: ids may differ only among equal values)
     assert torch.allclose(lp.gather(1, idx), ref.values, rtol=0, atol=1e-5)
     assert bool((vals[:, :-1] >= vals[:, 1:]).all())
+
+
+def test_count_penalties_openai_semantics_and_order():
+    """frequency / presence penalties subtract ``f * count + p * (count > 0)``; they come after the repetition
+    penalty (vLLM's order): a case where the other order picks another token."""
+    from openk3.infer.sampling import apply_count_penalties
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 50, generator=g)
+    counts = torch.randint(0, 3, (3, 50), generator=g).float()
+    got = apply_count_penalties(x, counts, [0.5, 0.0, -1.0], [0.0, 1.5, 0.3])
+    f = torch.tensor([[0.5], [0.0], [-1.0]])
+    p = torch.tensor([[0.0], [1.5], [0.3]])
+    assert torch.allclose(got, x - f * counts - p * (counts > 0).float())
+    ids = sample(
+        x,
+        temperature=0.0,
+        counts=counts,
+        frequency_penalty=[0.5, 0.0, -1.0],
+        presence_penalty=[0.0, 1.5, 0.3],
+    )
+    assert torch.equal(ids, got.argmax(-1))
+    # order: repetition penalty (3.0 / 2 = 1.5), then frequency (1.5 - 0.5 = 1.0 < 1.2): token 1;
+    # the other order would give (3.0 - 0.5) / 2 = 1.25 > 1.2: token 0
+    y = torch.tensor([[3.0, 1.2]])
+    kw = dict(temperature=0.0, seen=torch.tensor([[True, False]]), repetition_penalty=2.0)
+    assert sample(y, counts=torch.tensor([[1.0, 0.0]]), frequency_penalty=0.5, **kw).tolist() == [1]
+    assert sample(y, counts=torch.tensor([[1.0, 0.0]]), **kw).tolist() == [0]  # penalties of 0: no change
+    with pytest.raises(ValueError, match="counts"):
+        sample(y, counts=torch.zeros(1, 3), frequency_penalty=0.5)
+    for name in ("frequency_penalty", "presence_penalty"):
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: 2.5}).validate()
+        SamplingParams(**{name: -2.0}).validate()

@@ -116,6 +116,11 @@ def test_completion_and_usage(client, engine):
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     r = client.completions.create(model=MODEL, prompt=[10, 11, 12], max_tokens=2, temperature=0)
     assert r.usage.prompt_tokens == 3
+    # OpenAI's frequency / presence penalties (a strongly negative one makes the greedy output repeat itself)
+    kw = dict(model=MODEL, prompt="x = 1", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    base = client.completions.create(**kw).choices[0].text
+    rep = client.completions.create(frequency_penalty=-2.0, presence_penalty=-2.0, **kw).choices[0].text
+    assert rep != base
 
 
 def test_chat_completion(client):
@@ -341,6 +346,8 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "temperature": "hot"}), 400)
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "top_p": 0}), 400)
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "logprobs": 21}), 400)
+        _err(h.post(url, json={"model": MODEL, "prompt": "x", "frequency_penalty": 2.5}), 400)
+        _err(h.post(url, json={"model": MODEL, "prompt": "x", "presence_penalty": "high"}), 400)
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "logprobs": "3"}), 400)
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "echo": "yes"}), 400)
         chat_url, hi = server + "/v1/chat/completions", [{"role": "user", "content": "hi"}]

@@ -209,6 +209,18 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_new_default: int | None) 
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (1 = off; default 0.95)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style penalty (1 = off)")
+    g.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="OpenAI-style, per occurrence in the output (0 = off)",
+    )
+    g.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="OpenAI-style, once a token is in the output (0 = off)",
+    )
     g.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -272,6 +284,8 @@ def _params(args):
         top_k=args.top_k,
         top_p=args.top_p,
         repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
         seed=args.seed,
         stop=list(args.stop),
     ).validate()

@@ -337,6 +337,7 @@ class Request:
         self.stop_hit = False  # a stop string matched: text is final
         self.detok = None
         self.seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None  # output-token counts (frequency / presence penalties)
         self.seed: int | None = None  # sampled requests: the draw seed (params.seed, or a random one)
         self.logits_log: list[torch.Tensor] = []
         self.logprobs: list = []  # TokenLogprob per output token (params.logprobs)
@@ -861,6 +862,11 @@ class Engine:
             if req.params.repetition_penalty != 1.0:
                 req.seen = torch.zeros(self.mcfg.vocab_size, dtype=torch.bool, device=self.device)
                 req.seen.index_fill_(0, device_tensor(req.all_ids, torch.long, self.device), True)
+            if req.params.frequency_penalty != 0.0 or req.params.presence_penalty != 0.0:
+                req.counts = torch.zeros(self.mcfg.vocab_size, dtype=torch.float32, device=self.device)
+                if req.output_ids:  # re-admitted after a preemption
+                    out = device_tensor(req.output_ids, torch.long, self.device)
+                    req.counts.index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
 
     def _alloc_page(self) -> int | None:
         while True:
@@ -1157,6 +1163,10 @@ class Engine:
                     for r in batch
                 ]
             )
+        counts = None
+        if any(r.counts is not None for r in batch):
+            zero = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+            counts = torch.stack([r.counts if r.counts is not None else zero for r in batch])
         return sample(
             logits,
             temperature=[r.params.temperature for r in batch],
@@ -1164,6 +1174,9 @@ class Engine:
             top_p=[r.params.top_p for r in batch],
             repetition_penalty=[r.params.repetition_penalty for r in batch],
             seen=seen,
+            counts=counts,
+            frequency_penalty=[r.params.frequency_penalty for r in batch],
+            presence_penalty=[r.params.presence_penalty for r in batch],
             keys=sample_keys([r.seed or 0 for r in batch], [len(r.output_ids) for r in batch])
             if any(r.seed is not None for r in batch)
             else None,
@@ -1229,6 +1242,8 @@ class Engine:
         if req.seen is not None:
             # a fill launch: assigning a Python scalar (seen[t] = True) copies it over and synchronises
             req.seen[t : t + 1].fill_(True)
+        if req.counts is not None:
+            req.counts[t : t + 1].add_(1.0)
         p = req.params
         if t in p.stop_token_ids or (not p.ignore_eos and t in self.eos_ids):
             self._finish(req, "stop")

@@ -1,7 +1,7 @@
 """Token sampling and stop-string handling as pure functions.
 
-Order of the logit transforms (the usual one, as in HF ``generate``): repetition penalty, temperature, top-k,
-top-p, then a draw from the softmax. ``temperature == 0`` means greedy (argmax of the penalised logits).
+Order of the logit transforms (the usual one, as in HF ``generate`` and vLLM): repetition penalty, frequency and
+presence penalties, temperature, top-k, top-p, then a draw from the softmax. ``temperature == 0`` means greedy (argmax of the penalised logits).
 All functions work on a batch ``logits: [B, V]`` with per-row parameters, and never modify their inputs.
 """
 
@@ -20,6 +20,7 @@ __all__ = [
     "SamplingParams",
     "TokenLogprob",
     "token_logprobs",
+    "apply_count_penalties",
     "apply_repetition_penalty",
     "apply_temperature",
     "top_k_filter",
@@ -52,7 +53,9 @@ class SamplingParams:
 
     ``max_tokens``: new tokens to generate at most (``None``: up to the context length). ``temperature`` 0 is
     greedy. ``top_k`` <= 0 and ``top_p`` == 1 disable those filters. ``repetition_penalty`` > 1 discourages tokens
-    already present in the prompt or the output (HF semantics). ``seed`` makes sampling reproducible, whatever
+    already present in the prompt or the output (HF semantics). ``frequency_penalty`` / ``presence_penalty`` (OpenAI
+    semantics, in [-2, 2]) subtract ``frequency * count + presence * (count > 0)`` from each token's logit, ``count``
+    being how often it occurs in the output so far. ``seed`` makes sampling reproducible, whatever
     else runs in the same batch. ``stop``: strings that end generation (not included in the text);
     ``stop_token_ids``: extra ids that end generation; the end-of-sequence id does too unless ``ignore_eos``.
     ``logprobs`` k (0..20; ``None`` = off): each generated token's log-probability under the model's distribution
@@ -66,6 +69,8 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -94,6 +99,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer (0 or -1 = off), got {self.top_k!r}")
         num("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         num("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
+        num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        num("presence_penalty", self.presence_penalty, -2.0, 2.0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -132,6 +139,19 @@ def apply_repetition_penalty(
     x = logits.float()
     pen = torch.where(x > 0, x / p, x * p)
     return torch.where(seen, pen, x)
+
+
+def apply_count_penalties(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    frequency: float | Sequence[float] | torch.Tensor,
+    presence: float | Sequence[float] | torch.Tensor,
+) -> torch.Tensor:
+    """OpenAI frequency / presence penalties: ``logits - frequency * counts - presence * (counts > 0)`` (fp32), with
+    ``counts [B, V]`` each token's occurrences in the row's output so far; per-row floats or one for all."""
+    B = logits.shape[0]
+    c = counts.float()
+    return logits.float() - _col(frequency, B, logits) * c - _col(presence, B, logits) * (c > 0).float()
 
 
 def apply_temperature(
@@ -252,9 +272,13 @@ def sample(
     generators: Sequence[torch.Generator | None] | None = None,
     keys: Sequence[int] | None = None,
     fast: bool | None = None,
+    counts: torch.Tensor | None = None,
+    frequency_penalty: Sequence[float] | float = 0.0,
+    presence_penalty: Sequence[float] | float = 0.0,
 ) -> torch.Tensor:
     """Next token per row. logits: [B, V]; per-row settings (scalars broadcast); ``seen [B, V]`` marks tokens for the
-    repetition penalty. Draws: with ``keys`` (one per row, :func:`sample_keys` of the request's seed and position),
+    repetition penalty, ``counts [B, V]`` each token's occurrences in the row's output for the frequency / presence
+    penalties. Draws: with ``keys`` (one per row, :func:`sample_keys` of the request's seed and position),
     one counter-based Gumbel-max draw for every sampled row (what the engine uses); else ``generators``, one per row
     (``None`` = torch's default generator), one ``multinomial`` per seeded row. Returns ids [B] int64.
 
@@ -271,12 +295,21 @@ def sample(
     pens = _per_row(repetition_penalty, B, float)
     ks = _per_row(top_k, B, int)
     ps = _per_row(top_p, B, float)
-    if not (len(temps) == len(pens) == len(ks) == len(ps) == B):
+    freqs = _per_row(frequency_penalty, B, float)
+    pres = _per_row(presence_penalty, B, float)
+    if not (len(temps) == len(pens) == len(ks) == len(ps) == len(freqs) == len(pres) == B):
         raise ValueError(f"sample: per-row settings must have one value per row ({B})")
     if keys is not None and len(keys) != B:
         raise ValueError(f"keys: expected one per row ({B}), got {len(keys)}")
     if seen is not None and tuple(seen.shape) != (B, V):
         raise ValueError(f"seen must be [B, V] = {(B, V)}, got {tuple(seen.shape)}")
+    if counts is not None and tuple(counts.shape) != (B, V):
+        raise ValueError(f"counts must be [B, V] = {(B, V)}, got {tuple(counts.shape)}")
+    if counts is not None and any(f != 0.0 or q != 0.0 for f, q in zip(freqs, pres)):
+        # the count penalties in PyTorch after the repetition penalty (their order), then the rest on the result
+        if seen is not None and any(r != 1.0 for r in pens):
+            logits = apply_repetition_penalty(logits, seen, pens)
+        logits, seen = apply_count_penalties(logits, counts, freqs, pres), None
     sampled_rows = [i for i, t in enumerate(temps) if t > 0]
     if fast is None:
         fast = logits.is_cuda and _triton_draws()

@@ -71,12 +71,6 @@ def _get(body: dict, name: str, types, default=None, *, allow_none=True):
 
 
 def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
-    for name, off in (("presence_penalty", 0), ("frequency_penalty", 0)):
-        v = body.get(name)
-        if v not in (None, off, 0.0):
-            raise ApiError(
-                400, f"'{name}' is not supported by this server (use repetition_penalty)", param=name
-            )
     logprobs, prompt_logprobs = _logprob_params(body, chat=chat)
     if body.get("logit_bias"):
         raise ApiError(400, "'logit_bias' is not supported by this server", param="logit_bias")
@@ -113,6 +107,8 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
         top_p=float(_get(body, "top_p", (int, float), 1.0)),
         top_k=top_k,
         repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0)),
+        frequency_penalty=float(_get(body, "frequency_penalty", (int, float), 0.0)),
+        presence_penalty=float(_get(body, "presence_penalty", (int, float), 0.0)),
         seed=_get(body, "seed", int, None),
         stop=list(stop),
         stop_token_ids=list(stop_ids),
