@@ -1,8 +1,9 @@
 """Token sampling and stop-string handling as pure functions.
 
 Order of the logit transforms (the usual one, as in HF ``generate`` and vLLM): repetition penalty, frequency and
-presence penalties, temperature, top-k, top-p, then a draw from the softmax. ``temperature == 0`` means greedy (argmax of the penalised logits).
-All functions work on a batch ``logits: [B, V]`` with per-row parameters, and never modify their inputs.
+presence penalties, temperature, top-k, top-p, then a draw from the softmax. ``temperature == 0`` means greedy
+(argmax of the penalised logits). All functions work on a batch ``logits: [B, V]`` with per-row parameters, and
+never modify their inputs.
 """
 
 from __future__ import annotations
