@@ -273,6 +273,15 @@ def _swap_ids(ids: torch.Tensor, ids_from) -> None:
     ids.index_copy_(0, dst, src.index_select(0, idx).to(ids.dtype))
 
 
+def _stack_rows(rows: list, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The requests' per-token vectors (``seen`` / ``counts``; ``None`` = zeros) as one [B, V] tensor, or ``None``
+    when no request has one."""
+    if all(v is None for v in rows):
+        return None
+    zero = torch.zeros(logits.shape[-1], dtype=dtype, device=logits.device)
+    return torch.stack([zero if v is None else v for v in rows])
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` copied to (pinned) host memory without waiting: valid once an event recorded after it has passed."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
@@ -1035,8 +1044,7 @@ class Engine:
         for a in range(p0, p1, 256):
             b = min(p1, a + 256)
             logits = self._lin(h[a - start : b - start], self.model.output_weight, torch.float32)  # as decode
-            if self.tok_vocab < logits.shape[-1]:
-                logits[:, self.tok_vocab :] = float("-inf")
+            self._mask_vocab(logits)
             ids = req.all_ids[a + 1 : b + 1]
             tl = token_logprobs(logits, device_tensor(ids, torch.long, logits.device), k)
             req.prompt_lps.extend(logprob_entries(*tl, ids, [k] * len(ids)))
@@ -1149,24 +1157,16 @@ class Engine:
             r for r in batch if r.slot is not None
         ]  # a later allocation may have preempted an earlier one
 
-    def _sample_rows(self, batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """Next token ids [B] (on the logits' device) of ``batch``'s rows of ``logits``."""
+    def _mask_vocab(self, logits: torch.Tensor) -> None:
+        """Logits of ids the tokenizer cannot produce (a model vocabulary padded past it) set to -inf, in place."""
         if self.tok_vocab < logits.shape[-1]:
             logits[:, self.tok_vocab :] = float("-inf")
-        seen = None
-        if any(r.seen is not None for r in batch):
-            seen = torch.stack(
-                [
-                    r.seen
-                    if r.seen is not None
-                    else torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-                    for r in batch
-                ]
-            )
-        counts = None
-        if any(r.counts is not None for r in batch):
-            zero = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
-            counts = torch.stack([r.counts if r.counts is not None else zero for r in batch])
+
+    def _sample_rows(self, batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """Next token ids [B] (on the logits' device) of ``batch``'s rows of ``logits``."""
+        self._mask_vocab(logits)
+        seen = _stack_rows([r.seen for r in batch], logits, torch.bool)
+        counts = _stack_rows([r.counts for r in batch], logits, torch.float32)
         return sample(
             logits,
             temperature=[r.params.temperature for r in batch],

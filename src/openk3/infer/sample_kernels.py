@@ -61,6 +61,13 @@ if HAS_TRITON:
         return (x >> 16) ^ x
 
     @triton.jit
+    def _gumbel(i, key):
+        """The counter-based Gumbel noise of tokens ``i`` under draw key ``key`` (sampling.gumbel_scores)."""
+        h = _h32(_h32(i.to(tl.uint32)) ^ key)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        return -tl.log(-tl.log(u))
+
+    @triton.jit
     def _gumbel_argmax_kernel(
         x_ptr, key_ptr, out_ptr, V, s_x, BLOCK: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr
     ):
@@ -75,9 +82,7 @@ if HAS_TRITON:
             i = t * BLOCK + tl.arange(0, BLOCK)
             m = i < V
             x = tl.load(x_ptr + r * s_x + i, mask=m, other=float("-inf")).to(tl.float32)
-            h = _h32(_h32(i.to(tl.uint32)) ^ key)
-            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            sc = x + -tl.log(-tl.log(u))
+            sc = x + _gumbel(i, key)
             up = m & (sc > best)  # strict: each lane keeps its first maximum
             best = tl.where(up, sc, best)
             besti = tl.where(up, i, besti)
@@ -102,12 +107,18 @@ if HAS_TRITON:
             lo = tl.where(sampled, lo / tl.where(sampled, t, 1.0), float("-inf"))  # greedy rows: no bound
             x = tl.where(x < lo, float("-inf"), x)
         if sampled:  # the noise only where it is drawn (a greedy row's chunk is a plain load and max)
-            h = _h32(_h32(i.to(tl.uint32)) ^ key)
-            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            sc = x + -tl.log(-tl.log(u))
+            sc = x + _gumbel(i, key)
         else:
             sc = x
         return x, sc
+
+    @triton.jit
+    def _row_params(par_ptr, key_ptr, r):
+        """Row ``r``'s temperature, top_p, repetition penalty and draw key (``params`` [R, 4], ``keys`` [R])."""
+        t = tl.load(par_ptr + r * 4)
+        p = tl.load(par_ptr + r * 4 + 1)
+        pen = tl.load(par_ptr + r * 4 + 3)
+        return t, p, pen, tl.load(key_ptr + r).to(tl.uint32)
 
     @triton.jit
     def _first_max(sc, i, x):
@@ -132,9 +143,7 @@ if HAS_TRITON:
         ci = tl.load(wi_ptr + r * P * 2 + c * 2, mask=mc, other=2147483647)
         m = tl.max(cm, 0)
         z = tl.sum(tl.where(cm > float("-inf"), cs * tl.exp(cm - m), 0.0), 0)
-        best = tl.max(cb, 0)
-        j = tl.min(tl.where(cb == best, ci, 2147483647), 0)
-        xj = tl.max(tl.where(ci == j, cx, float("-inf")), 0)
+        _, j, xj = _first_max(cb, ci, cx)  # the chunks' picks: the best, first index on ties
         return m, z, j, xj
 
     @triton.jit
@@ -147,14 +156,12 @@ if HAS_TRITON:
         pdl_trigger(PDL)
         c = tl.program_id(0)
         r = tl.program_id(1).to(tl.int64)
-        t = tl.load(par_ptr + r * 4)
-        pen = tl.load(par_ptr + r * 4 + 3)
-        key = tl.load(key_ptr + r).to(tl.uint32)
+        t, p, pen, key = _row_params(par_ptr, key_ptr, r)
         i = c * CH + tl.arange(0, CH)
         x, sc = _draw_values(x_ptr, seen_ptr, lo_ptr, r, i, V, s_x, s_s, t, pen, key, SEEN, LO)
         m = tl.max(x, 0)
         s = tl.zeros_like(m)
-        if (t > 0) & (tl.load(par_ptr + r * 4 + 1) < 1.0):  # the normaliser only where top-p needs it
+        if (t > 0) & (p < 1.0):  # the normaliser only where top-p needs it
             s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - m), 0.0), 0)
         best, bi, bx = _first_max(sc, i, x)
         o = (r * P + c) * 4
@@ -175,11 +182,8 @@ if HAS_TRITON:
         pdl_trigger(PDL)
         c = tl.program_id(0)
         r = tl.program_id(1).to(tl.int64)
-        t = tl.load(par_ptr + r * 4)
-        p = tl.load(par_ptr + r * 4 + 1)
+        t, p, pen, key = _row_params(par_ptr, key_ptr, r)
         if (t > 0) & (p < 1.0):
-            pen = tl.load(par_ptr + r * 4 + 3)
-            key = tl.load(key_ptr + r).to(tl.uint32)
             m, z, j, xj = _row_parts(ws_ptr, wi_ptr, r, P, PB)
             g = tl.zeros_like(z)
             best = g + float("-inf")
@@ -208,8 +212,7 @@ if HAS_TRITON:
         pdl_wait(PDL)
         pdl_trigger(PDL)
         r = tl.program_id(0).to(tl.int64)
-        t = tl.load(par_ptr + r * 4)
-        p = tl.load(par_ptr + r * 4 + 1)
+        t, p, pen, key = _row_params(par_ptr, key_ptr, r)
         m, z, j, xj = _row_parts(ws_ptr, wi_ptr, r, P, PB)
         if TOPP:
             if (t > 0) & (p < 1.0):
@@ -222,11 +225,7 @@ if HAS_TRITON:
                     cb = tl.load(w2_ptr + base + 1, mask=mc, other=float("-inf"))
                     cx = tl.load(w2_ptr + base + 2, mask=mc, other=float("-inf"))
                     ci = tl.load(wi_ptr + r * P * 2 + c * 2 + 1, mask=mc, other=2147483647)
-                    best = tl.max(cb, 0)
-                    j = tl.min(tl.where(cb == best, ci, 2147483647), 0)
-                    xj = tl.max(tl.where(ci == j, cx, float("-inf")), 0)
-                    pen = tl.load(par_ptr + r * 4 + 3)
-                    key = tl.load(key_ptr + r).to(tl.uint32)
+                    _, j, xj = _first_max(cb, ci, cx)
                     done = j == 2147483647  # no token above the first pick (cannot happen: it would be kept)
                     while not done:
                         ga = tl.zeros([FB], tl.float32)
