@@ -448,7 +448,7 @@ def _nucleus_mass_above(xs: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
     return (pr * (xs > xt)).sum(-1)
 
 
-def run_draw_case(B, V, dtype, temps, ks, ps, pens, seed, scale=3.0, seen_frac=0.0, ninf=False):
+def run_draw_case(B, V, dtype, temps, ks, ps, pens, seed, scale=3.0, seen_frac=0.0, ninf=False, step=0.0):
     """:func:`openk3.infer.sampling.sample` with draw keys through the Triton kernels against the PyTorch path
     (sort-based top-p, the same Gumbel noise): the same token per row, except where the reference's own token lies
     within fp32 rounding of the top-p boundary. Returns (the tokens, the rows' filtered scaled logits)."""
@@ -462,6 +462,8 @@ def run_draw_case(B, V, dtype, temps, ks, ps, pens, seed, scale=3.0, seen_frac=0
 
     gen = torch.Generator().manual_seed(seed)
     x = (scale * torch.randn(B, V, generator=gen)).to(dtype)
+    if step:  # logits on a coarse grid: runs of exactly equal values everywhere, the top-p boundary included
+        x = (x / step).round() * step
     if ninf:
         x[:, 1::4] = float("-inf")
     seen = (torch.rand(B, V, generator=gen) < seen_frac).to(DEV) if seen_frac else None
@@ -500,6 +502,7 @@ def run_draw_case(B, V, dtype, temps, ks, ps, pens, seed, scale=3.0, seen_frac=0
         (2, 10, torch.float32, "tiny"),
         (3, 2049, torch.bfloat16, "greedy"),
         (5, 1025, torch.float32, "minus-inf"),
+        (6, 3000, torch.float32, "ties"),
     ],
 )
 def test_sample_kernels(B, V, dtype, settings):
@@ -524,6 +527,8 @@ def test_sample_kernels(B, V, dtype, settings):
         temps, ks, ps = [0.0] * B, 0, 1.0
     elif settings == "minus-inf":
         temps, ks, ps, kw = [1.0] * B, [0, 5, 0, 0, 2], [0.5, 0.7, 1.0, 1e-9, 0.99], {"ninf": True}
+    elif settings == "ties":  # groups of equal logits straddle the boundary: kept together by both paths
+        temps, ks, ps, kw = [1.0] * B, [0, 0, 30, 0, 0, 0], [0.1, 0.3, 0.5, 0.7, 0.9, 0.97], {"step": 0.5}
     got, xs = run_draw_case(B, V, dtype, temps, ks, ps, pens, seed, **kw)
     assert bool(torch.isfinite(xs.gather(1, got[:, None])).all()), "drew a token the filters exclude"
     if settings == "small-p":

@@ -168,6 +168,28 @@ def test_top_p_keeps_the_smallest_set_reaching_p(p):
     assert torch.isfinite(top_p_filter(x, 1e-9)).sum(-1).tolist() == [1] * 6  # the top token always survives
 
 
+def test_top_p_keeps_tied_tokens_together():
+    """Equal logits straddling the nucleus boundary are kept or dropped as a group, in any column order: a token is
+    dropped only when the mass of the strictly more likely tokens reaches p (the draw kernels' rule)."""
+    torch.manual_seed(2)
+    for trial in range(20):
+        V = 64
+        x = torch.randn(1, V)
+        group = torch.randperm(V)[:5]
+        x[0, group] = x[0].sort(descending=True).values[3].item()  # a run of 5 equal values near the top
+        x = x.to(torch.bfloat16).float()  # bf16 values: more ties elsewhere too
+        probs = torch.softmax(x[0], -1)
+        for p in (0.2, 0.4, 0.6, 0.9):
+            kept = torch.isfinite(top_p_filter(x, p)[0])
+            above = torch.stack([probs[x[0] > v].sum() for v in x[0]])  # mass strictly above each token
+            expect = above < p
+            expect[x[0].argmax()] = True
+            assert torch.equal(kept, expect), (trial, p)
+            perm = torch.randperm(V)
+            kept_perm = torch.isfinite(top_p_filter(x[:, perm], p)[0])
+            assert torch.equal(kept_perm, kept[perm]), (trial, p)
+
+
 def test_repetition_penalty_hf_semantics():
     x = torch.tensor([[2.0, -2.0, 3.0, -1.0]])
     seen = torch.tensor([[True, True, False, False]])

@@ -22,9 +22,9 @@ Three launches (grid ``[P, R]`` for the first two, ``P`` chunks of ``CH`` tokens
 
 Top-k enters as a per-row lower bound on the penalised logits (the k-th largest, from ``torch.topk``), divided by
 the temperature in the kernel exactly as the logits are, so it is the k-th largest scaled logit. Greedy rows
-(temperature 0) take the argmax of the penalised logits. Ties at the top-p boundary (tokens of exactly equal
-logits) are all kept, where the sort-based reference keeps them in its sort order; otherwise the tokens equal the
-reference's (``sample`` without keys on the same noise) up to fp32 rounding of the mass next to ``p``.
+(temperature 0) take the argmax of the penalised logits. Tokens of exactly equal logits at the top-p boundary are
+kept or dropped together, as in ``sampling.top_p_filter``; the tokens equal the reference's (``sample`` without keys
+on the same noise) up to fp32 rounding of the mass next to ``p``.
 """
 
 from __future__ import annotations

@@ -178,12 +178,21 @@ def top_k_filter(logits: torch.Tensor, k: int | Sequence[int] | torch.Tensor) ->
 
 def top_p_filter(logits: torch.Tensor, p: float | Sequence[float] | torch.Tensor) -> torch.Tensor:
     """Nucleus filter: keep the smallest set of most likely tokens whose probability mass reaches ``p`` (the most
-    likely token is always kept); the rest become -inf. ``p >= 1`` leaves the row unchanged."""
+    likely token is always kept); the rest become -inf. ``p >= 1`` leaves the row unchanged.
+
+    A token is dropped when the mass of the tokens strictly more likely than it reaches ``p``, so tokens of exactly
+    equal logits are kept or dropped together, whatever order the sort puts them in (the draw kernels of
+    :mod:`openk3.infer.sample_kernels` apply the same rule)."""
     B = logits.shape[0]
     pp = _col(p, B, logits)
     vals, idx = logits.float().sort(dim=-1, descending=True)
     probs = torch.softmax(vals, dim=-1)
-    before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+    before = probs.cumsum(-1) - probs  # mass of the tokens sorted ahead
+    # ... taken at the first token of each run of equal values: the mass of the strictly more likely tokens
+    # (``before`` never decreases along the sorted row, so a running max carries each run's first value)
+    start = torch.ones_like(vals, dtype=torch.bool)
+    start[:, 1:] = vals[:, 1:] != vals[:, :-1]
+    before = torch.where(start, before, torch.zeros_like(before)).cummax(-1).values
     drop_sorted = (before >= pp) & (pp < 1.0)
     drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
@@ -290,7 +299,7 @@ def sample(
     :mod:`openk3.infer.sample_kernels` (no sort, no per-row pass over the vocabulary): ``None`` = on CUDA when
     Triton is there, ``True`` = always (CPU tensors need ``TRITON_INTERPRET=1``), ``False`` = the PyTorch
     transforms below. The two give the same tokens up to fp32 rounding of the probability mass next to ``top_p``
-    (and keep all tokens tied at the top-p boundary, where the sort keeps them in its order)."""
+    (both keep tokens of equal logits at the top-p boundary together)."""
     B, V = logits.shape
     temps = _per_row(temperature, B, float)
     pens = _per_row(repetition_penalty, B, float)
