@@ -733,7 +733,7 @@ def moe_section(sweep: bool):
 # one-token MoE layer (section moe1): (name, E, k, D, I, shared width)
 MOE1_SHAPES = [("48b", 256, 8, 2304, 1024, 1024)]
 # launch settings tried beside openk3.fast.moe_fused.CONFIG (one compile each)
-MOE1_SWEEP = [dict(rb=8), dict(rb=32), dict(stages=4), dict(whole1_max_elems=0)]
+MOE1_SWEEP = [dict(prefetch=False), dict(stages=4), dict(bk2=64), dict(num_warps=4)]
 
 
 def moe1_section(sweep: bool):

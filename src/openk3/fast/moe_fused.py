@@ -6,18 +6,18 @@ experts' gate / up rows (the experts known only once the router is done), and th
 weighted combine. As three launches (``openk3.fast.moe_small``) each boundary costs the drain of one kernel and the
 ramp of the next: on an H200 the 48B shape's MoE half took ~45 us for ~31 us of bytes (bench/NOTES.md v18-v20).
 
-:func:`moe_token` runs them as phases of one launch of one program per SM, separated by grid-wide barriers (an
-arrival counter in global memory, released and acquired at GPU scope; every program must be resident at once, so the
-grid is the SM count and the programs wait on nothing but each other):
+:func:`moe_token` runs the three as phases of one launch of one program per SM, separated by grid-wide barriers
+(an arrival counter in global memory, released and acquired at GPU scope; every program must be resident at once,
+so the grid is the SM count and the programs wait on nothing but each other):
 
-1. ``RMSNorm(r)`` and the router rows (plus the shared experts' gate / up rows) as fp32 sums, each program a
-   contiguous range of rows held whole in registers, requested before the PDL wait (weights only);
-2. every program forms the top-k from the logits (the selection of :func:`moe_small._select`), then its contiguous
-   range of the ``k x I`` routed activations (gate / up rows streamed through shared memory) and of the shared
-   experts' activations (from their sums of phase 1);
-3. units of ``rb`` output rows of one picked expert's down projection (then of the shared experts'), dealt to the
-   programs in turn, each unit's rows rounded and stored;
-4. each program a range of output columns: the mixture in fp32 in slot order, the shared output, the residual.
+1. ``RMSNorm(r)`` and the router rows (plus the shared experts' gate / up rows): fp32 sums, each program a
+   contiguous range of rows; before its PDL wait each program asks for its rows (and its share of the shared
+   experts' down projection) to be brought into L2;
+2. every program forms the top-k from the logits (the same selection as :func:`moe_small._select`), then the gate /
+   up rows of its contiguous range of the ``k x I`` activations, streamed through shared memory, and stores the
+   activations; with ``prefetch`` it first asks for its share of the picked experts' down projections into L2;
+3. each program its range of output columns: the picked experts' down projections, each rounded, mixed in fp32 in
+   slot order, the shared experts' down projection of their activation, and the residual.
 
 Values and roundings are those of ``moe_small``'s router GEMV + ``experts_small`` with formed shared gate / up sums
 (``openk3.ops.moe``'s reference up to fp32 summation order). Off CUDA (the interpreter runs programs one after
@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import torch
 
-from openk3.fast._triton import HAS_TRITON, INTERPRET, head_tail, pdl_launch, pdl_on, sm_count, tl, triton
+from openk3.fast._triton import HAS_TRITON, INTERPRET, pdl_launch, pdl_on, sm_count, tl, triton
 
 # launch settings: warps per program, pipeline stages of the gate/up and down loops, columns per step of the
 # router / gate-up / down loops
-CONFIG = {"num_warps": 8, "stages": 3, "bk1": 256, "bk2": 128, "rb": 16, "whole1_max_elems": 32 * 2304}
+CONFIG = {"num_warps": 8, "stages": 3, "bk1": 256, "bk2": 128, "bk3": 256, "prefetch": True}
 
 
 if HAS_TRITON:
-    from openk3.fast._triton import pdl_trigger, pdl_wait, tanh_f32
+    from openk3.fast._triton import pdl_trigger, pdl_wait, prefetch_l2, tanh_f32
     from openk3.fast._triton import round_to as _round
     from openk3.fast.moe_small import _mix_weights, _pick, _shared_act, _store_route
 
@@ -52,13 +52,10 @@ if HAS_TRITON:
         tl.debug_barrier()
 
     @triton.jit
-    def _stamp(ts_ptr, k: tl.constexpr, TS: tl.constexpr):
-        """``TS``: the GPU's global nanosecond timer stored at ``ts[program, k]`` (a phase timeline, benchmarks)."""
-        if TS:
-            t = tl.inline_asm_elementwise(
-                "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-            )
-            tl.store(ts_ptr + tl.program_id(0) * 8 + k, t)
+    def _rows_l2(base, rows, s_row, ncols, CP: tl.constexpr):
+        """Ask for the lines of ``rows`` (``ncols`` columns of 2-byte values, row stride ``s_row``) into L2."""
+        cols = tl.minimum(tl.arange(0, CP) * 64, ncols - 1)
+        prefetch_l2(base + rows[:, None].to(tl.int64) * s_row + cols[None, :])
 
     @triton.jit
     def _pick_of(vals, ks, j):
@@ -68,112 +65,96 @@ if HAS_TRITON:
     @triton.jit
     def _moe_token_kernel(
         r_ptr, nw_ptr, eps, wr_ptr, s_wr, bias_ptr, lg_ptr, xn_ptr, idx_ptr, wt_ptr, score_ptr, scaling,
-        w1_ptr, w3_ptr, s1_e, s1_i, s3_e, s3_i, a_ptr, w2_ptr, s2_e, s2_w, w2s_ptr, s2s_w, yb_ptr, y_ptr, ctr_ptr,
+        w1_ptr, w3_ptr, s1_e, s1_i, s3_e, s3_i, a_ptr, w2_ptr, s2_e, s2_w, w2s_ptr, s2s_w, y_ptr, ctr_ptr,
         b1, ib1, b2, ib2, sb1, isb1, sb2, isb2,
-        G: tl.constexpr, D: tl.constexpr, E: tl.constexpr, I: tl.constexpr, K: tl.constexpr, SH: tl.constexpr,
-        KP: tl.constexpr, EP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
-        RENORM: tl.constexpr, SITU: tl.constexpr, GU: tl.constexpr, P1: tl.constexpr, D1: tl.constexpr,
-        DT: tl.constexpr, BK1: tl.constexpr, P2: tl.constexpr, BK2: tl.constexpr, RB: tl.constexpr,
-        IP: tl.constexpr, P4: tl.constexpr, STAGES: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr,
-        ts_ptr=None, TS: tl.constexpr = False,
+        D: tl.constexpr, E: tl.constexpr, I: tl.constexpr, K: tl.constexpr, SH: tl.constexpr,
+        KP: tl.constexpr, EP: tl.constexpr, DP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+        RENORM: tl.constexpr, SITU: tl.constexpr, GU: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+        P3: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr, BK3: tl.constexpr, STAGES: tl.constexpr,
+        PHASE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, CPD: tl.constexpr = 1,
+        CPI: tl.constexpr = 1, CPS: tl.constexpr = 1,
     ):  # fmt: skip
-        """One token's MoE layer (module docstring); ``PHASE`` 0 all four phases with barriers between them,
-        1-4 that phase alone (one launch each). ``SH``: the shared experts' width (0: none; their gate / up rows
-        follow the router's ``E`` rows of ``wr``, their activation ``GU`` 1 SwiGLU, 2 SiTU). ``BK1`` 0: phase 1
-        holds its rows whole (a power-of-two head ``D1`` and tail ``DT`` of the columns), requested before the
-        PDL wait; otherwise it streams them in ``BK1``-column steps."""
-        _stamp(ts_ptr, 0, TS)
-        pid = tl.program_id(0)  # of G programs
+        """One token's MoE layer (module docstring); ``PHASE`` 0 all three phases with barriers, 1 / 2 / 3 that
+        phase alone (one launch each). ``SH``: the shared experts' width (0: none; their gate / up rows follow the
+        router's ``E`` rows of ``wr``, their activation ``GU`` 1 SwiGLU, 2 SiTU)."""
+        pid = tl.program_id(0)
+        G = tl.num_programs(0)
         dt = y_ptr.dtype.element_ty
         R1: tl.constexpr = E + 2 * SH
         lo1 = pid * R1 // G
         hi1 = (pid + 1) * R1 // G
         rows1 = lo1 + tl.arange(0, P1)
         m1 = rows1 < hi1
-        wrow = wr_ptr + rows1[:, None].to(tl.int64) * s_wr
-        if BK1 == 0 and PHASE <= 1:  # weights: requested before the wait
-            ch = tl.arange(0, D1)
-            wh = tl.load(wrow + ch[None, :], mask=m1[:, None] & (ch < D)[None, :], other=0.0)
-            if DT > 0:
-                ct = D1 + tl.arange(0, DT)
-                wt1 = tl.load(wrow + ct[None, :], mask=m1[:, None] & (ct < D)[None, :], other=0.0)
+        lo3 = pid * D // G
+        hi3 = (pid + 1) * D // G
+        oo = lo3 + tl.arange(0, P3)
+        om = oo < hi3
+        if PREFETCH:  # weights only: before the wait
+            if PHASE <= 1:
+                _rows_l2(wr_ptr, tl.where(m1, rows1, lo1), s_wr, D, CPD)
+            if SH > 0 and (PHASE == 0 or PHASE == 3):
+                _rows_l2(w2s_ptr, tl.where(om, oo, lo3), s2s_w, SH, CPS)
         pdl_wait(PDL)
-        _stamp(ts_ptr, 1, TS)
         if PHASE != 0:
             pdl_trigger(PDL)
         ks = tl.arange(0, KP)
         # ---- phase 1: the norm and the router (+ shared gate / up) rows
         if PHASE <= 1:
-            if BK1 == 0:
-                xh = tl.load(r_ptr + ch, mask=ch < D, other=0.0).to(tl.float32)
-                ss = tl.sum(xh * xh, 0)
-                if DT > 0:
-                    xt = tl.load(r_ptr + ct, mask=ct < D, other=0.0).to(tl.float32)
-                    ss += tl.sum(xt * xt, 0)
-                rinv = tl.rsqrt(ss / D + eps)
-                gh = _round(tl.load(nw_ptr + ch, mask=ch < D, other=0.0).to(tl.float32), dt)
-                xh = _round(gh * _round(xh * rinv, dt), dt)
-                tl.store(xn_ptr + ch, xh.to(dt), mask=(ch < D) & (pid == 0))
-                acc1 = tl.sum(wh.to(tl.float32) * xh[None, :], 1)
-                if DT > 0:
-                    gt = _round(tl.load(nw_ptr + ct, mask=ct < D, other=0.0).to(tl.float32), dt)
-                    xt = _round(gt * _round(xt * rinv, dt), dt)
-                    tl.store(xn_ptr + ct, xt.to(dt), mask=(ct < D) & (pid == 0))
-                    acc1 += tl.sum(wt1.to(tl.float32) * xt[None, :], 1)
-            else:
-                dd = tl.arange(0, D1)
-                xr = tl.load(r_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-                rinv = tl.rsqrt(tl.sum(xr * xr, 0) / D + eps)
-                accs = tl.zeros([P1, BK1], dtype=tl.float32)
-                for t in tl.range(0, (D + BK1 - 1) // BK1, num_stages=STAGES):
-                    c1 = t * BK1 + tl.arange(0, BK1)
-                    n1 = c1 < D
-                    x1 = tl.load(r_ptr + c1, mask=n1, other=0.0).to(tl.float32)
-                    g1 = _round(tl.load(nw_ptr + c1, mask=n1, other=0.0).to(tl.float32), dt)
-                    x1 = _round(g1 * _round(x1 * rinv, dt), dt)
-                    tl.store(xn_ptr + c1, x1.to(dt), mask=n1 & (pid == 0))
-                    w1t = tl.load(wrow + c1[None, :], mask=m1[:, None] & n1[None, :], other=0.0)
-                    accs += w1t.to(tl.float32) * x1[None, :]
-                acc1 = tl.sum(accs, 1)
-            tl.store(lg_ptr + rows1, acc1, mask=m1)
-            _stamp(ts_ptr, 2, TS)
+            dd = tl.arange(0, DP)
+            xr = tl.load(r_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+            rinv = tl.rsqrt(tl.sum(xr * xr, 0) / D + eps)
+            acc1 = tl.zeros([P1, BK1], dtype=tl.float32)
+            for t in tl.range(0, (D + BK1 - 1) // BK1):
+                c1 = t * BK1 + tl.arange(0, BK1)
+                n1 = c1 < D
+                x1 = tl.load(r_ptr + c1, mask=n1, other=0.0).to(tl.float32)
+                gain = _round(tl.load(nw_ptr + c1, mask=n1, other=0.0).to(tl.float32), dt)
+                xn = _round(gain * _round(x1 * rinv, dt), dt)
+                tl.store(xn_ptr + c1, xn.to(dt), mask=n1 & (pid == 0))
+                w1t = tl.load(
+                    wr_ptr + rows1[:, None].to(tl.int64) * s_wr + c1[None, :], mask=m1[:, None] & n1[None, :]
+                )
+                acc1 += w1t.to(tl.float32) * xn[None, :]
+            tl.store(lg_ptr + rows1, tl.sum(acc1, 1), mask=m1)
         if PHASE == 0:
             _grid_sync(ctr_ptr, G)
-            _stamp(ts_ptr, 3, TS)
         # ---- the routing (every program its own copy; program 0 stores it)
-        if PHASE == 0 or PHASE == 2 or PHASE == 3 or PHASE == 4:
+        if PHASE != 1:
             s, sel_i, _ = _pick(lg_ptr, bias_ptr, 0, E, 0, K, KP, EP, SOFTMAX, HAS_BIAS)
+            sel_w = _mix_weights(s, sel_i, scaling, K, KP, EP, RENORM)
         if PHASE == 0 or PHASE == 2:
             if pid == 0:
-                _store_route(
-                    idx_ptr, wt_ptr, score_ptr, 0, E, s, sel_i, _mix_weights(s, sel_i, scaling, K, KP, EP, RENORM),
-                    K, KP, EP,
-                )  # fmt: skip
-            _stamp(ts_ptr, 4, TS)
-            # ---- phase 2: this program's range of the activations: the K x I routed ones (gate / up rows), then
-            # the SH shared ones (from their gate / up sums of phase 1)
+                _store_route(idx_ptr, wt_ptr, score_ptr, 0, E, s, sel_i, sel_w, K, KP, EP)
+            if PREFETCH:  # the picked experts' down-projection rows of this program's output columns
+                for jp in tl.static_range(K):
+                    ep = _pick_of(sel_i, ks, jp).to(tl.int64)
+                    _rows_l2(
+                        w2_ptr + ep * s2_e,
+                        tl.where(om, oo, lo3),
+                        s2_w,
+                        I,
+                        CPI,
+                    )
+            # ---- phase 2: gate / up rows of this program's range of the K x I activations
             KI: tl.constexpr = K * I
-            A2: tl.constexpr = KI + SH
-            lo2 = pid * A2 // G
-            hi2 = (pid + 1) * A2 // G
+            lo2 = pid * KI // G
+            hi2 = (pid + 1) * KI // G
             f = lo2 + tl.arange(0, P2)
             m2 = f < hi2
-            routed = f < KI
             slot = f // I
             ii = (f - slot * I).to(tl.int64)
             e2 = tl.sum(tl.where(ks[None, :] == slot[:, None], sel_i[None, :], 0), 1).to(tl.int64)
             g_row = w1_ptr + e2 * s1_e + ii * s1_i
             u_row = w3_ptr + e2 * s3_e + ii * s3_i
-            mw = m2 & routed
             g_acc = tl.zeros([P2, BK2], dtype=tl.float32)
             u_acc = tl.zeros([P2, BK2], dtype=tl.float32)
             for t in tl.range(0, (D + BK2 - 1) // BK2, num_stages=STAGES):
                 kk = t * BK2 + tl.arange(0, BK2)
                 km = kk < D
                 xv = tl.load(xn_ptr + kk, mask=km, other=0.0, cache_modifier=".cg").to(tl.float32)
-                mk = mw[:, None] & km[None, :]
-                wg = tl.load(g_row[:, None] + kk[None, :], mask=mk, other=0.0)
-                wu = tl.load(u_row[:, None] + kk[None, :], mask=mk, other=0.0)
+                mk = m2[:, None] & km[None, :]
+                wg = tl.load(g_row[:, None] + kk[None, :], mask=mk, other=0.0, eviction_policy="evict_first")
+                wu = tl.load(u_row[:, None] + kk[None, :], mask=mk, other=0.0, eviction_policy="evict_first")
                 g_acc += wg.to(tl.float32) * xv[None, :]
                 u_acc += wu.to(tl.float32) * xv[None, :]
             g = _round(tl.sum(g_acc, 1), dt)
@@ -183,77 +164,47 @@ if HAS_TRITON:
                 a = (b1 * tanh_f32(g * ib1)) * sg * (b2 * tanh_f32(u * ib2))
             else:
                 a = g * sg * u
-            a = _round(a, dt)
-            if SH > 0:
-                fs = f - KI
-                ms = m2 & (f >= KI)
-                gs = _round(tl.load(lg_ptr + E + fs, mask=ms, other=0.0, cache_modifier=".cg"), dt)
-                us = _round(tl.load(lg_ptr + E + SH + fs, mask=ms, other=0.0, cache_modifier=".cg"), dt)
-                a = tl.where(routed, a, _round(_shared_act(gs, us, dt, GU, sb1, isb1, sb2, isb2), dt))
-            tl.store(a_ptr + f, a.to(dt), mask=m2)
-            _stamp(ts_ptr, 5, TS)
+            tl.store(a_ptr + f, _round(a, dt).to(dt), mask=m2)
         if PHASE == 0:
             _grid_sync(ctr_ptr, 2 * G)
-        # ---- phase 3: units of RB output rows of one picked expert's down projection, spread over the programs in
-        # turn, then the shared experts' units: each slot's output, rounded
-        if PHASE == 0 or PHASE == 3:
-            NB: tl.constexpr = (D + RB - 1) // RB
-            cc = tl.arange(0, IP)
-            cm3 = cc < I
-            for t in tl.range(0, (K * NB + G - 1) // G, num_stages=STAGES):
-                u3 = pid + t * G
-                j3 = tl.minimum(u3 // NB, K - 1)
-                o3 = (u3 - j3 * NB) * RB + tl.arange(0, RB)
-                om3 = (o3 < D) & (u3 < K * NB)
-                e3 = _pick_of(sel_i, ks, j3).to(tl.int64)
-                a3 = tl.load(a_ptr + j3 * I + cc, mask=cm3, other=0.0, cache_modifier=".cg").to(tl.float32)
-                w3t = tl.load(
-                    w2_ptr + e3 * s2_e + o3[:, None] * s2_w + cc[None, :],
-                    mask=om3[:, None] & cm3[None, :],
-                    other=0.0,
-                )
-                tl.store(
-                    yb_ptr + j3 * D + o3, _round(tl.sum(w3t.to(tl.float32) * a3[None, :], 1), dt), mask=om3
-                )
-            if SH > 0:  # the shared units continue the turn where the routed ones ended
-                b0 = (pid - (K * NB) % G + G) % G
-                cs = cc < SH
-                a4 = tl.load(a_ptr + K * I + cc, mask=cs, other=0.0, cache_modifier=".cg").to(tl.float32)
-                for t in tl.range(0, (NB + G - 1) // G, num_stages=STAGES):
-                    o4 = (b0 + t * G) * RB + tl.arange(0, RB)
-                    om4 = o4 < D  # (units past the last: rows past D)
-                    w4 = tl.load(
-                        w2s_ptr + o4[:, None] * s2s_w + cc[None, :],
-                        mask=om4[:, None] & cs[None, :],
-                        other=0.0,
-                    )
-                    tl.store(
-                        yb_ptr + K * D + o4, _round(tl.sum(w4.to(tl.float32) * a4[None, :], 1), dt), mask=om4
-                    )
-            _stamp(ts_ptr, 6, TS)
-        if PHASE == 0:
-            _grid_sync(ctr_ptr, 3 * G)
             pdl_trigger(PDL)
-        # ---- phase 4: this program's output columns: the mixture in slot order, the shared output, the residual
-        if PHASE == 0 or PHASE == 4:
-            sel_w = _mix_weights(s, sel_i, scaling, K, KP, EP, RENORM)
-            lo4 = pid * D // G
-            oo = lo4 + tl.arange(0, P4)
-            om = oo < (pid + 1) * D // G
-            acc = tl.zeros([P4], dtype=tl.float32)
-            for jm in tl.static_range(K):
-                yj = tl.load(yb_ptr + jm * D + oo, mask=om, other=0.0, cache_modifier=".cg")
-                acc += yj * _pick_of(sel_w, ks, jm)
+        # ---- phase 3: this program's output columns
+        if PHASE == 0 or PHASE == 3:
+            NC: tl.constexpr = (I + BK3 - 1) // BK3
+            yk = tl.zeros([KP, P3], dtype=tl.float32)  # each slot's down-projection sums
+            for t in tl.range(0, K * NC, num_stages=STAGES):
+                j = t // NC
+                ic = (t - j * NC) * BK3 + tl.arange(0, BK3)
+                im = ic < I
+                e = _pick_of(sel_i, ks, j).to(tl.int64)
+                av = tl.load(a_ptr + j * I + ic, mask=im, other=0.0, cache_modifier=".cg").to(tl.float32)
+                w = tl.load(
+                    w2_ptr + e * s2_e + oo[:, None] * s2_w + ic[None, :], mask=om[:, None] & im[None, :]
+                )
+                part = tl.sum(w.to(tl.float32) * av[None, :], 1)
+                yk = tl.where(ks[:, None] == j, yk + part[None, :], yk)
+            yk = _round(yk, dt)
+            acc = tl.zeros([P3], dtype=tl.float32)
+            for jm in tl.static_range(K):  # the mixture in slot order
+                acc += tl.sum(tl.where(ks[:, None] == jm, yk, 0.0), 0) * _pick_of(sel_w, ks, jm)
             y = _round(acc, dt)
             if SH > 0:
-                y = _round(y + tl.load(yb_ptr + K * D + oo, mask=om, other=0.0, cache_modifier=".cg"), dt)
+                ys = tl.zeros([P3], dtype=tl.float32)
+                for cs in tl.range(0, (SH + BK3 - 1) // BK3):
+                    c4 = cs * BK3 + tl.arange(0, BK3)
+                    m4 = c4 < SH
+                    gs = _round(tl.load(lg_ptr + E + c4, mask=m4, other=0.0, cache_modifier=".cg"), dt)
+                    us = _round(tl.load(lg_ptr + E + SH + c4, mask=m4, other=0.0, cache_modifier=".cg"), dt)
+                    a4 = _round(_shared_act(gs, us, dt, GU, sb1, isb1, sb2, isb2), dt)
+                    w4 = tl.load(w2s_ptr + oo[:, None] * s2s_w + c4[None, :], mask=om[:, None] & m4[None, :])
+                    ys += tl.sum(w4.to(tl.float32) * a4[None, :], 1)
+                y = _round(y + _round(ys, dt), dt)
             res = tl.load(r_ptr + oo, mask=om, other=0.0).to(tl.float32)
             tl.store(y_ptr + oo, _round(res + y, dt).to(dt), mask=om)
-            _stamp(ts_ptr, 7, TS)
         if PHASE == 0:  # the last program out resets the counter for the next launch
             tl.debug_barrier()
             old = tl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
-            if old == 4 * G - 1:
+            if old == 3 * G - 1:
                 tl.atomic_xchg(ctr_ptr, 0, sem="relaxed", scope="gpu")
 
 
@@ -325,17 +276,13 @@ def moe_token(
     shared=None,
     split: bool | None = None,
     grid: int | None = None,
-    timeline: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, MoEToken]:
     """``r + MoE(rms_norm(r, norm_weight, eps))`` for one token ``r [1, D]`` (a plain MoE layer: router with
     ``openk3.ops.moe.route``'s options, routed experts ``w1``, ``w3`` ``[E, I, D]``, ``w2`` ``[E, D, I]``, and
     ``shared`` experts as ``moe_small.SharedExperts`` of the same width, whose gate and up rows are rows ``E:E+I``
     and ``E+I:E+2I`` of ``router_w``; their ``w1`` / ``w3`` / ``gu`` are not read) in one launch (module
     docstring). ``counter``: :func:`new_counter`'s buffer, not shared with a launch that may run at the same time.
-    ``split``: the phases as separate launches (default: off CUDA). ``timeline`` (benchmarks; compiled kernels): an
-    int64 ``[grid, 8]`` tensor that gets each program's global-timer readings in ns (start, after the PDL wait, after
-    phase 1, after the first barrier, before phase 2's loop, after phase 2, after phase 3, end).
-    Returns (the output ``[1, D]``,
+    ``split``: the three phases as three launches (default: off CUDA). Returns (the output ``[1, D]``,
     :class:`MoEToken`)."""
     if not moe_token_ok(r):
         raise ValueError(
@@ -372,11 +319,9 @@ def moe_token(
         split = not r.is_cuda
     G = grid or (sm_count(dev) if r.is_cuda else 4)
     G = max(1, min(G, D, E + 2 * SH, top_k * I))
-    NS = top_k + (SH > 0)
     lg = torch.empty(1, E + 2 * SH, dtype=torch.float32, device=dev)
     xn = torch.empty(1, D, dtype=r.dtype, device=dev)
-    a = torch.empty(top_k * I + SH, dtype=r.dtype, device=dev)
-    yb = torch.empty(NS * D, dtype=torch.float32, device=dev)
+    a = torch.empty(top_k * I, dtype=r.dtype, device=dev)
     y = torch.empty(1, D, dtype=r.dtype, device=dev)
     idx = torch.empty(1, top_k, dtype=torch.long, device=dev)
     wts = torch.empty(1, top_k, dtype=torch.float32, device=dev)
@@ -390,27 +335,24 @@ def moe_token(
         sb1 = sb2 = 1.0
         gu = 0
     pdl = pdl_on(r)
-    cdiv, np2 = triton.cdiv, triton.next_power_of_2
+    cdiv = triton.cdiv
     args = (
         r, norm_weight, float(eps), router_w, router_w.stride(0), bias if bias is not None else lg, lg, xn, idx,
         wts, scores, float(scaling), w1, w3, w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), a, w2,
         w2.stride(0), w2.stride(1), w2 if shared is None else shared.w2, 0 if shared is None else shared.w2.stride(0),
-        yb, y, counter, b1, 1.0 / b1, b2, 1.0 / b2, sb1, 1.0 / sb1, sb2, 1.0 / sb2,
+        y, counter, b1, 1.0 / b1, b2, 1.0 / b2, sb1, 1.0 / sb1, sb2, 1.0 / sb2,
     )  # fmt: skip
-    P1 = np2(cdiv(E + 2 * SH, G))
-    whole = P1 * D <= c["whole1_max_elems"]
-    d1, dtail = head_tail(D) if whole else (np2(D), 0)
     consts = dict(
-        G=G, D=D, E=E, I=I, K=top_k, SH=SH, KP=np2(top_k), EP=np2(E), SOFTMAX=activation == "softmax",
-        HAS_BIAS=bias is not None, RENORM=bool(renormalize), SITU=act == "situ", GU=gu, P1=P1, D1=d1, DT=dtail,
-        BK1=0 if whole else min(c["bk1"], np2(D)), P2=np2(cdiv(top_k * I + SH, G)), BK2=min(c["bk2"], np2(D)),
-        RB=min(c["rb"], np2(D)), IP=np2(max(I, SH)), P4=np2(cdiv(D, G)), STAGES=c["stages"], PDL=pdl,
-        num_warps=c["num_warps"],
+        D=D, E=E, I=I, K=top_k, SH=SH, KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(E),
+        DP=triton.next_power_of_2(D), SOFTMAX=activation == "softmax", HAS_BIAS=bias is not None,
+        RENORM=bool(renormalize), SITU=act == "situ", GU=gu,
+        P1=triton.next_power_of_2(cdiv(E + 2 * SH, G)), P2=triton.next_power_of_2(cdiv(top_k * I, G)),
+        P3=triton.next_power_of_2(cdiv(D, G)), BK1=min(c["bk1"], triton.next_power_of_2(D)),
+        BK2=min(c["bk2"], triton.next_power_of_2(D)), BK3=min(c["bk3"], triton.next_power_of_2(max(I, SH, 1))),
+        STAGES=c["stages"], PREFETCH=bool(c["prefetch"]) and not INTERPRET, PDL=pdl, num_warps=c["num_warps"],
+        CPD=triton.next_power_of_2(cdiv(D, 64)), CPI=triton.next_power_of_2(cdiv(I, 64)),
+        CPS=triton.next_power_of_2(cdiv(max(SH, 1), 64)),
     )  # fmt: skip
-    if timeline is not None:
-        if INTERPRET or timeline.dtype != torch.int64 or timeline.shape != (G, 8) or timeline.device != dev:
-            raise ValueError(f"moe_token: timeline must be a compiled run's int64 [{G}, 8] tensor on {dev}")
-        consts.update(ts_ptr=timeline, TS=True)
-    for phase in (1, 2, 3, 4) if split else (0,):
+    for phase in (1, 2, 3) if split else (0,):
         _moe_token_kernel[(G,)](*args, PHASE=phase, **consts, **pdl_launch(pdl))
     return y, MoEToken(xn, lg, E, idx, wts, scores)
