@@ -106,6 +106,19 @@ def _draw_sorted():
     return _patch(sampling.FAST_DRAW, "on", False)
 
 
+def _logprobs_unpacked():
+    from openk3.infer import engine
+
+    return _patch(engine, "_to_host_all", lambda ts: tuple(engine._to_host(t) for t in ts))
+
+
+def _no_logprobs():
+    """The requests without logprobs (with --logprobs: the same run's baseline)."""
+    had = "logprobs" in SAMPLING
+    old = SAMPLING.pop("logprobs", None)
+    return lambda: SAMPLING.__setitem__("logprobs", old) if had else None
+
+
 # --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
 KERNEL_VARIANTS = {
     "default": lambda: lambda: None,
@@ -127,6 +140,10 @@ KERNEL_VARIANTS = {
     "mla_prep_late": _kn_config("MLA_GLUE_CONFIG", "prep_early", False),
     # the token draw through PyTorch (top-p's sort, one program per row for the Gumbel draw), as before v22
     "draw_sorted": _draw_sorted,
+    # with --logprobs: each step's logprobs taken to the host in three copies (as before v23) instead of one; the
+    # requests without logprobs
+    "logprobs_unpacked": _logprobs_unpacked,
+    "no_logprobs": _no_logprobs,
 }
 
 

@@ -289,6 +289,20 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def _to_host_all(ts: tuple) -> tuple:
+    """:func:`_to_host` of each tensor of ``ts``; tensors that are all views of one device buffer (the logprobs
+    kernels' outputs) go in one copy of that buffer."""
+    st = ts[0].untyped_storage()
+    if not ts[0].is_cuda or any(t.untyped_storage().data_ptr() != st.data_ptr() for t in ts):
+        return tuple(_to_host(t) for t in ts)
+    whole = torch.empty(0, dtype=torch.uint8, device=ts[0].device).set_(st)
+    host = _to_host(whole)
+    return tuple(
+        torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        for t in ts
+    )
+
+
 def _meta_views(buf: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode graph's input buffer (``28 * n`` bytes, on the device or its host twin): token ids / slots / cache
     rows ``[3, n]`` int64, then the lengths ``[n]`` int32."""
@@ -1225,7 +1239,7 @@ class Engine:
         host = _to_host(toks)
         lps = self._logprob_rows(rows, lg, toks)
         if lps is not None:
-            lps = tuple(_to_host(t) for t in lps)
+            lps = _to_host_all(lps)
         ready_ev = torch.cuda.Event() if toks.is_cuda else _DoneEvent()
         ready_ev.record()
         self._pending = _Pending(rows, toks, host, ready_ev, lg if self.cfg.record_logits else None, lps)
