@@ -293,7 +293,7 @@ def _to_host_all(ts: tuple) -> tuple:
     """:func:`_to_host` of each tensor of ``ts``; tensors that are all views of one device buffer (the logprobs
     kernels' outputs) go in one copy of that buffer."""
     st = ts[0].untyped_storage()
-    if not ts[0].is_cuda or any(t.untyped_storage().data_ptr() != st.data_ptr() for t in ts):
+    if any(t.untyped_storage().data_ptr() != st.data_ptr() or t.device != ts[0].device for t in ts):
         return tuple(_to_host(t) for t in ts)
     whole = torch.empty(0, dtype=torch.uint8, device=ts[0].device).set_(st)
     host = _to_host(whole)
