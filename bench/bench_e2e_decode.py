@@ -106,6 +106,12 @@ def _draw_sorted():
     return _patch(sampling.FAST_DRAW, "on", False)
 
 
+def _select_topk():
+    from openk3.fast import moe_small
+
+    return _patch(moe_small.SELECT_TOPK, "on", True)
+
+
 def _logprobs_unpacked():
     from openk3.infer import engine
 
@@ -144,6 +150,8 @@ KERNEL_VARIANTS = {
     # requests without logprobs
     "logprobs_unpacked": _logprobs_unpacked,
     "no_logprobs": _no_logprobs,
+    # the few-token routing selection by tl.topk (moe_small.SELECT_TOPK, prepared in v23)
+    "select_topk": _select_topk,
 }
 
 

@@ -386,6 +386,32 @@ def test_moe_small_fused_select(N, E, K, D, I):
     assert torch.equal(y1, y0)
 
 
+@pytest.mark.parametrize("N,E,K", [(1, 256, 8), (3, 64, 6), (2, 896, 16), (1, 20, 1)])
+def test_moe_small_select_topk(N, E, K, monkeypatch):
+    """SELECT_TOPK (the selection's top-k by tl.topk) against the K max-reductions: the same ids, weights and
+    scores bit for bit, in the separate selection kernel and inside the gate/up kernel, bf16, compiled."""
+    from openk3.fast import moe_small
+
+    g = _fresh()
+    D, I = 512, 64
+    x = _rand(N, D, dtype=torch.bfloat16, g=g)
+    wr = _rand(E, D, dtype=torch.bfloat16, scale=D**-0.5, g=g)
+    bias = _rand(E, scale=0.05, g=g)
+    w13 = _rand(E, 2 * I, D, dtype=torch.bfloat16, scale=D**-0.5, g=g)
+    w2 = _rand(E, D, I, dtype=torch.bfloat16, scale=I**-0.5, g=g)
+    kw = dict(top_k=K, activation="sigmoid", renormalize=True, scaling=2.5)
+    out = {}
+    for on in (False, True):
+        monkeypatch.setitem(moe_small.SELECT_TOPK, "on", on)
+        with torch.no_grad():
+            sep = moe_small.route_small(x, wr, bias, **kw)
+            pr = moe_small.route_logits_small(x, wr, bias, **kw)
+            moe_small.experts_small(x, pr, None, w13[:, :I], w2, w13[:, I:], act="silu")
+        out[on] = (*sep, pr.idx, pr.weights, pr.scores)
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("E,K,W,I", [(64, 8, 1024, 640), (256, 8, 2304, 1024), (64, 16, 3584, 3072)])
 @pytest.mark.parametrize("ppsm", [4, 8])
 def test_moe_small_down_combine(E, K, W, I, ppsm, check, monkeypatch):

@@ -362,6 +362,42 @@ SCRIPT = textwrap.dedent(
         e = rel(got, want)
         assert e < 1e-5, (groups, e)
         worst = max(worst, e / 1e-5)
+    # the selection by tl.topk (SELECT_TOPK): the picks of route() (NaN first), ties by the lowest index, in the
+    # separate selection kernel and inside the gate/up kernel
+    moe_small.SELECT_TOPK["on"] = True
+    for E, K, D, N in [(64, 8, 96, 1), (20, 3, 50, 3), (9, 9, 17, 2), (5, 1, 8, 2), (130, 9, 8, 1)]:
+        for act in ("sigmoid", "softmax"):
+            for bias in (None, torch.randn(E) * 0.1):
+                x = torch.randn(N, D)
+                w = torch.randn(E, D) / D**0.5
+                if E == 9:
+                    w[4] = float("nan")
+                kw = dict(top_k=K, activation=act, renormalize=True, scaling=2.0)
+                if E == 130:  # equal rows and biases: ties
+                    w[5] = w[2]
+                    w[E - 1] = w[2]
+                    bias = torch.randn(E) * 0.1
+                    bias[[2, 5, E - 1]] = 0.25
+                    sc = torch.sigmoid(x @ w.t()) if act == "sigmoid" else torch.softmax(x @ w.t(), -1)
+                    want = [sorted(range(E), key=lambda e: (-float(c[e]), e))[:K] for c in (sc + bias)]
+                else:
+                    want = route(x, w, bias, **kw)[0].tolist()
+                ex = (torch.randn(E, 4, D), torch.randn(E, D, 4), torch.randn(E, 4, D))
+                got = {}
+                for topk in (False, True):
+                    moe_small.SELECT_TOPK["on"] = topk
+                    i1, w1_, s1 = moe_small.route_small(x, w, bias, **kw)
+                    pr = moe_small.route_logits_small(x, w, bias, **kw)
+                    moe_small.experts_small(x, pr, None, *ex)
+                    assert torch.equal(i1, pr.idx) and torch.equal(w1_.nan_to_num(), pr.weights.nan_to_num())
+                    got[topk] = (i1, w1_)
+                # the same picks and weights in both forms (here: all-NaN softmax scores too, where torch.topk
+                # orders differently); against route / the tie order where the scores are finite
+                assert torch.equal(got[True][0], got[False][0]), (E, K, act, got)
+                assert torch.equal(got[True][1].nan_to_num(), got[False][1].nan_to_num())
+                if not (E == 9 and act == "softmax"):
+                    assert got[True][0].tolist() == want, (E, K, act, got[True][0], want)
+    moe_small.SELECT_TOPK["on"] = False
     print("WORST", worst)
     """
 )

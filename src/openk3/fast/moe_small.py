@@ -61,6 +61,10 @@ FUSE_SELECT = _fs == "1"
 # ... for at most this many tokens: every gate/up program forms its token's top-k, so the work grows with the
 # programs (tokens x slots x row tiles); measured faster at one token (H200, bench/NOTES.md v13)
 FUSE_SELECT_MAX_TOKENS = 1
+# the routing selection's top-k as tl.topk (a bitonic top-k: fewer block-wide barriers) instead of K sequential
+# max-reductions; same picks. Prepared, not yet timed on a GPU (bench/NOTES.md v23): off. OPENK3_MOE_SELECT_TOPK=1
+# turns it on (benchmarks: bench_e2e_decode.py's variant select_topk)
+SELECT_TOPK = {"on": os.environ.get("OPENK3_MOE_SELECT_TOPK", "0").strip() == "1"}
 PAIRS_PER_EXPERT = (
     2  # the path is taken for N tokens of top-k routing only while N * k <= PAIRS_PER_EXPERT * experts
 )
@@ -163,6 +167,7 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr,
         RENORM: tl.constexpr,
         PDL: tl.constexpr,
+        TOPK: tl.constexpr = False,
     ):
         """The routing of token ``program_id(0)`` (:func:`_select`) stored: expert ids, scaled weights, scores."""
         pdl_wait(PDL)
@@ -170,14 +175,14 @@ if HAS_TRITON:
         n = tl.program_id(0).to(tl.int64)
         _select(
             logit_ptr, bias_ptr, idx_ptr, wt_ptr, score_ptr, n, E, scaling, True, 0,
-            K, KP, EP, SOFTMAX, HAS_BIAS, RENORM,
+            K, KP, EP, SOFTMAX, HAS_BIAS, RENORM, TOPK,
         )  # fmt: skip
 
     @triton.jit
     def _select(
         logit_ptr, bias_ptr, idx_ptr, wt_ptr, score_ptr, n, E, scaling, STORE, slot,
         K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
-        RENORM: tl.constexpr,
+        RENORM: tl.constexpr, TOPK: tl.constexpr = False,
     ):  # fmt: skip
         """Token ``n``'s routing from its fp32 logits: scores, top-k of scores + bias (NaN counts as the largest, as
         in torch.topk; ties: lowest index), mixture weights from the unbiased scores, renormalised (+1e-20) and
@@ -187,7 +192,9 @@ if HAS_TRITON:
         Each pick is one max-reduction over 64-bit keys (the choice's order-preserving integer bits above, the
         complement of the expert index below), so the largest key is the largest choice at its lowest index: K
         reductions where a (max, argmin-index, gather) per pick took 3K, on the path every gate/up program of a
-        fused selection walks before its first weight load."""
+        fused selection walks before its first weight load. ``TOPK``: the KP largest keys by ``tl.topk`` (a bitonic
+        top-k, sorted: the same picks in the same order, with 5 block-wide barriers at 4 warps instead of 23 for K = 8
+        of 256 in the sm_90 compile)."""
         es = tl.arange(0, EP)
         em = es < E
         lg = tl.load(logit_ptr + n * E + es, mask=em, other=float("-inf"))
@@ -207,14 +214,18 @@ if HAS_TRITON:
         low = (EP - 1 - es).to(tl.int64)
         key = tl.where(em, (order.to(tl.int64) << 32) | low, -9223372036854775807 - 1)
         ks = tl.arange(0, KP)
-        sel_i = tl.zeros([KP], dtype=tl.int32)
-        mine = 0
-        for j in tl.static_range(K):
-            top = tl.max(key, 0)
-            i = (EP - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
-            sel_i = tl.where(ks == j, i, sel_i)
-            mine = tl.where(slot == j, i, mine)
-            key = tl.where(es == i, -9223372036854775807 - 1, key)
+        if TOPK and KP > 1:  # keys are distinct (the index bits): the sorted top KP are the K picks in order
+            sel_i = (EP - 1 - (tl.topk(key, KP) & 0xFFFFFFFF)).to(tl.int32)
+            mine = tl.sum(tl.where(ks == slot, sel_i, 0), 0)
+        else:
+            sel_i = tl.zeros([KP], dtype=tl.int32)
+            mine = 0
+            for j in tl.static_range(K):
+                top = tl.max(key, 0)
+                i = (EP - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+                sel_i = tl.where(ks == j, i, sel_i)
+                mine = tl.where(slot == j, i, mine)
+                key = tl.where(es == i, -9223372036854775807 - 1, key)
         if STORE:
             km = ks < K
             hit = (es[None, :] == sel_i[:, None]) & km[:, None]
@@ -285,6 +296,7 @@ if HAS_TRITON:
         sb2=1.0,
         isb2=1.0,
         SHARED: tl.constexpr = 0,
+        TOPK: tl.constexpr = False,
     ):
         """a[p, i] = act(round(x[p // K] . w1[e_p, i]), round(x[p // K] . w3[e_p, i])) for pair p, expert e_p (NaN
         for an expert id outside [0, E): no out-of-bounds read, and the bad id shows in the output). ``SELECT``: the
@@ -305,7 +317,7 @@ if HAS_TRITON:
             first = (tl.program_id(1) == 0) & (j == 0)
             e = _select(
                 logit_ptr, bias_ptr, idx_ptr, wt_ptr, score_ptr, n, E, scaling, first, j,
-                K, KP, EP, SOFTMAX, HAS_BIAS, RENORM,
+                K, KP, EP, SOFTMAX, HAS_BIAS, RENORM, TOPK,
             ).to(tl.int64)  # fmt: skip
         else:
             e = tl.load(idx_ptr + n * K + tl.minimum(j, K - 1)).to(tl.int64)
@@ -668,6 +680,7 @@ def _routing_args(pr: PendingRoute) -> tuple[torch.Tensor, torch.Tensor, torch.T
         SOFTMAX=pr.activation == "softmax",
         HAS_BIAS=pr.bias is not None,
         RENORM=pr.renormalize,
+        TOPK=SELECT_TOPK["on"],
     )
     return pr.idx, pr.weights, pr.scores, consts
 
