@@ -216,7 +216,7 @@ if HAS_TRITON:
         ks = tl.arange(0, KP)
         if TOPK and KP > 1:  # keys are distinct (the index bits): the sorted top KP are the K picks in order
             sel_i = (EP - 1 - (tl.topk(key, KP) & 0xFFFFFFFF)).to(tl.int32)
-            mine = tl.sum(tl.where(ks == slot, sel_i, 0), 0)
+            mine = tl.sum(tl.where((ks == slot) & (ks < K), sel_i, 0), 0)  # (0 past K, as the loop leaves it)
         else:
             sel_i = tl.zeros([KP], dtype=tl.int32)
             mine = 0
