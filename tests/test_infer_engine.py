@@ -349,6 +349,47 @@ def test_frequency_presence_penalties_match_reference(tiny, overlap):
     assert [r.output_ids for r in again] == [r.output_ids for r in reqs]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_logit_bias(tiny, overlap):
+    """SamplingParams.logit_bias (OpenAI semantics): -100 bans a token from a greedy row, +100 forces one on a
+    sampled row, in one batch with a row without a bias, which keeps the tokens it gets without any bias in the
+    batch; the forced row's logprobs stay the model's (against a full forward); ids past the vocabulary are
+    refused."""
+    import dataclasses
+
+    eng = Engine(tiny, None, page_size=16, max_seqs=4, max_tokens=1024, overlap=overlap, prefix_cache=False)
+    prompts = _prompts(43, [7, 12, 20])
+    plain = [
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.8, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+    ]
+    base = [r.output_ids for r in eng.generate(prompts, plain)]
+    banned = base[0][0]
+    forced = next(t for t in range(5, 100) if t not in base[1])
+    sp = [
+        dataclasses.replace(plain[0], logit_bias={banned: -100.0}),
+        dataclasses.replace(plain[1], logit_bias={forced: 100, 3: -5.0}, logprobs=1),
+        plain[2],
+    ]
+    reqs = eng.generate(prompts, sp)
+    assert banned not in reqs[0].output_ids and reqs[0].output_ids[0] != base[0][0]
+    assert reqs[1].output_ids == [forced] * 6
+    assert reqs[2].output_ids == base[2]
+    _check_logprobs(tiny, reqs[1])
+    V = tiny.config.vocab_size
+    with pytest.raises(ValueError, match="logit_bias"):
+        eng.make_request([1, 2], SamplingParams(logit_bias={V: 1.0}))
+
+
+def test_logit_bias_validation():
+    for bad in ({-1: 1.0}, {True: 1.0}, {"5": 1.0}, {5: 101.0}, {5: float("nan")}, {5: "1"}, [5, 1.0]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad).validate()
+    assert SamplingParams(logit_bias={7: -100, 8: 2}).validate().logit_bias == {7: -100.0, 8: 2.0}
+    assert SamplingParams(logit_bias={}).validate().logit_bias is None
+
+
 def test_to_host_all_copies_views_of_one_buffer():
     """engine._to_host_all: outputs that are views of one buffer (the logprobs kernels' layout: ids, values, chosen)
     come back equal, as separate host tensors that do not alias the source; unrelated tensors one by one."""

@@ -121,6 +121,14 @@ def test_completion_and_usage(client, engine):
     base = client.completions.create(**kw).choices[0].text
     rep = client.completions.create(frequency_penalty=-2.0, presence_penalty=-2.0, **kw).choices[0].text
     assert rep != base
+    # logit_bias: +100 forces a token (completions and chat), token ids as the object's string keys
+    tid = engine.tokenizer.encode("x")[0]
+    kw = dict(model=MODEL, max_tokens=4, temperature=0.7, seed=1, logit_bias={str(tid): 100})
+    forced = client.completions.create(prompt="a = 1", extra_body={"ignore_eos": True}, **kw).choices[0].text
+    assert forced == engine.tokenizer.decode([tid] * 4)
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(messages=msgs, extra_body={"ignore_eos": True}, **kw)
+    assert chat.choices[0].message.content == engine.tokenizer.decode([tid] * 4)
 
 
 def test_chat_completion(client):
@@ -350,6 +358,8 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "presence_penalty": "high"}), 400)
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "logprobs": "3"}), 400)
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "echo": "yes"}), 400)
+        for lb in ({"abc": 1}, {"5": 1000}, {"-3": 1}, {"5": "big"}, [5], {str(10**9): 1.0}):
+            _err(h.post(url, json={"model": MODEL, "prompt": "x", "logit_bias": lb}), 400)
         chat_url, hi = server + "/v1/chat/completions", [{"role": "user", "content": "hi"}]
         _err(h.post(chat_url, json={"model": MODEL, "messages": hi, "top_logprobs": 2}), 400)
         _err(

@@ -303,6 +303,24 @@ def _to_host_all(ts: tuple) -> tuple:
     )
 
 
+def _add_logit_bias(logits: torch.Tensor, biases: list) -> torch.Tensor:
+    """``logits`` [B, V] with each row's ``SamplingParams.logit_bias`` added, as an fp32 copy (the step's logits
+    stay as they are, for logprobs); ``logits`` itself where no row has one. No host synchronisation."""
+    rows, ids, vals = [], [], []
+    for b, lb in enumerate(biases):
+        for t, v in (lb or {}).items():
+            rows.append(b)
+            ids.append(t)
+            vals.append(v)
+    if not rows:
+        return logits
+    out = logits.to(torch.float32, copy=True)
+    dev = logits.device
+    r, i = device_tensor(rows, torch.long, dev), device_tensor(ids, torch.long, dev)
+    out[r, i] += device_tensor(vals, torch.float32, dev)  # (a row's ids are distinct: the keys of a dict)
+    return out
+
+
 def _meta_views(buf: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode graph's input buffer (``28 * n`` bytes, on the device or its host twin): token ids / slots / cache
     rows ``[3, n]`` int64, then the lengths ``[n]`` int32."""
@@ -711,6 +729,10 @@ class Engine:
                 )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if params.logit_bias and max(params.logit_bias) >= self.tok_vocab:
+            raise ValueError(
+                f"logit_bias token ids must lie in [0, {self.tok_vocab}), got {max(params.logit_bias)}"
+            )
         req = Request(ids, params, request_id, on_output, max_new)
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer)
@@ -1179,6 +1201,7 @@ class Engine:
     def _sample_rows(self, batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Next token ids [B] (on the logits' device) of ``batch``'s rows of ``logits``."""
         self._mask_vocab(logits)
+        logits = _add_logit_bias(logits, [r.params.logit_bias for r in batch])
         seen = _stack_rows([r.seen for r in batch], logits, torch.bool)
         counts = _stack_rows([r.counts for r in batch], logits, torch.float32)
         return sample(

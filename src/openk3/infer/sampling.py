@@ -62,7 +62,9 @@ class SamplingParams:
     ``logprobs`` k (0..20; ``None`` = off): each generated token's log-probability under the model's distribution
     (``log_softmax`` of the logits, before penalty, temperature and filters) and the k most likely tokens with
     theirs. ``prompt_logprobs`` k: the same for each prompt token after the first (a request asking for them does
-    not reuse a cached prefix).
+    not reuse a cached prefix). ``logit_bias`` (OpenAI semantics): ``{token id: bias}``, each bias in [-100, 100]
+    added to that token's logit before the penalties, temperature and filters (a large negative bias bans the
+    token, a large positive one forces it); logprobs stay those of the model's distribution, without it.
     """
 
     max_tokens: int | None = 16
@@ -78,6 +80,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
 
     def validate(self) -> SamplingParams:
         """Raise ``ValueError`` (with the field name) for an invalid value; returns self."""
@@ -110,6 +113,16 @@ class SamplingParams:
                 isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS
             ):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(
+                    f"logit_bias must be a mapping of token ids to biases, got {self.logit_bias!r}"
+                )
+            for t, v in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+                num(f"logit_bias[{t}]", v, -100.0, 100.0)
+            self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()} or None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not all(isinstance(s, str) for s in self.stop):

@@ -72,8 +72,7 @@ def _get(body: dict, name: str, types, default=None, *, allow_none=True):
 
 def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
     logprobs, prompt_logprobs = _logprob_params(body, chat=chat)
-    if body.get("logit_bias"):
-        raise ApiError(400, "'logit_bias' is not supported by this server", param="logit_bias")
+    logit_bias = _logit_bias(body)
     if body.get("suffix"):
         raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
     n = _get(body, "n", int, 1)
@@ -115,12 +114,34 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        logit_bias=logit_bias,
     )
     try:
         params.validate()
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     return params, n
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """SamplingParams.logit_bias from the OpenAI field: an object of token ids (as strings, or integers) to biases
+    in [-100, 100]."""
+    lb = _get(body, "logit_bias", dict, None)
+    if not lb:
+        return None
+    out = {}
+    for k, v in lb.items():
+        key = k.strip() if isinstance(k, str) else k
+        if isinstance(key, str) and key.isdigit():
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise ApiError(400, f"'logit_bias' keys must be token ids, got {k!r}", param="logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise ApiError(
+                400, f"'logit_bias' values must be numbers in [-100, 100], got {v!r}", param="logit_bias"
+            )
+        out[key] = float(v)
+    return out
 
 
 def _logprob_params(body: dict, *, chat: bool) -> tuple[int | None, int | None]:
