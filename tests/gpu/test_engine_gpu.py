@@ -455,8 +455,9 @@ def test_engine_draw_kernels_match_torch_path(monkeypatch):
         dict(temperature=0.0, repetition_penalty=1.3),
         dict(temperature=0.8, top_p=0.95, logprobs=2),
         dict(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.3),
+        dict(temperature=0.8, top_p=0.95, logit_bias={5: 2.0, 9: -100.0}),
     ],
-    ids=["greedy", "top-p", "top-k-seeded", "penalty", "logprobs", "count-penalties"],
+    ids=["greedy", "top-p", "top-k-seeded", "penalty", "logprobs", "count-penalties", "logit-bias"],
 )
 def test_engine_decode_steps_do_not_synchronise(kw):
     """Decode steps with CUDA graphs and overlap issue no synchronising CUDA call beyond the step's wait for the
