@@ -358,7 +358,7 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "presence_penalty": "high"}), 400)
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "logprobs": "3"}), 400)
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "echo": "yes"}), 400)
-        for lb in ({"abc": 1}, {"5": 1000}, {"-3": 1}, {"5": "big"}, [5], {str(10**9): 1.0}):
+        for lb in ({"abc": 1}, {"5": 1000}, {"-3": 1}, {"5": "big"}, [5], {str(10**9): 1.0}, {"\u00b2": 1}):
             _err(h.post(url, json={"model": MODEL, "prompt": "x", "logit_bias": lb}), 400)
         chat_url, hi = server + "/v1/chat/completions", [{"role": "user", "content": "hi"}]
         _err(h.post(chat_url, json={"model": MODEL, "messages": hi, "top_logprobs": 2}), 400)

@@ -132,7 +132,7 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
     out = {}
     for k, v in lb.items():
         key = k.strip() if isinstance(k, str) else k
-        if isinstance(key, str) and key.isdigit():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
             key = int(key)
         if isinstance(key, bool) or not isinstance(key, int) or key < 0:
             raise ApiError(400, f"'logit_bias' keys must be token ids, got {k!r}", param="logit_bias")
