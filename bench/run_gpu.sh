@@ -33,7 +33,9 @@
 # gemv_fold.json (FOLD_GEMV=0 skips those two), the 48B batch-1 A/B --compare-flags fold_norms -> e2e_fold.json, then
 # the A/B again -> e2e_fold2.json, fold_norms on with the shared experts as a slot of the routed kernels
 # (OPENK3_FOLD_SHARED=slot) and with the KDA input projections on cuBLAS (OPENK3_GEMV_NORMED_MAX_MB=32) ->
-# e2e_fold_*.json.
+# e2e_fold_*.json; v23: the GPU tests of the draw / logprobs kernels, the no-sync engine cases (logit_bias among them)
+# and the tl.topk routing selection, then the 48B batch-1 A/Bs of the one-copy logprobs (logprobs_unpacked,
+# no_logprobs) and of moe_small.SELECT_TOPK -> e2e_v23_*.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -176,6 +178,18 @@ if has fold; then
     env $v timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1 --steps 24 \
       --wall-timing --out "$OUT_DIR/e2e_fold_${v##*=}.json" 2>&1 | grep "^| [mk]\|WARN\|disabled"
   done
+fi
+if has v23; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/test_decode_kernels.py tests/gpu/test_engine_gpu.py \
+    tests/gpu/test_fast_ops.py -k "sample_kernels or logprobs or do_not_synchronise or select_topk or draw_kernels" \
+    >"$OUT_DIR/tests_v23.log" 2>&1
+  echo "v23 tests: exit $? ($(tail -1 "$OUT_DIR/tests_v23.log"))"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1 --steps 24 --wall-timing \
+    --temperature 0.8 --top-p 0.95 --logprobs 5 --kernel-variants default,logprobs_unpacked,no_logprobs,default \
+    --out "$OUT_DIR/e2e_v23_logprobs.json" 2>&1 | grep "^| [mk]\|WARN\|disabled"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1 --steps 24 --wall-timing \
+    --kernel-variants default,select_topk,default,select_topk --out "$OUT_DIR/e2e_v23_topk.json" 2>&1 \
+    | grep "^| [mk]\|WARN\|disabled"
 fi
 if has attnres_ab; then
   BENCH_MODEL_KERNEL_AB=5 timeout "$T_TRAIN" python3 bench/run_all.py --sections ceil,model --out "$OUT_DIR" \
