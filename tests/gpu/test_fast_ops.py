@@ -361,6 +361,18 @@ def test_moe_small_experts(dtype, N, E, K, W, I, act, check):
     check(f"moe_small.experts.{str(dtype)[6:]}.N{N}.E{E}.k{K}.W{W}.{act}", y, y_r, MOE_TOL[dtype])
 
 
+def _routed_layer(N, E, K, D, I):
+    """Random bf16 tokens and a routed-expert layer for the few-token routing tests: (x [N, D], router weight,
+    correction bias, packed gate/up [E, 2I, D], down [E, D, I], the router's options)."""
+    g = _fresh()
+    x = _rand(N, D, dtype=torch.bfloat16, g=g)
+    wr = _rand(E, D, dtype=torch.bfloat16, scale=D**-0.5, g=g)
+    bias = _rand(E, scale=0.05, g=g)
+    w13 = _rand(E, 2 * I, D, dtype=torch.bfloat16, scale=D**-0.5, g=g)
+    w2 = _rand(E, D, I, dtype=torch.bfloat16, scale=I**-0.5, g=g)
+    return x, wr, bias, w13, w2, dict(top_k=K, activation="sigmoid", renormalize=True, scaling=2.5)
+
+
 @pytest.mark.parametrize(
     "N,E,K,D,I", [(1, 256, 8, 2304, 1024), (16, 64, 8, 1024, 640), (3, 896, 16, 512, 64)]
 )
@@ -370,13 +382,7 @@ def test_moe_small_fused_select(N, E, K, D, I):
     and the same expert output, bf16, compiled."""
     from openk3.fast import moe_small
 
-    g = _fresh()
-    x = _rand(N, D, dtype=torch.bfloat16, g=g)
-    wr = _rand(E, D, dtype=torch.bfloat16, scale=D**-0.5, g=g)
-    bias = _rand(E, scale=0.05, g=g)
-    w13 = _rand(E, 2 * I, D, dtype=torch.bfloat16, scale=D**-0.5, g=g)
-    w2 = _rand(E, D, I, dtype=torch.bfloat16, scale=I**-0.5, g=g)
-    kw = dict(top_k=K, activation="sigmoid", renormalize=True, scaling=2.5)
+    x, wr, bias, w13, w2, kw = _routed_layer(N, E, K, D, I)
     with torch.no_grad():
         i0, w0, s0 = moe_small.route_small(x, wr, bias, **kw)
         y0 = moe_small.experts_small(x, i0, w0, w13[:, :I], w2, w13[:, I:], act="silu")
@@ -392,14 +398,8 @@ def test_moe_small_select_topk(N, E, K, monkeypatch):
     scores bit for bit, in the separate selection kernel and inside the gate/up kernel, bf16, compiled."""
     from openk3.fast import moe_small
 
-    g = _fresh()
-    D, I = 512, 64
-    x = _rand(N, D, dtype=torch.bfloat16, g=g)
-    wr = _rand(E, D, dtype=torch.bfloat16, scale=D**-0.5, g=g)
-    bias = _rand(E, scale=0.05, g=g)
-    w13 = _rand(E, 2 * I, D, dtype=torch.bfloat16, scale=D**-0.5, g=g)
-    w2 = _rand(E, D, I, dtype=torch.bfloat16, scale=I**-0.5, g=g)
-    kw = dict(top_k=K, activation="sigmoid", renormalize=True, scaling=2.5)
+    I = 64
+    x, wr, bias, w13, w2, kw = _routed_layer(N, E, K, 512, I)
     out = {}
     for on in (False, True):
         monkeypatch.setitem(moe_small.SELECT_TOPK, "on", on)
