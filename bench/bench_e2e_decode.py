@@ -106,10 +106,10 @@ def _draw_sorted():
     return _patch(sampling.FAST_DRAW, "on", False)
 
 
-def _select_topk():
+def _select_max():
     from openk3.fast import moe_small
 
-    return _patch(moe_small.SELECT_TOPK, "on", True)
+    return _patch(moe_small.SELECT_TOPK, "on", False)
 
 
 def _logprobs_unpacked():
@@ -150,8 +150,9 @@ KERNEL_VARIANTS = {
     # requests without logprobs
     "logprobs_unpacked": _logprobs_unpacked,
     "no_logprobs": _no_logprobs,
-    # the few-token routing selection by tl.topk (moe_small.SELECT_TOPK, prepared in v23)
-    "select_topk": _select_topk,
+    # the few-token routing selection by K max-reductions instead of tl.topk (moe_small.SELECT_TOPK, default
+    # since v24)
+    "select_max": _select_max,
 }
 
 

@@ -413,3 +413,33 @@ def test_attnres_kernel_knobs_reject_bad_values(monkeypatch):
             var,
             res.stderr[-300:],
         )
+
+
+def test_moe_small_knobs_reject_bad_values():
+    """The few-token MoE path's environment knobs: a bad value raises a ValueError naming the variable at import;
+    0 / 1 land in the switches."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+
+    def imp(var, val, show="0"):
+        code = f"from openk3.fast import moe_small as m; print(int(m.FUSE_SELECT), int(m.SELECT_TOPK['on']), {show})"
+        return subprocess.run(
+            [sys.executable, "-c", code], env={**os.environ, var: val}, capture_output=True, text=True
+        )
+
+    for var, val in [
+        ("OPENK3_MOE_FUSE_SELECT", "yes"),
+        ("OPENK3_MOE_SELECT_TOPK", "2"),
+        ("OPENK3_MOE_SELECT_TOPK", "true"),
+        ("OPENK3_MOE_SMALL_N", "-4"),
+        ("OPENK3_MOE_UP_TILE", "3,0,1"),
+        ("OPENK3_MOE_DOWN_COMBINE", "one"),
+    ]:
+        res = imp(var, val)
+        assert res.returncode != 0 and var in res.stderr and "ValueError" in res.stderr, (var, res.stderr[-300:])
+    assert imp("OPENK3_MOE_SELECT_TOPK", "0").stdout.split() == ["1", "0", "0"]
+    assert imp("OPENK3_MOE_FUSE_SELECT", " 0 ").stdout.split() == ["0", "1", "0"]
+    assert imp("OPENK3_MOE_UP_TILE", "4,0,1", "m.UP_TILE[0]").stdout.split() == ["1", "1", "4"]

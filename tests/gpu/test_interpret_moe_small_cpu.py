@@ -364,7 +364,7 @@ SCRIPT = textwrap.dedent(
         worst = max(worst, e / 1e-5)
     # the selection by tl.topk (SELECT_TOPK): the picks of route() (NaN first), ties by the lowest index, in the
     # separate selection kernel and inside the gate/up kernel
-    moe_small.SELECT_TOPK["on"] = True
+    default_topk = moe_small.SELECT_TOPK["on"]
     for E, K, D, N in [(64, 8, 96, 1), (20, 3, 50, 3), (9, 9, 17, 2), (5, 1, 8, 2), (130, 9, 8, 1)]:
         for act in ("sigmoid", "softmax"):
             for bias in (None, torch.randn(E) * 0.1):
@@ -397,7 +397,7 @@ SCRIPT = textwrap.dedent(
                 assert torch.equal(got[True][1].nan_to_num(), got[False][1].nan_to_num())
                 if not (E == 9 and act == "softmax"):
                     assert got[True][0].tolist() == want, (E, K, act, got[True][0], want)
-    moe_small.SELECT_TOPK["on"] = False
+    moe_small.SELECT_TOPK["on"] = default_topk
     print("WORST", worst)
     """
 )

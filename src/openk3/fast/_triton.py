@@ -165,6 +165,17 @@ def env_int(name: str, default: int, what: str) -> int:
     return int(raw)
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off setting from the environment variable ``name``: "1" on, "0" off, ``default`` when unset or blank; a
+    clear ``ValueError`` for anything else."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def head_tail(K: int) -> tuple[int, int]:
     """A row of ``K >= 1`` columns as a power-of-two head tile and a power-of-two tail tile (0: none), the tiles of
     the kernels that hold whole rows (K = 2304: 2048 + 256, no masked lanes)."""

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from openk3.fast._triton import (
     HAS_TRITON,
+    env_flag,
     env_int,
     head_tail,
     pdl_launch,
@@ -54,17 +55,14 @@ def _env_tokens(name: str, default: int) -> int:
 SMALL_N = _env_tokens("OPENK3_MOE_SMALL_N", 16)
 # the routing selection formed inside the experts' gate/up kernel (route_logits_small + experts_small with a
 # PendingRoute) instead of its own launch; OPENK3_MOE_FUSE_SELECT=0 keeps the separate selection kernel
-_fs = os.environ.get("OPENK3_MOE_FUSE_SELECT", "1").strip()
-if _fs not in ("0", "1"):
-    raise ValueError(f"OPENK3_MOE_FUSE_SELECT must be 0 or 1, got {_fs!r}")
-FUSE_SELECT = _fs == "1"
+FUSE_SELECT = env_flag("OPENK3_MOE_FUSE_SELECT", True)
 # ... for at most this many tokens: every gate/up program forms its token's top-k, so the work grows with the
 # programs (tokens x slots x row tiles); measured faster at one token (H200, bench/NOTES.md v13)
 FUSE_SELECT_MAX_TOKENS = 1
 # the routing selection's top-k as tl.topk (a bitonic top-k: fewer block-wide barriers) instead of K sequential
-# max-reductions; same picks. Prepared, not yet timed on a GPU (bench/NOTES.md v23): off. OPENK3_MOE_SELECT_TOPK=1
-# turns it on (benchmarks: bench_e2e_decode.py's variant select_topk)
-SELECT_TOPK = {"on": os.environ.get("OPENK3_MOE_SELECT_TOPK", "0").strip() == "1"}
+# max-reductions; same picks. Measured -0.02 to -0.03 ms per 48B batch-1 step (H200, bench/NOTES.md v24): on.
+# OPENK3_MOE_SELECT_TOPK=0 keeps the K max-reductions (benchmarks: bench_e2e_decode.py's variant select_max)
+SELECT_TOPK = {"on": env_flag("OPENK3_MOE_SELECT_TOPK", True)}
 PAIRS_PER_EXPERT = (
     2  # the path is taken for N tokens of top-k routing only while N * k <= PAIRS_PER_EXPERT * experts
 )
