@@ -439,7 +439,10 @@ def test_moe_small_knobs_reject_bad_values():
         ("OPENK3_MOE_DOWN_COMBINE", "one"),
     ]:
         res = imp(var, val)
-        assert res.returncode != 0 and var in res.stderr and "ValueError" in res.stderr, (var, res.stderr[-300:])
+        assert res.returncode != 0 and var in res.stderr and "ValueError" in res.stderr, (
+            var,
+            res.stderr[-300:],
+        )
     assert imp("OPENK3_MOE_SELECT_TOPK", "0").stdout.split() == ["1", "0", "0"]
     assert imp("OPENK3_MOE_FUSE_SELECT", " 0 ").stdout.split() == ["0", "1", "0"]
     assert imp("OPENK3_MOE_UP_TILE", "4,0,1", "m.UP_TILE[0]").stdout.split() == ["1", "1", "4"]
