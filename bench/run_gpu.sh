@@ -35,7 +35,9 @@
 # (OPENK3_FOLD_SHARED=slot) and with the KDA input projections on cuBLAS (OPENK3_GEMV_NORMED_MAX_MB=32) ->
 # e2e_fold_*.json; v23: the GPU tests of the draw / logprobs kernels, the no-sync engine cases (logit_bias among them)
 # and the tl.topk routing selection, then the 48B batch-1 A/Bs of the one-copy logprobs (logprobs_unpacked,
-# no_logprobs) and of moe_small.SELECT_TOPK -> e2e_v23_*.json.
+# no_logprobs) and of moe_small.SELECT_TOPK -> e2e_v23_*.json; v24: the few-token MoE and engine GPU tests with the
+# tl.topk selection on, the 48B batch-1 A/B of the gate/up tiles (up_16x128, up_8x256) -> e2e_v24_tiles.json, and
+# both presets at batch 1 / 16 / 64 -> e2e_v24.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -190,6 +192,16 @@ if has v23; then
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1 --steps 24 --wall-timing \
     --kernel-variants default,select_topk,default,select_topk --out "$OUT_DIR/e2e_v23_topk.json" 2>&1 \
     | grep "^| [mk]\|WARN\|disabled"
+fi
+if has v24; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_fast_ops.py tests/gpu/test_engine_gpu.py \
+    -k "moe_small or fold_norms or fast_decode_bf16" >"$OUT_DIR/tests_v24.log" 2>&1
+  echo "v24 tests: exit $? ($(tail -1 "$OUT_DIR/tests_v24.log"))"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1 --steps 24 --wall-timing \
+    --kernel-variants default,up_16x128,up_8x256,default --out "$OUT_DIR/e2e_v24_tiles.json" 2>&1 \
+    | grep "^| [mk]\|WARN\|disabled"
+  timeout "$T_E2E" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1,16,64 --wall-timing \
+    --out "$OUT_DIR/e2e_v24.json" 2>&1 | grep "^| \|WARN\|disabled"
 fi
 if has attnres_ab; then
   BENCH_MODEL_KERNEL_AB=5 timeout "$T_TRAIN" python3 bench/run_all.py --sections ceil,model --out "$OUT_DIR" \
