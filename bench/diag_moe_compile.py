@@ -5,6 +5,7 @@ tile, compiled for sm_90 on the CPU (``triton.compile`` + ``cuobjdump``; no GPU 
 
 The tile is ``(rows, columns, stages)`` as ``OPENK3_MOE_UP_TILE``; the accumulators are ``rows x columns`` fp32 per
 matrix, so wide tiles at 4 warps run out of registers, worst with the routing selection fused in (``SELECT``).
+The selection's form follows ``moe_small.SELECT_TOPK`` (``OPENK3_MOE_SELECT_TOPK=0``: K max-reductions).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def main():
     base = dict(
         K=args.top_k, SITU=False, PDL=True, KP=triton.next_power_of_2(args.top_k),
         EP=triton.next_power_of_2(args.experts), SOFTMAX=False, HAS_BIAS=True, RENORM=True, K1=0, KT=0, SHARED=0,
-        TILES=1,
+        TOPK=moe_small.SELECT_TOPK["on"],
     )  # fmt: skip
     print(
         "| tile (rows, columns, stages) | warps | fused selection | registers | spill loads / stores | shared bytes |"
