@@ -112,6 +112,12 @@ def _select_max():
     return _patch(moe_small.SELECT_TOPK, "on", False)
 
 
+def _fuse_select_4():
+    from openk3.fast import moe_small
+
+    return _patch(moe_small, "FUSE_SELECT_MAX_TOKENS", 4)
+
+
 def _logprobs_unpacked():
     from openk3.infer import engine
 
@@ -153,6 +159,9 @@ KERNEL_VARIANTS = {
     # the few-token routing selection by K max-reductions instead of tl.topk (moe_small.SELECT_TOPK, default
     # since v24)
     "select_max": _select_max,
+    # the routing selection inside the experts' gate/up kernel up to 4 tokens instead of 1 (every program forms its
+    # token's top-k; measured slower for 2+ tokens with K max-reductions, v13)
+    "fuse_select_4": _fuse_select_4,
 }
 
 

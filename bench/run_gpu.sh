@@ -36,7 +36,8 @@
 # e2e_fold_*.json; v23: the GPU tests of the draw / logprobs kernels, the no-sync engine cases (logit_bias among them)
 # and the tl.topk routing selection, then the 48B batch-1 A/Bs of the one-copy logprobs (logprobs_unpacked,
 # no_logprobs) and of moe_small.SELECT_TOPK -> e2e_v23_*.json; v24: the few-token MoE and engine GPU tests with the
-# tl.topk selection on, the 48B batch-1 A/B of the gate/up tiles (up_16x128, up_8x256) -> e2e_v24_tiles.json, and
+# tl.topk selection on, the 48B batch-1 A/B of the gate/up tiles (up_16x128, up_8x256) -> e2e_v24_tiles.json, the
+# fused selection up to 4 tokens at batch 2 and 4 (fuse_select_4) -> e2e_v24_fuse4.json, and
 # both presets at batch 1 / 16 / 64 -> e2e_v24.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
@@ -199,6 +200,9 @@ if has v24; then
   echo "v24 tests: exit $? ($(tail -1 "$OUT_DIR/tests_v24.log"))"
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1 --steps 24 --wall-timing \
     --kernel-variants default,up_16x128,up_8x256,default --out "$OUT_DIR/e2e_v24_tiles.json" 2>&1 \
+    | grep "^| [mk]\|WARN\|disabled"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 2,4 --steps 24 --wall-timing \
+    --kernel-variants default,fuse_select_4,default,fuse_select_4 --out "$OUT_DIR/e2e_v24_fuse4.json" 2>&1 \
     | grep "^| [mk]\|WARN\|disabled"
   timeout "$T_E2E" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1,16,64 --wall-timing \
     --out "$OUT_DIR/e2e_v24.json" 2>&1 | grep "^| \|WARN\|disabled"
