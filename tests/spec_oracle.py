@@ -231,9 +231,8 @@ class SpecOracle:
             p = p / (p.sum(-1, keepdim=True) + 1e-20)
         p = p * float(c.get("routed_scaling_factor", 1.0))
         weights = torch.zeros_like(s).scatter(-1, sel, p)  # [B, T, E], zero off the top-k
-        latent = c.get("routed_expert_hidden_size") is not None and int(c["routed_expert_hidden_size"]) != int(
-            c["hidden_size"]
-        )
+        width = c.get("routed_expert_hidden_size")
+        latent = width is not None and int(width) != int(c["hidden_size"])  # §4.2 latent path
         xe = linear(x, P("routed_expert_down_proj.weight")) if latent else x
         u = 0
         for e in range(E):

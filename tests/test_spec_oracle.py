@@ -9,16 +9,15 @@ import os
 
 import pytest
 import torch
-from spec_oracle import SpecOracle
 
 from openk3 import K3ForCausalLM, get_preset
+from spec_oracle import SpecOracle
 
 CONFIGS = {
     # the K3 preset as is: AttnRes (block 3), latent MoE with norm, SiTU, bounded gate, gated MLA, q-LoRA
     "tiny": ({}, ""),
-    # K3 switches with other values: block 2, early MLA, two dense layers, no q-LoRA, other gate bound and eps,
-    # latent MoE without norm, no renormalisation, scaling factor, top-3, one shared expert, tied head,
-    # multimodal key prefix
+    # K3 switches with other values: block 2, early MLA, two dense layers, no q-LoRA, other gate bound and
+    # eps values, top-3, tied head, multimodal key prefix
     "k3-variant": (
         dict(
             num_hidden_layers=7,
@@ -30,14 +29,27 @@ CONFIGS = {
             gate_lower_bound=-3.0,
             rms_norm_eps=1e-3,
             mla_latent_norm_eps=1e-4,
-            latent_moe_use_norm=False,
-            moe_renormalize=False,
-            routed_scaling_factor=2.5,
             num_experts_per_token=3,
-            num_shared_experts=1,
             tie_word_embeddings=True,
         ),
         "language_model.",
+    ),
+    # MoE from layer 0, latent MoE without its norm, no renormalisation, scaling factor, no shared expert,
+    # block 4 with a short tail block
+    "k3-variant-b": (
+        dict(
+            num_hidden_layers=9,
+            kda_layers=[1, 2, 3, 5, 6, 7],
+            full_attn_layers=[4, 8, 9],
+            attn_res_block_size=4,
+            first_k_dense_replace=0,
+            gate_lower_bound=-7.0,
+            latent_moe_use_norm=False,
+            moe_renormalize=False,
+            routed_scaling_factor=2.5,
+            num_shared_experts=0,
+        ),
+        "",
     ),
     # Kimi Linear family: softplus gate, low-rank KDA output gate, ungated MLA, plain residual, full-width
     # SwiGLU experts, MoE every second layer
