@@ -366,6 +366,28 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
             h.post(chat_url, json={"model": MODEL, "messages": hi, "logprobs": True, "top_logprobs": 30}), 400
         )
         _err(h.post(url, json={"model": MODEL, "prompt": [1, 10**9]}), 400)
+        # bodies json.loads rejects with errors other than JSONDecodeError; lone surrogates ("\\ud800" escapes)
+        for raw in (
+            b"[" * 100_000,
+            b'{"a":' * 100_000,
+            b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
+        ):
+            _err(h.post(url, content=raw, headers={"content-type": "application/json"}), 400)
+        for body in (
+            {"model": MODEL, "prompt": "x\ud800"},
+            {"model": "\udfff", "prompt": "x"},
+            {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]},
+        ):
+            chat = "messages" in body
+            raw = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as an escape
+            r = h.post(server + "/v1/chat/completions" if chat else url, content=raw)
+            assert "surrogate" in _err(r, 400)["message"]
+        for extra in ({"stream": "false"}, {"stream": 1}, {"best_of": True}, {"model": 5}):
+            _err(h.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 2, **extra}), 400)
+        for so in (5, {"include_usage": "yes"}):
+            _err(h.post(url, json={"model": MODEL, "prompt": "x", "stream": True, "stream_options": so}), 400)
+        bad_max = {"model": MODEL, "messages": hi, "max_completion_tokens": 0}
+        assert _err(h.post(chat_url, json=bad_max), 400)["param"] == "max_completion_tokens"
         _err(h.post(server + "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
         _err(
             h.post(server + "/v1/chat/completions", json={"model": MODEL, "messages": [{"content": "x"}]}),
@@ -403,6 +425,51 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
     assert r.usage.completion_tokens >= 1
     text = httpx.get(server + "/metrics", timeout=10).text
     assert 'openk3_http_errors_total{code="400"}' in text
+
+
+def test_rejected_requests_leave_the_engine_alone(server, engine):
+    """A request rejected after its engine requests could have been submitted (a bad stream_options) runs nothing;
+    a non-streaming client that goes away while its choices still generate has them aborted."""
+    _wait_idle(engine)
+    before = engine.stats()
+    url = server + "/v1/completions"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 300, "ignore_eos": True, "n": 4, "stream": True}
+    with httpx.Client(timeout=30) as h:
+        _err(h.post(url, json=dict(body, stream_options=5)), 400)
+        chat = dict(body, messages=[{"role": "user", "content": "x"}], stream_options=[])
+        _err(h.post(server + "/v1/chat/completions", json=chat), 400)
+    time.sleep(0.3)
+    s = engine.stats()
+    assert s["requests_total"] == before["requests_total"] and s["requests_running"] == 0
+    # non-streaming, the client gone after 0.3 s: outputs keep arriving, the disconnect must still be noticed
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url, json=dict(body, stream=False, max_tokens=CTX - 8), timeout=0.3)
+    s = _wait_idle(engine, timeout=10)
+    assert s["requests_finished_abort"] == before["requests_finished_abort"] + 4
+    assert s["pages_used_by_sequences"] == 0 and s["slots_free"] == engine.cfg.max_seqs
+    _healthy(server)
+
+
+def test_tiny_temperature_is_greedy_and_usage_counts_each_prompt_once(client, engine):
+    """A temperature of 1e-40 (a subnormal in fp32: the logits divided by it overflow) or 1e-300 (0 in fp32) gives
+    the greedy tokens; usage counts a prompt once however many choices it has, as OpenAI does."""
+    kw = dict(model=MODEL, prompt="def f(x):", max_tokens=6, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    for t in (1e-40, 1e-300):
+        assert client.completions.create(temperature=t, seed=1, **kw).choices[0].text == greedy
+    one = client.completions.create(**kw).usage.prompt_tokens
+    assert client.completions.create(n=3, **kw).usage.prompt_tokens == one
+    two = client.completions.create(**dict(kw, prompt=["def f(x):", "a"]), n=2)
+    assert (
+        two.usage.prompt_tokens == one + len(engine.tokenizer.encode("a"))
+        and two.usage.completion_tokens == 4 * 6
+    )
+    msgs = [{"role": "user", "content": "hi"}]
+    c1 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2).usage.prompt_tokens
+    assert (
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, n=2).usage.prompt_tokens
+        == c1
+    )
 
 
 def test_api_key(engine):

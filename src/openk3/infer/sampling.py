@@ -36,6 +36,7 @@ __all__ = [
 
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (logprobs / prompt_logprobs)
+MIN_TEMPERATURE = 1e-5  # SamplingParams.validate takes a lower temperature as 0 (greedy)
 
 
 @dataclass
@@ -53,8 +54,9 @@ class SamplingParams:
     """Per-request generation settings.
 
     ``max_tokens``: new tokens to generate at most (``None``: up to the context length). ``temperature`` 0 is
-    greedy. ``top_k`` <= 0 and ``top_p`` == 1 disable those filters. ``repetition_penalty`` > 1 discourages tokens
-    already present in the prompt or the output (HF semantics). ``frequency_penalty`` / ``presence_penalty`` (OpenAI
+    greedy (:meth:`validate` sets one below ``MIN_TEMPERATURE`` to 0: dividing the fp32 logits by it would overflow
+    them, or it would round to 0 there). ``top_k`` <= 0 and ``top_p`` == 1 disable those filters.
+    ``repetition_penalty`` > 1 discourages tokens already present in the prompt or the output (HF semantics). ``frequency_penalty`` / ``presence_penalty`` (OpenAI
     semantics, in [-2, 2]) subtract ``frequency * count + presence * (count > 0)`` from each token's logit, ``count``
     being how often it occurs in the output so far. ``seed`` makes sampling reproducible, whatever
     else runs in the same batch. ``stop``: strings that end generation (not included in the text);
@@ -99,6 +101,8 @@ class SamplingParams:
             if self.max_tokens < 1:
                 raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         num("temperature", self.temperature, 0.0, 100.0)
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise ValueError(f"top_k must be an integer (0 or -1 = off), got {self.top_k!r}")
         num("top_p", self.top_p, 0.0, 1.0, lo_open=True)

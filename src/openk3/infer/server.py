@@ -3,8 +3,8 @@
 Endpoints: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (both with ``stream`` as server-sent events ending in ``data: [DONE]``, and usage
 counts). Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for bad requests;
-the server keeps serving after any of them. A streaming client that disconnects has its request aborted (pages and
-slot freed at the next engine step).
+the server keeps serving after any of them. A client that disconnects (streaming or not) has its request aborted
+(pages and slot freed at the next engine step).
 
 Extra request fields beyond OpenAI's (as vLLM accepts them): ``top_k``, ``repetition_penalty``, ``stop_token_ids``,
 ``ignore_eos``.
@@ -78,17 +78,20 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
     n = _get(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"'n' must lie in [1, {MAX_N}], got {n}", param="n")
-    best_of = body.get("best_of")
+    best_of = _get(body, "best_of", int, None)
     if best_of not in (None, n):
         raise ApiError(400, "'best_of' other than n is not supported", param="best_of")
+    mt_name = "max_tokens"
     if chat:
         max_tokens = _get(body, "max_completion_tokens", int, None)
         if max_tokens is None:
             max_tokens = _get(body, "max_tokens", int, None)
+        else:
+            mt_name = "max_completion_tokens"
     else:
         max_tokens = _get(body, "max_tokens", int, 16)
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens")
+        raise ApiError(400, f"'{mt_name}' must be >= 1, got {max_tokens}", param=mt_name)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -173,21 +176,26 @@ def _with_seed(params: SamplingParams, i: int) -> SamplingParams:
     return p
 
 
-def _stream_options(body: dict) -> bool:
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage) of a request; checked before its engine requests are submitted."""
+    stream = _get(body, "stream", bool, False)
     so = body.get("stream_options")
     if so is None:
-        return False
+        return stream, False
     if not isinstance(so, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
-    return bool(so.get("include_usage"))
+    include_usage = so.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
+    return stream, stream and include_usage
 
 
 # ------------------------------------------------------------------------------------------------ engine bridge
 class _Group:
     """Several engine requests of one HTTP request, delivering (index, output) events into an asyncio queue."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine, n: int = 1):
+        self.engine, self.n = engine, n  # n: choices per prompt (submitted one after the other)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.reqs = []
@@ -209,16 +217,20 @@ class _Group:
     async def events(self, request=None):
         """Yield (index, output) until every request finished; with ``request`` (non-streaming), poll for a client
         disconnect while waiting."""
+        next_check = time.monotonic() + 1.0
         while len(self.done) < len(self.reqs):
             if request is None:
                 i, out = await self.queue.get()
             else:
-                try:
-                    i, out = await asyncio.wait_for(self.queue.get(), timeout=1.0)
-                except TimeoutError:
+                # once a second, whether outputs keep coming or not (they do while the request generates)
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + 1.0
                     if await request.is_disconnected():
                         self.abort()
                         return
+                try:
+                    i, out = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                except TimeoutError:
                     continue
             if out.finished:
                 self.done.add(i)
@@ -232,10 +244,21 @@ class _Group:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(r.num_prompt for r in self.reqs)
+        """Usage's prompt tokens: each prompt once, however many choices it has (as OpenAI counts them)."""
+        return sum(r.num_prompt for r in self.reqs[:: self.n])
 
 
 # ------------------------------------------------------------------------------------------------ app
+class _AsgiMiddleware:
+    """ASGI middleware calling ``func(scope, receive, send, inner_app)``."""
+
+    def __init__(self, app, func):
+        self.app, self.func = app, func
+
+    async def __call__(self, scope, receive, send):
+        await self.func(scope, receive, send, self.app)
+
+
 def create_app(
     engine: Engine, model_name: str = "openk3", *, api_key: str | None = None, start_engine: bool = True
 ):
@@ -280,31 +303,45 @@ def create_app(
             ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
         )
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            got = request.headers.get("authorization", "")
-            ok = got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), api_key.encode())
-            if not ok:
-                return err_response(
-                    ApiError(
+    async def _auth(scope, receive, send, inner) -> None:
+        """The API key check of /v1 paths, as a plain ASGI middleware: ``request.is_disconnected()`` (how a
+        non-streaming request notices its client has gone) never reports a disconnect through Starlette's
+        ``@app.middleware("http")``."""
+        if scope["type"] == "http" and api_key:
+            request = Request(scope)
+            if request.url.path.startswith("/v1"):
+                got = request.headers.get("authorization", "")
+                ok = got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), api_key.encode())
+                if not ok:
+                    e = ApiError(
                         401,
                         "missing or wrong API key (Authorization: Bearer KEY)",
                         type_="authentication_error",
                         code="invalid_api_key",
                     )
-                )
-        return await call_next(request)
+                    await err_response(e)(scope, receive, send)
+                    return
+        await inner(scope, receive, send)
+
+    app.add_middleware(_AsgiMiddleware, func=_auth)
 
     async def body_of(request: Request) -> dict:
         raw = await request.body()
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON") from None
+        except (ValueError, RecursionError) as e:  # also: nesting too deep, an integer of > 4300 digits
+            raise ApiError(400, f"the request body is not valid JSON ({type(e).__name__})") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        try:  # "\ud800" escapes decode to lone surrogates: no text can hold them (tokenizer, response)
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(
+                400, "the request body has a string with a lone surrogate (invalid Unicode)"
+            ) from None
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, f"'model' has the wrong type ({type(model).__name__})", param="model")
         if model is not None and model != model_name:
             raise ApiError(
                 404,
@@ -418,18 +455,17 @@ def create_app(
         body = await body_of(request)
         prompts = parse_prompts(body)
         params, n = _sampling_params(body, chat=False)
+        stream, include_usage = _stream_flags(body)
+        echo = bool(_get(body, "echo", bool, False))
         if any(isinstance(p, str) for p in prompts) and tok is None:
             raise ApiError(400, "this server has no tokenizer: send token ids")
         if len(prompts) * n > MAX_N * 4:
             raise ApiError(400, f"too many choices ({len(prompts) * n}); at most {MAX_N * 4} per request")
-        group = _Group(engine)
+        group = _Group(engine, n)
         for p in prompts:
             for j in range(n):
                 group.submit(p, _with_seed(params, j))
         cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        stream = bool(body.get("stream"))
-        include_usage = _stream_options(body) if stream else False
-        echo = bool(_get(body, "echo", bool, False))
         want_lp = params.logprobs is not None
 
         def echo_text(i: int) -> str:  # choice i's prompt as text
@@ -546,14 +582,13 @@ def create_app(
             raise ApiError(400, "this server has no tokenizer, so it cannot render chat messages")
         prompt = chat_prompt(body)
         params, n = _sampling_params(body, chat=True)
+        stream, include_usage = _stream_flags(body)
         if im_end is not None and im_end not in params.stop_token_ids:
             params.stop_token_ids.append(im_end)
-        group = _Group(engine)
+        group = _Group(engine, n)
         for j in range(n):
             group.submit(prompt, _with_seed(params, j))
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        stream = bool(body.get("stream"))
-        include_usage = _stream_options(body) if stream else False
 
         def chunk(choices, usage_=None, obj="chat.completion.chunk"):
             d = {"id": cid, "object": obj, "created": now, "model": model_name, "choices": choices}
