@@ -56,12 +56,12 @@ class SamplingParams:
     ``max_tokens``: new tokens to generate at most (``None``: up to the context length). ``temperature`` 0 is
     greedy (:meth:`validate` sets one below ``MIN_TEMPERATURE`` to 0: dividing the fp32 logits by it would overflow
     them, or it would round to 0 there). ``top_k`` <= 0 and ``top_p`` == 1 disable those filters.
-    ``repetition_penalty`` > 1 discourages tokens already present in the prompt or the output (HF semantics). ``frequency_penalty`` / ``presence_penalty`` (OpenAI
-    semantics, in [-2, 2]) subtract ``frequency * count + presence * (count > 0)`` from each token's logit, ``count``
-    being how often it occurs in the output so far. ``seed`` makes sampling reproducible, whatever
-    else runs in the same batch. ``stop``: strings that end generation (not included in the text);
-    ``stop_token_ids``: extra ids that end generation; the end-of-sequence id does too unless ``ignore_eos``.
-    ``logprobs`` k (0..20; ``None`` = off): each generated token's log-probability under the model's distribution
+    ``repetition_penalty`` > 1 discourages tokens already present in the prompt or the output (HF semantics).
+    ``frequency_penalty`` / ``presence_penalty`` (OpenAI semantics, in [-2, 2]) subtract ``frequency * count +
+    presence * (count > 0)`` from each token's logit, ``count`` being how often it occurs in the output so far.
+    ``seed`` makes sampling reproducible, whatever else runs in the same batch. ``stop``: strings that end
+    generation (not included in the text); ``stop_token_ids``: extra ids that end generation; the end-of-sequence
+    id does too unless ``ignore_eos``. ``logprobs`` k (0..20; ``None`` = off): each generated token's log-probability under the model's distribution
     (``log_softmax`` of the logits, before penalty, temperature and filters) and the k most likely tokens with
     theirs. ``prompt_logprobs`` k: the same for each prompt token after the first (a request asking for them does
     not reuse a cached prefix). ``logit_bias`` (OpenAI semantics): ``{token id: bias}``, each bias in [-100, 100]
