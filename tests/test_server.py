@@ -360,6 +360,14 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "echo": "yes"}), 400)
         for lb in ({"abc": 1}, {"5": 1000}, {"-3": 1}, {"5": "big"}, [5], {str(10**9): 1.0}, {"\u00b2": 1}):
             _err(h.post(url, json={"model": MODEL, "prompt": "x", "logit_bias": lb}), 400)
+        for field, bad in (
+            ("logit_bias", {"5": -101}),
+            ("logit_bias", {"5": "big"}),
+            ("top_p", 0),
+            ("seed", 1.5),
+        ):
+            e = _err(h.post(url, json={"model": MODEL, "prompt": "x", field: bad}), 400)
+            assert e["param"] == field, (field, e)
         chat_url, hi = server + "/v1/chat/completions", [{"role": "user", "content": "hi"}]
         _err(h.post(chat_url, json={"model": MODEL, "messages": hi, "top_logprobs": 2}), 400)
         _err(

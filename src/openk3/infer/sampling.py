@@ -18,6 +18,7 @@ from openk3.infer.cache import device_tensor
 
 __all__ = [
     "MAX_LOGPROBS",
+    "SamplingParamError",
     "SamplingParams",
     "TokenLogprob",
     "token_logprobs",
@@ -49,6 +50,14 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+class SamplingParamError(ValueError):
+    """An invalid :class:`SamplingParams` value; ``param`` names the field (as the OpenAI API's errors do)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation settings.
@@ -61,12 +70,13 @@ class SamplingParams:
     presence * (count > 0)`` from each token's logit, ``count`` being how often it occurs in the output so far.
     ``seed`` makes sampling reproducible, whatever else runs in the same batch. ``stop``: strings that end
     generation (not included in the text); ``stop_token_ids``: extra ids that end generation; the end-of-sequence
-    id does too unless ``ignore_eos``. ``logprobs`` k (0..20; ``None`` = off): each generated token's log-probability under the model's distribution
-    (``log_softmax`` of the logits, before penalty, temperature and filters) and the k most likely tokens with
-    theirs. ``prompt_logprobs`` k: the same for each prompt token after the first (a request asking for them does
-    not reuse a cached prefix). ``logit_bias`` (OpenAI semantics): ``{token id: bias}``, each bias in [-100, 100]
-    added to that token's logit before the penalties, temperature and filters (a large negative bias bans the
-    token, a large positive one forces it); logprobs stay those of the model's distribution, without it.
+    id does too unless ``ignore_eos``. ``logprobs`` k (0..20; ``None`` = off): each generated token's
+    log-probability under the model's distribution (``log_softmax`` of the logits, before penalty, temperature and
+    filters) and the k most likely tokens with theirs. ``prompt_logprobs`` k: the same for each prompt token after
+    the first (a request asking for them does not reuse a cached prefix). ``logit_bias`` (OpenAI semantics):
+    ``{token id: bias}``, each bias in [-100, 100] added to that token's logit before the penalties, temperature and
+    filters (a large negative bias bans the token, a large positive one forces it); logprobs stay those of the
+    model's distribution, without it.
     """
 
     max_tokens: int | None = 16
@@ -85,55 +95,65 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
 
     def validate(self) -> SamplingParams:
-        """Raise ``ValueError`` (with the field name) for an invalid value; returns self."""
+        """Raise :class:`SamplingParamError` (a ``ValueError`` naming the field) for an invalid value; returns self."""
 
-        def num(name, v, lo=None, hi=None, lo_open=False):
+        def num(name, v, lo=None, hi=None, lo_open=False, param=None):
+            param = param or name
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite number, got {v!r}")
+                raise SamplingParamError(param, f"{name} must be a finite number, got {v!r}")
             if lo is not None and (v <= lo if lo_open else v < lo):
-                raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
+                raise SamplingParamError(param, f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
             if hi is not None and v > hi:
-                raise ValueError(f"{name} must be <= {hi}, got {v}")
+                raise SamplingParamError(param, f"{name} must be <= {hi}, got {v}")
 
         if self.max_tokens is not None:
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-                raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+                raise SamplingParamError(
+                    "max_tokens", f"max_tokens must be an integer, got {self.max_tokens!r}"
+                )
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+                raise SamplingParamError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         num("temperature", self.temperature, 0.0, 100.0)
         if self.temperature < MIN_TEMPERATURE:
             self.temperature = 0.0
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an integer (0 or -1 = off), got {self.top_k!r}")
+            raise SamplingParamError("top_k", f"top_k must be an integer (0 or -1 = off), got {self.top_k!r}")
         num("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         num("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
         num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         num("presence_penalty", self.presence_penalty, -2.0, 2.0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise SamplingParamError("seed", f"seed must be an integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (
                 isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS
             ):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}")
+                raise SamplingParamError(
+                    name, f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}"
+                )
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(
-                    f"logit_bias must be a mapping of token ids to biases, got {self.logit_bias!r}"
+                raise SamplingParamError(
+                    "logit_bias",
+                    f"logit_bias must be a mapping of token ids to biases, got {self.logit_bias!r}",
                 )
             for t, v in self.logit_bias.items():
                 if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
-                num(f"logit_bias[{t}]", v, -100.0, 100.0)
+                    raise SamplingParamError(
+                        "logit_bias", f"logit_bias keys must be non-negative token ids, got {t!r}"
+                    )
+                num(f"logit_bias[{t}]", v, -100.0, 100.0, param="logit_bias")
             self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()} or None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not all(isinstance(s, str) for s in self.stop):
-            raise ValueError("stop must be a string or a list of strings")
+            raise SamplingParamError("stop", "stop must be a string or a list of strings")
         self.stop = [s for s in self.stop if s]
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
+            raise SamplingParamError(
+                "stop_token_ids", "stop_token_ids must be a list of non-negative integers"
+            )
         return self
 
     @property

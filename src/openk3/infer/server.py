@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.infer.engine import Engine, RequestOutput
-from openk3.infer.sampling import MAX_LOGPROBS, SamplingParams
+from openk3.infer.sampling import MAX_LOGPROBS, SamplingParamError, SamplingParams
 
 __all__ = ["create_app", "serve", "ApiError"]
 
@@ -121,8 +121,8 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
     )
     try:
         params.validate()
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
+    except SamplingParamError as e:
+        raise ApiError(400, str(e), param=e.param) from None
     return params, n
 
 
@@ -133,17 +133,13 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
     if not lb:
         return None
     out = {}
-    for k, v in lb.items():
+    for k, v in lb.items():  # (the biases are checked by SamplingParams.validate)
         key = k.strip() if isinstance(k, str) else k
         if isinstance(key, str) and key.isascii() and key.isdigit():
             key = int(key)
         if isinstance(key, bool) or not isinstance(key, int) or key < 0:
             raise ApiError(400, f"'logit_bias' keys must be token ids, got {k!r}", param="logit_bias")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            raise ApiError(
-                400, f"'logit_bias' values must be numbers in [-100, 100], got {v!r}", param="logit_bias"
-            )
-        out[key] = float(v)
+        out[key] = v
     return out
 
 
