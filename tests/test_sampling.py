@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from openk3.infer.sampling import (
+    SamplingParamError,
     SamplingParams,
     apply_repetition_penalty,
     apply_temperature,
@@ -237,11 +238,15 @@ def test_stop_helpers():
         ({"seed": "x"}, "seed"),
         ({"stop": [1]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"temperature": 10**400}, "temperature"),  # past the float range: an error, not an OverflowError
+        ({"logit_bias": {5: -(10**400)}}, "logit_bias"),
+        ({"repetition_penalty": 10**400}, "repetition_penalty"),
     ],
 )
 def test_params_validation(kw, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(SamplingParamError, match=match) as e:
         SamplingParams(**kw).validate()
+    assert e.value.param == match
 
 
 def test_params_defaults_and_normalisation():

@@ -365,6 +365,9 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
             ("logit_bias", {"5": "big"}),
             ("top_p", 0),
             ("seed", 1.5),
+            ("temperature", 101),
+            ("temperature", 10**400),
+            ("logit_bias", {"5": 10**400}),
         ):
             e = _err(h.post(url, json={"model": MODEL, "prompt": "x", field: bad}), 400)
             assert e["param"] == field, (field, e)

@@ -97,14 +97,22 @@ class SamplingParams:
     def validate(self) -> SamplingParams:
         """Raise :class:`SamplingParamError` (a ``ValueError`` naming the field) for an invalid value; returns self."""
 
-        def num(name, v, lo=None, hi=None, lo_open=False, param=None):
+        def num(name, v, lo=None, hi=None, lo_open=False, param=None) -> float:
+            """``v`` as a float, checked: a finite number (an int too large for a float is not) in range."""
             param = param or name
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            f = math.nan
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                try:
+                    f = float(v)
+                except OverflowError:
+                    f = math.inf
+            if not math.isfinite(f):
                 raise SamplingParamError(param, f"{name} must be a finite number, got {v!r}")
-            if lo is not None and (v <= lo if lo_open else v < lo):
+            if lo is not None and (f <= lo if lo_open else f < lo):
                 raise SamplingParamError(param, f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
-            if hi is not None and v > hi:
+            if hi is not None and f > hi:
                 raise SamplingParamError(param, f"{name} must be <= {hi}, got {v}")
+            return f
 
         if self.max_tokens is not None:
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -113,15 +121,15 @@ class SamplingParams:
                 )
             if self.max_tokens < 1:
                 raise SamplingParamError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
-        num("temperature", self.temperature, 0.0, 100.0)
+        self.temperature = num("temperature", self.temperature, 0.0, 100.0)
         if self.temperature < MIN_TEMPERATURE:
             self.temperature = 0.0
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise SamplingParamError("top_k", f"top_k must be an integer (0 or -1 = off), got {self.top_k!r}")
-        num("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        num("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
-        num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        num("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.top_p = num("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        self.repetition_penalty = num("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
+        self.frequency_penalty = num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.presence_penalty = num("presence_penalty", self.presence_penalty, -2.0, 2.0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise SamplingParamError("seed", f"seed must be an integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -138,13 +146,14 @@ class SamplingParams:
                     "logit_bias",
                     f"logit_bias must be a mapping of token ids to biases, got {self.logit_bias!r}",
                 )
+            biases = {}
             for t, v in self.logit_bias.items():
                 if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                     raise SamplingParamError(
                         "logit_bias", f"logit_bias keys must be non-negative token ids, got {t!r}"
                     )
-                num(f"logit_bias[{t}]", v, -100.0, 100.0, param="logit_bias")
-            self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()} or None
+                biases[int(t)] = num(f"logit_bias[{t}]", v, -100.0, 100.0, param="logit_bias")
+            self.logit_bias = biases or None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not all(isinstance(s, str) for s in self.stop):

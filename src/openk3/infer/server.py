@@ -105,12 +105,12 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
     top_k = _get(body, "top_k", int, 0)
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=float(_get(body, "temperature", (int, float), 1.0)),
-        top_p=float(_get(body, "top_p", (int, float), 1.0)),
+        temperature=_get(body, "temperature", (int, float), 1.0),
+        top_p=_get(body, "top_p", (int, float), 1.0),
         top_k=top_k,
-        repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0)),
-        frequency_penalty=float(_get(body, "frequency_penalty", (int, float), 0.0)),
-        presence_penalty=float(_get(body, "presence_penalty", (int, float), 0.0)),
+        repetition_penalty=_get(body, "repetition_penalty", (int, float), 1.0),
+        frequency_penalty=_get(body, "frequency_penalty", (int, float), 0.0),
+        presence_penalty=_get(body, "presence_penalty", (int, float), 0.0),
         seed=_get(body, "seed", int, None),
         stop=list(stop),
         stop_token_ids=list(stop_ids),
