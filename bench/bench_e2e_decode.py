@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import itertools
 import json
 import os
@@ -76,46 +77,17 @@ def _kda_few(split_v: int):
     return _patch(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": split_v})
 
 
-def _no_fuse_select():
-    from openk3.fast import moe_small
+def _setting(module: str, name: str, value, key=None):
+    """A variant: ``module.name`` (or, with ``key``, the dict ``module.name[key]``) set to ``value``."""
 
-    return _patch(moe_small, "FUSE_SELECT", False)
+    def apply():
+        obj = importlib.import_module(module)
+        return _patch(obj, name, value) if key is None else _patch(getattr(obj, name), key, value)
 
-
-def _up_tile(tile: tuple[int, int, int]):
-    from openk3.fast import moe_small
-
-    return lambda: _patch(moe_small, "UP_TILE", tile)
+    return apply
 
 
-def _fold_shared(mode: str):
-    from openk3.infer import engine
-
-    return lambda: _patch(engine, "FOLD_SHARED", mode)
-
-
-def _kn_config(table: str, key: str, value):
-    from openk3.infer import kernels as KN
-
-    return lambda: _patch(getattr(KN, table), key, value)
-
-
-def _draw_sorted():
-    from openk3.infer import sampling
-
-    return _patch(sampling.FAST_DRAW, "on", False)
-
-
-def _select_max():
-    from openk3.fast import moe_small
-
-    return _patch(moe_small.SELECT_TOPK, "on", False)
-
-
-def _fuse_select_4():
-    from openk3.fast import moe_small
-
-    return _patch(moe_small, "FUSE_SELECT_MAX_TOKENS", 4)
+_MOE_SMALL, _KN = "openk3.fast.moe_small", "openk3.infer.kernels"
 
 
 def _logprobs_unpacked():
@@ -136,32 +108,32 @@ KERNEL_VARIANTS = {
     "default": lambda: lambda: None,
     "kda_split": lambda: _kda_few(8),
     "kda_per_head": lambda: _kda_few(0),
-    "no_fuse_select": _no_fuse_select,
+    "no_fuse_select": _setting(_MOE_SMALL, "FUSE_SELECT", False),
     # the few-token gate/up tile (rows, columns, stages): two that fit their registers at 4 warps with the fused
     # selection (bench/diag_moe_compile.py), against the default (16, 256, 3)
-    "up_8x256": _up_tile((8, 256, 3)),
-    "up_16x128": _up_tile((16, 128, 3)),
+    "up_8x256": _setting(_MOE_SMALL, "UP_TILE", (8, 256, 3)),
+    "up_16x128": _setting(_MOE_SMALL, "UP_TILE", (16, 128, 3)),
     # the MLA reduce + post kernel as before v18: W_UV streamed after the combine
-    "mla_post_streamed": _kn_config("MLA_GLUE_CONFIG", "post_whole_elems", 0),
+    "mla_post_streamed": _setting(_KN, "MLA_GLUE_CONFIG", 0, key="post_whole_elems"),
     # where a folded plain MoE layer's shared experts run (engine.FOLD_SHARED): the side stream, one more slot of the
     # routed kernels, or their gate / up rows in the router's GEMV and the rest in the down + combine kernel
-    "shared_side": _fold_shared("side"),
-    "shared_slot": _fold_shared("slot"),
-    "shared_router": _fold_shared("router"),
+    "shared_side": _setting("openk3.infer.engine", "FOLD_SHARED", "side"),
+    "shared_slot": _setting("openk3.infer.engine", "FOLD_SHARED", "slot"),
+    "shared_router": _setting("openk3.infer.engine", "FOLD_SHARED", "router"),
     # the MLA prep's W_UK tile loaded after the wait (as before v21)
-    "mla_prep_late": _kn_config("MLA_GLUE_CONFIG", "prep_early", False),
+    "mla_prep_late": _setting(_KN, "MLA_GLUE_CONFIG", False, key="prep_early"),
     # the token draw through PyTorch (top-p's sort, one program per row for the Gumbel draw), as before v22
-    "draw_sorted": _draw_sorted,
+    "draw_sorted": _setting("openk3.infer.sampling", "FAST_DRAW", False, key="on"),
     # with --logprobs: each step's logprobs taken to the host in three copies (as before v23) instead of one; the
     # requests without logprobs
     "logprobs_unpacked": _logprobs_unpacked,
     "no_logprobs": _no_logprobs,
     # the few-token routing selection by K max-reductions instead of tl.topk (moe_small.SELECT_TOPK, default
     # since v24)
-    "select_max": _select_max,
+    "select_max": _setting(_MOE_SMALL, "SELECT_TOPK", False, key="on"),
     # the routing selection inside the experts' gate/up kernel up to 4 tokens instead of 1 (every program forms its
     # token's top-k; measured slower for 2+ tokens with K max-reductions, v13)
-    "fuse_select_4": _fuse_select_4,
+    "fuse_select_4": _setting(_MOE_SMALL, "FUSE_SELECT_MAX_TOKENS", 4),
 }
 
 
