@@ -1,6 +1,9 @@
 """MLA forms, AttnRes reads and block sizes, MoE routing, SiTU -- reference ops against independent formulas."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -375,9 +378,6 @@ def test_attnres_kernel_knobs_reject_bad_values(monkeypatch):
     """The AttnRes kernels' environment knobs: bad names or values raise a ValueError naming the variable at import
     (never a crash inside a launch); good ones land in the tables; register caps by source count fall back to the
     kernel's entry; no cap under the interpreter."""
-    import os
-    import subprocess
-    import sys
 
     pytest.importorskip("triton")
     from openk3.fast import attnres as A
@@ -405,30 +405,30 @@ def test_attnres_kernel_knobs_reject_bad_values(monkeypatch):
         ("OPENK3_ATTNRES_DIRECT_MAX", "three"),
         ("OPENK3_ATTNRES_MAXNREG", "p2_bwd_norm=lots"),
     ]:
-        env = {**os.environ, var: val}
-        res = subprocess.run(
-            [sys.executable, "-c", "import openk3.fast.attnres"], env=env, capture_output=True, text=True
-        )
-        assert res.returncode != 0 and var in res.stderr and "ValueError" in res.stderr, (
-            var,
-            res.stderr[-300:],
-        )
+        _assert_import_refuses("import openk3.fast.attnres", var, val)
+
+
+def _run_with_env(code: str, var: str, val: str):
+    """``python -c code`` in a fresh process with the environment variable ``var`` set to ``val``."""
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, var: val}, capture_output=True, text=True
+    )
+
+
+def _assert_import_refuses(code: str, var: str, val: str) -> None:
+    """``code`` (an import) fails with a ValueError naming ``var`` when it is set to ``val``."""
+    res = _run_with_env(code, var, val)
+    assert res.returncode != 0 and var in res.stderr and "ValueError" in res.stderr, (var, res.stderr[-300:])
 
 
 def test_moe_small_knobs_reject_bad_values():
     """The few-token MoE path's environment knobs: a bad value raises a ValueError naming the variable at import;
     0 / 1 land in the switches."""
-    import os
-    import subprocess
-    import sys
-
     pytest.importorskip("triton")
 
     def imp(var, val, show="0"):
         code = f"from openk3.fast import moe_small as m; print(int(m.FUSE_SELECT), int(m.SELECT_TOPK['on']), {show})"
-        return subprocess.run(
-            [sys.executable, "-c", code], env={**os.environ, var: val}, capture_output=True, text=True
-        )
+        return _run_with_env(code, var, val)
 
     for var, val in [
         ("OPENK3_MOE_FUSE_SELECT", "yes"),
@@ -438,11 +438,7 @@ def test_moe_small_knobs_reject_bad_values():
         ("OPENK3_MOE_UP_TILE", "3,0,1"),
         ("OPENK3_MOE_DOWN_COMBINE", "one"),
     ]:
-        res = imp(var, val)
-        assert res.returncode != 0 and var in res.stderr and "ValueError" in res.stderr, (
-            var,
-            res.stderr[-300:],
-        )
+        _assert_import_refuses("import openk3.fast.moe_small", var, val)
     assert imp("OPENK3_MOE_SELECT_TOPK", "0").stdout.split() == ["1", "0", "0"]
     assert imp("OPENK3_MOE_FUSE_SELECT", " 0 ").stdout.split() == ["0", "1", "0"]
     assert imp("OPENK3_MOE_UP_TILE", "4,0,1", "m.UP_TILE[0]").stdout.split() == ["1", "1", "4"]
