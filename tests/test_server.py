@@ -359,10 +359,10 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "logprobs": "3"}), 400)
         _err(h.post(url, json={"model": MODEL, "prompt": "x", "echo": "yes"}), 400)
         for lb in ({"abc": 1}, {"5": 1000}, {"-3": 1}, {"5": "big"}, [5], {str(10**9): 1.0}, {"\u00b2": 1}):
-            _err(h.post(url, json={"model": MODEL, "prompt": "x", "logit_bias": lb}), 400)
+            e = _err(h.post(url, json={"model": MODEL, "prompt": "x", "logit_bias": lb}), 400)
+            assert e["param"] == "logit_bias", (lb, e)
         for field, bad in (
             ("logit_bias", {"5": -101}),
-            ("logit_bias", {"5": "big"}),
             ("top_p", 0),
             ("seed", 1.5),
             ("temperature", 101),

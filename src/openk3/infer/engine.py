@@ -50,6 +50,7 @@ from openk3.infer.decode import (
 )
 from openk3.infer.glue import add_rms_norm
 from openk3.infer.sampling import (
+    SamplingParamError,
     SamplingParams,
     find_stop,
     logprob_entries,
@@ -730,8 +731,9 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         if params.logit_bias and max(params.logit_bias) >= self.tok_vocab:
-            raise ValueError(
-                f"logit_bias token ids must lie in [0, {self.tok_vocab}), got {max(params.logit_bias)}"
+            raise SamplingParamError(
+                "logit_bias",
+                f"logit_bias token ids must lie in [0, {self.tok_vocab}), got {max(params.logit_bias)}",
             )
         req = Request(ids, params, request_id, on_output, max_new)
         if self.tokenizer is not None:

@@ -207,7 +207,7 @@ class _Group:
             req = self.engine.submit(prompt, params, on_output=lambda out, i=i: self._put(i, out))
         except ValueError as e:
             self.abort()
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
         self.reqs.append(req)
 
     async def events(self, request=None):
