@@ -90,12 +90,6 @@ def _setting(module: str, name: str, value, key=None):
 _MOE_SMALL, _KN = "openk3.fast.moe_small", "openk3.infer.kernels"
 
 
-def _logprobs_unpacked():
-    from openk3.infer import engine
-
-    return _patch(engine, "_to_host_all", lambda ts: tuple(engine._to_host(t) for t in ts))
-
-
 def _no_logprobs():
     """The requests without logprobs (with --logprobs: the same run's baseline)."""
     had = "logprobs" in SAMPLING
@@ -124,9 +118,7 @@ KERNEL_VARIANTS = {
     "mla_prep_late": _setting(_KN, "MLA_GLUE_CONFIG", False, key="prep_early"),
     # the token draw through PyTorch (top-p's sort, one program per row for the Gumbel draw), as before v22
     "draw_sorted": _setting("openk3.infer.sampling", "FAST_DRAW", False, key="on"),
-    # with --logprobs: each step's logprobs taken to the host in three copies (as before v23) instead of one; the
-    # requests without logprobs
-    "logprobs_unpacked": _logprobs_unpacked,
+    # with --logprobs: the same requests without logprobs
     "no_logprobs": _no_logprobs,
     # the few-token routing selection by K max-reductions instead of tl.topk (moe_small.SELECT_TOPK, default
     # since v24)

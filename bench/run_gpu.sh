@@ -34,9 +34,9 @@
 # the A/B again -> e2e_fold2.json, fold_norms on with the shared experts as a slot of the routed kernels
 # (OPENK3_FOLD_SHARED=slot) and with the KDA input projections on cuBLAS (OPENK3_GEMV_NORMED_MAX_MB=32) ->
 # e2e_fold_*.json; v23: the GPU tests of the draw / logprobs kernels, the no-sync engine cases (logit_bias among them)
-# and the tl.topk routing selection, then the 48B batch-1 A/Bs of the one-copy logprobs (logprobs_unpacked,
-# no_logprobs) and of moe_small.SELECT_TOPK -> e2e_v23_*.json; v24: the few-token MoE and engine GPU tests with the
-# tl.topk selection on, the 48B batch-1 A/B of the gate/up tiles (up_16x128, up_8x256) -> e2e_v24_tiles.json, the
+# and the tl.topk routing selection, then the 48B batch-1 A/Bs of logprobs (no_logprobs) and of
+# moe_small.SELECT_TOPK (select_max) -> e2e_v23_*.json; v24: the few-token MoE and engine GPU tests with the tl.topk
+# selection on, the 48B batch-1 A/B of the gate/up tiles (up_16x128, up_8x256) -> e2e_v24_tiles.json, the
 # fused selection up to 4 tokens at batch 2 and 4 (fuse_select_4) -> e2e_v24_fuse4.json, and
 # both presets at batch 1 / 16 / 64 -> e2e_v24.json.
 # Logs and JSON land in OUT_DIR:
@@ -188,10 +188,10 @@ if has v23; then
     >"$OUT_DIR/tests_v23.log" 2>&1
   echo "v23 tests: exit $? ($(tail -1 "$OUT_DIR/tests_v23.log"))"
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1 --steps 24 --wall-timing \
-    --temperature 0.8 --top-p 0.95 --logprobs 5 --kernel-variants default,logprobs_unpacked,no_logprobs,default \
+    --temperature 0.8 --top-p 0.95 --logprobs 5 --kernel-variants default,no_logprobs,default \
     --out "$OUT_DIR/e2e_v23_logprobs.json" 2>&1 | grep "^| [mk]\|WARN\|disabled"
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1 --steps 24 --wall-timing \
-    --kernel-variants default,select_topk,default,select_topk --out "$OUT_DIR/e2e_v23_topk.json" 2>&1 \
+    --kernel-variants default,select_max,default,select_max --out "$OUT_DIR/e2e_v23_topk.json" 2>&1 \
     | grep "^| [mk]\|WARN\|disabled"
 fi
 if has v24; then

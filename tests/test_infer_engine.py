@@ -390,29 +390,6 @@ def test_logit_bias_validation():
     assert SamplingParams(logit_bias={}).validate().logit_bias is None
 
 
-def test_to_host_all_copies_views_of_one_buffer():
-    """engine._to_host_all: outputs that are views of one buffer (the logprobs kernels' layout: ids, values, chosen)
-    come back equal, as separate host tensors that do not alias the source; unrelated tensors one by one."""
-    from openk3.infer.engine import _to_host_all
-
-    N, k = 3, 5
-    arena = torch.empty(N * (12 * k + 4), dtype=torch.uint8)
-    ti = arena[: 8 * N * k].view(torch.long).view(N, k)
-    tv = arena[8 * N * k : 12 * N * k].view(torch.float32).view(N, k)
-    ch = arena[12 * N * k :].view(torch.float32)
-    ti.copy_(torch.randint(0, 1 << 40, (N, k)))
-    tv.copy_(torch.randn(N, k))
-    ch.copy_(torch.randn(N))
-    got = _to_host_all((ch, tv, ti))
-    assert [g.dtype for g in got] == [torch.float32, torch.float32, torch.long]
-    assert all(torch.equal(g, t) for g, t in zip(got, (ch, tv, ti)))
-    arena.zero_()
-    assert not torch.equal(got[1], tv) and bool(got[2].ne(0).any())  # copies, not views of the source
-    a, b = torch.randn(4), torch.arange(6).view(2, 3)
-    got = _to_host_all((a, b))
-    assert torch.equal(got[0], a) and torch.equal(got[1], b)
-
-
 def test_logprobs_params_validation():
     for bad in (-1, 21, 2.5, True):
         with pytest.raises(ValueError, match="logprobs"):

@@ -290,20 +290,6 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _to_host_all(ts: tuple) -> tuple:
-    """:func:`_to_host` of each tensor of ``ts``; tensors that are all views of one device buffer (the logprobs
-    kernels' outputs) go in one copy of that buffer."""
-    st = ts[0].untyped_storage()
-    if any(t.untyped_storage().data_ptr() != st.data_ptr() or t.device != ts[0].device for t in ts):
-        return tuple(_to_host(t) for t in ts)
-    whole = torch.empty(0, dtype=torch.uint8, device=ts[0].device).set_(st)
-    host = _to_host(whole)
-    return tuple(
-        torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-        for t in ts
-    )
-
-
 def _add_logit_bias(logits: torch.Tensor, biases: list) -> torch.Tensor:
     """``logits`` [B, V] with each row's ``SamplingParams.logit_bias`` added, as an fp32 copy (the step's logits
     stay as they are, for logprobs); ``logits`` itself where no row has one. No host synchronisation."""
@@ -1264,7 +1250,7 @@ class Engine:
         host = _to_host(toks)
         lps = self._logprob_rows(rows, lg, toks)
         if lps is not None:
-            lps = _to_host_all(lps)
+            lps = tuple(_to_host(t) for t in lps)
         ready_ev = torch.cuda.Event() if toks.is_cuda else _DoneEvent()
         ready_ev.record()
         self._pending = _Pending(rows, toks, host, ready_ev, lg if self.cfg.record_logits else None, lps)

@@ -324,12 +324,9 @@ def logprobs_triton(logits: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[to
         raise ValueError(f"logprobs: k must lie in [0, 32] and V below 2**31, got k={k}, V={V}")
     k = min(k, V)
     dev = logits.device
-    # the three outputs as views of one buffer (the ids first, 8-byte aligned), so that the engine takes them to
-    # the host in one copy
-    arena = torch.empty(N * (8 * k + 4 * k + 4), dtype=torch.uint8, device=dev)
-    ti = arena[: 8 * N * k].view(torch.long).view(N, k)
-    tv = arena[8 * N * k : 12 * N * k].view(torch.float32).view(N, k)
-    chosen = arena[12 * N * k :].view(torch.float32)
+    chosen = torch.empty(N, dtype=torch.float32, device=dev)
+    tv = torch.empty(N, k, dtype=torch.float32, device=dev)
+    ti = torch.empty(N, k, dtype=torch.long, device=dev)
     if N == 0:
         return chosen, tv, ti
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
