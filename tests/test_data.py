@@ -58,6 +58,14 @@ def test_default_corpus_deterministic_and_capped():
 # ---------------------------------------------------------------------------- BPE
 
 
+def _assert_batch_encode_matches(tok):
+    """encode_batch (what the server uses) gives encode's ids, with and without special-token text."""
+    texts = [UNSEEN_TEXT, "x<|eos|>y", "", "the thing  in\n\tthe <|eos|>", UNSEEN_TEXT[::-1]]
+    for special in (True, False):
+        assert tok.encode_batch(texts, special) == [tok.encode(t, special) for t in texts]
+    assert tok.encode_batch(["<|eos|>"], True) != tok.encode_batch(["<|eos|>"], False)
+
+
 def test_bpe_roundtrip_cache_and_vocab(small_corpus, bpe):
     tok, cache = bpe
     assert tok.vocab_size <= 1024
@@ -69,6 +77,7 @@ def test_bpe_roundtrip_cache_and_vocab(small_corpus, bpe):
     assert tok.decode(ids) == UNSEEN_TEXT
     assert len(ids) < len(UNSEEN_TEXT.encode("utf-8"))  # merges compress
     assert tok.encode("<|eos|>", allow_special=True) == [tok.eos_id]
+    _assert_batch_encode_matches(tok)
 
     entries = list(cache.iterdir())
     assert len(entries) == 1 and (entries[0] / "tokenizer.json").is_file()
@@ -143,6 +152,7 @@ def test_tiktoken_ranks_file(tmp_path):
     assert tok.decode(ids) == "the thing in the"
     assert tok.decode(tok.encode(UNSEEN_TEXT, allow_special=False)) == UNSEEN_TEXT
     assert tok.encode("x<|eos|>") == [ord("x"), n + 1]
+    _assert_batch_encode_matches(tok)
 
     # bos/eos/chat template from a tokenizer_config.json next to the file, as Kimi ships it
     config = {

@@ -1,5 +1,7 @@
 """Inference engine on CPU: paged hybrid cache, decode steps, continuous batching, prefix cache, preemption."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -355,7 +357,6 @@ def test_logit_bias(tiny, overlap):
     sampled row, in one batch with a row without a bias, which keeps the tokens it gets without any bias in the
     batch; the forced row's logprobs stay the model's (against a full forward); ids past the vocabulary are
     refused."""
-    import dataclasses
 
     eng = Engine(tiny, None, page_size=16, max_seqs=4, max_tokens=1024, overlap=overlap, prefix_cache=False)
     prompts = _prompts(43, [7, 12, 20])
@@ -476,6 +477,26 @@ def test_stop_token_and_limits(tiny):
         eng.submit([5, 10**6], GREEDY)
     with pytest.raises(ValueError, match="empty"):
         eng.submit([], GREEDY)
+    eng.make_request([tiny.config.vocab_size - 1], GREEDY)  # no tokenizer: the model's whole vocabulary
+
+
+def test_prompt_ids_past_the_tokenizer_are_refused(tiny):
+    """With a tokenizer smaller than the model's vocabulary (its rows padded), a prompt id in the padding is an
+    error, as the sampler never draws one; a tokenizer larger than the model's vocabulary is refused up front."""
+    from openk3.train.data import default_corpus
+    from openk3.train.tokenizer import Tokenizer
+
+    tok = Tokenizer.train_bpe(default_corpus(max_bytes=200_000), vocab_size=600)
+    V = tiny.config.vocab_size
+    assert tok.vocab_size < V
+    eng = Engine(tiny, tok, max_seqs=2, max_tokens=256)
+    eng.make_request([5, tok.vocab_size - 1], GREEDY)
+    for bad in (tok.vocab_size, V - 1):
+        with pytest.raises(ValueError, match=rf"prompt token ids must lie in \[0, {tok.vocab_size}\)"):
+            eng.make_request([5, bad], GREEDY)
+    small = K3ForCausalLM(dataclasses.replace(tiny.config, vocab_size=512)).eval()
+    with pytest.raises(ValueError, match="the tokenizer has .* tokens but the model only 512"):
+        Engine(small, tok, max_seqs=2, max_tokens=256)
 
 
 def test_cuda_graph_flag_is_a_noop_on_cpu(tiny):
@@ -1102,7 +1123,6 @@ def test_cli_engine_flag_defaults_match_engine_config():
     """Every on/off decode switch of `openk3 generate/chat/serve` defaults to EngineConfig's own default (a CLI
     default that drifted from it would run the commands with another configuration than the measured one)."""
     import argparse
-    import dataclasses
 
     from openk3.infer import cli
     from openk3.infer.engine import EngineConfig

@@ -7,6 +7,7 @@ a freshly initialised ``tiny`` model with a small byte-level tokenizer, so they 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -407,6 +408,9 @@ def cmd_serve(args) -> int:
         raise RuntimeError("serving needs fastapi and uvicorn: pip install 'openk3[serve]'") from None
     from openk3.infer.server import serve
 
+    max_request_bytes = int(args.max_request_mb * 2**20) if math.isfinite(args.max_request_mb) else 0
+    if max_request_bytes < 1:
+        raise SystemExit(f"--max-request-mb must be a positive number, got {args.max_request_mb}")
     engine, name, source = _load(args)
     _describe(engine, name, source)
     if engine.graphs_enabled:
@@ -421,7 +425,13 @@ def cmd_serve(args) -> int:
         f"[openk3] serving '{model_name}' at http://{args.host}:{args.port}/v1 (OpenAI API), /health, /metrics"
     )
     serve(
-        engine, model_name=model_name, host=args.host, port=args.port, api_key=key, log_level=args.log_level
+        engine,
+        model_name=model_name,
+        host=args.host,
+        port=args.port,
+        api_key=key,
+        log_level=args.log_level,
+        max_request_bytes=max_request_bytes,
     )
     return 0
 
@@ -479,6 +489,12 @@ def register(sub) -> None:
         "--model-name", help="model id clients must send (default: the checkpoint's directory name)"
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=16.0,  # server.MAX_REQUEST_BYTES (not imported here: fastapi is optional)
+        help="larger request bodies get a 413 error (MiB; default %(default)g)",
+    )
     _add_model_args(p)
     _add_engine_args(p)
     p.set_defaults(func=cmd_serve)

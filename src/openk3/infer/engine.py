@@ -464,6 +464,10 @@ class Engine:
         self.prefix = PrefixCache(self.pool, cfg.prefix_interval, snap_bytes) if cfg.prefix_cache else None
         self.eos_ids = self._eos_ids()
         self.tok_vocab = tokenizer.vocab_size if tokenizer is not None else self.mcfg.vocab_size
+        if self.tok_vocab > self.mcfg.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {self.tok_vocab} tokens but the model only {self.mcfg.vocab_size}"
+            )
         # scheduling state
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # admitted (prefilling or decoding), admission order
@@ -695,7 +699,7 @@ class Engine:
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
-        V = self.mcfg.vocab_size
+        V = self.tok_vocab  # the model's rows past the tokenizer's vocabulary are padding, never a token
         if min(ids) < 0 or max(ids) >= V:
             raise ValueError(f"prompt token ids must lie in [0, {V})")
         n, ctx = len(ids), self.max_model_len

@@ -39,6 +39,8 @@ from openk3.infer.sampling import MAX_LOGPROBS, SamplingParamError, SamplingPara
 __all__ = ["create_app", "serve", "ApiError"]
 
 MAX_N = 16
+MAX_REQUEST_BYTES = 16 * 2**20  # the default limit on a request body
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -201,6 +203,21 @@ class _Group:
         with contextlib.suppress(RuntimeError):  # loop already closed
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
 
+    async def submit_all(self, prompts: list, params: SamplingParams) -> None:
+        """Submit ``n`` choices of each prompt. Text prompts are tokenized once each, together, in a worker thread:
+        the tokenizers' batch encode runs without the GIL, so a long prompt does not hold up the event loop (the
+        other requests' streams) while it is encoded."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts:
+            tok = self.engine.tokenizer
+            if tok is None:
+                raise ApiError(400, "this server has no tokenizer: send token ids")
+            encoded = iter(await asyncio.to_thread(tok.encode_batch, texts, True))
+            prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
+        for p in prompts:
+            for j in range(self.n):
+                self.submit(p, _with_seed(params, j))
+
     def submit(self, prompt, params: SamplingParams) -> None:
         i = len(self.reqs)
         try:
@@ -256,10 +273,17 @@ class _AsgiMiddleware:
 
 
 def create_app(
-    engine: Engine, model_name: str = "openk3", *, api_key: str | None = None, start_engine: bool = True
+    engine: Engine,
+    model_name: str = "openk3",
+    *,
+    api_key: str | None = None,
+    start_engine: bool = True,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
 ):
     """The FastAPI application. ``start_engine``: start the engine's background loop with the app (and stop it at
-    shutdown)."""
+    shutdown). ``max_request_bytes``: a larger request body gets a 413 error before it is read to its end."""
+    if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     created = int(time.time())
     http_errors: dict[int, int] = {}
     tok = engine.tokenizer
@@ -321,8 +345,25 @@ def create_app(
 
     app.add_middleware(_AsgiMiddleware, func=_auth)
 
+    def too_large() -> ApiError:
+        return ApiError(
+            413,
+            f"the request body is larger than this server's limit of {max_request_bytes} bytes "
+            "(openk3 serve --max-request-mb)",
+            code="request_too_large",
+        )
+
     async def body_of(request: Request) -> dict:
-        raw = await request.body()
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_request_bytes:
+            raise too_large()
+        parts, size = [], 0
+        async for part in request.stream():  # also bounds a chunked body, which declares no length
+            size += len(part)
+            if size > max_request_bytes:
+                raise too_large()
+            parts.append(part)
+        raw = b"".join(parts)
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as e:  # also: nesting too deep, an integer of > 4300 digits
@@ -458,9 +499,7 @@ def create_app(
         if len(prompts) * n > MAX_N * 4:
             raise ApiError(400, f"too many choices ({len(prompts) * n}); at most {MAX_N * 4} per request")
         group = _Group(engine, n)
-        for p in prompts:
-            for j in range(n):
-                group.submit(p, _with_seed(params, j))
+        await group.submit_all(prompts, params)
         cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = params.logprobs is not None
 
@@ -545,6 +584,12 @@ def create_app(
         for k, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ApiError(400, f"messages[{k}] must be an object with a 'role'", param="messages")
+            if m["role"] not in CHAT_ROLES:  # a role is rendered into the prompt as it is
+                raise ApiError(
+                    400,
+                    f"messages[{k}].role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}",
+                    param="messages",
+                )
             c = m.get("content")
             if c is None:
                 c = ""
@@ -582,8 +627,7 @@ def create_app(
         if im_end is not None and im_end not in params.stop_token_ids:
             params.stop_token_ids.append(im_end)
         group = _Group(engine, n)
-        for j in range(n):
-            group.submit(prompt, _with_seed(params, j))
+        await group.submit_all([prompt], params)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(choices, usage_=None, obj="chat.completion.chunk"):
@@ -660,11 +704,12 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     log_level: str = "info",
+    max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> None:
     """Run the server in the foreground until interrupted."""
     import uvicorn
 
-    app = create_app(engine, model_name, api_key=api_key)
+    app = create_app(engine, model_name, api_key=api_key, max_request_bytes=max_request_bytes)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
 
 
