@@ -1,6 +1,7 @@
 """Sampling transforms and stop-string helpers (pure functions)."""
 
 import os
+import random
 
 import pytest
 import torch
@@ -221,6 +222,15 @@ def test_stop_helpers():
     assert stop_holdback("abc", ["c!", "bc?"]) == 2
     assert stop_holdback("abc", ["zz"]) == 0
     assert stop_holdback("", ["zz"]) == 0
+    rng = random.Random(0)
+    for _ in range(3000):  # against the definition, on small alphabets (many partial matches)
+        text = "".join(rng.choice("ab\u00e9") for _ in range(rng.randrange(0, 12)))
+        stops = ["".join(rng.choice("ab\u00e9") for _ in range(rng.randrange(1, 9))) for _ in range(3)]
+        want = max(
+            [k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])],
+            default=0,
+        )
+        assert stop_holdback(text, stops) == want, (text, stops)
 
 
 @pytest.mark.parametrize(

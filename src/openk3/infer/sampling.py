@@ -487,10 +487,15 @@ def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:
 def stop_holdback(text: str, stops: Sequence[str]) -> int:
     """Number of trailing characters of ``text`` that could be the start of a stop string (so a stream must not
     emit them yet)."""
-    hold = 0
+    hold, n = 0, len(text)
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
+        # a candidate start is an occurrence of the stop's first character in the text's tail, the earliest first
+        # (the longest hold): per token this runs on the engine's thread, so a long stop string must cost a scan,
+        # not a copy of each of its prefixes
+        p = text.find(s[0], n - min(len(s) - 1, n)) if s else -1
+        while p != -1 and n - p > hold:
+            if s.startswith(text[p:]):
+                hold = n - p
                 break
+            p = text.find(s[0], p + 1)
     return hold
