@@ -426,13 +426,24 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2)
     assert "context length" in ei.value.message
+    assert ei.value.param == "prompt" and ei.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as ei:
         client.completions.create(model=MODEL, prompt=long_prompt[: CTX - 2], max_tokens=10)
     assert "maximum context length" in ei.value.message
-    with pytest.raises(openai.BadRequestError):
+    assert ei.value.param == "prompt" and ei.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as ei:
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x " * 3 * CTX}], stream=True
         )
+    assert ei.value.param == "messages" and ei.value.code == "context_length_exceeded"
+    for prompt in (
+        [],
+        [[5, 10**6]],
+        [[5, 6], [-1]],
+    ):  # (an empty list is no prompt; ids out of the vocabulary)
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert ei.value.param == "prompt" and ei.value.code is None, prompt
     _healthy(server)
 
     # still serving normally

@@ -64,7 +64,9 @@ from openk3.ops import backend as _backend
 from openk3.ops.attnres import make_reader
 
 __all__ = [
+    "ContextLengthError",
     "EngineConfig",
+    "PromptError",
     "Engine",
     "Request",
     "RequestOutput",
@@ -77,6 +79,14 @@ __all__ = [
 log = logging.getLogger("openk3.infer")
 
 DEFAULT_RUN_DIR = os.path.join("runs", "default", "final")
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot take (empty, token ids out of range, too long)."""
+
+
+class ContextLengthError(PromptError):
+    """A request that does not fit the context: its prompt alone, or its prompt with ``max_tokens``."""
 
 
 @dataclass
@@ -698,13 +708,13 @@ class Engine:
         params = (params or SamplingParams()).validate()
         ids = self.encode(prompt)
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise PromptError("the prompt is empty")
         V = self.tok_vocab  # the model's rows past the tokenizer's vocabulary are padding, never a token
         if min(ids) < 0 or max(ids) >= V:
-            raise ValueError(f"prompt token ids must lie in [0, {V})")
+            raise PromptError(f"prompt token ids must lie in [0, {V})")
         n, ctx = len(ids), self.max_model_len
         if n >= ctx:
-            raise ValueError(
+            raise ContextLengthError(
                 f"the prompt has {n} tokens but the context length is {ctx}; shorten the prompt (at least one token "
                 "must be left for the answer)"
             )
@@ -713,7 +723,7 @@ class Engine:
         else:
             max_new = params.max_tokens
             if n + max_new > ctx:
-                raise ValueError(
+                raise ContextLengthError(
                     f"this model's maximum context length is {ctx} tokens; you requested {n + max_new} tokens "
                     f"({n} in the prompt, {max_new} for the completion); lower max_tokens or shorten the prompt "
                     f"(the limit comes from {self._ctx_source})"

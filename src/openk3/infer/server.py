@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from openk3.infer.engine import Engine, RequestOutput
+from openk3.infer.engine import ContextLengthError, Engine, PromptError, RequestOutput
 from openk3.infer.sampling import MAX_LOGPROBS, SamplingParamError, SamplingParams
 
 __all__ = ["create_app", "serve", "ApiError"]
@@ -192,8 +192,9 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 class _Group:
     """Several engine requests of one HTTP request, delivering (index, output) events into an asyncio queue."""
 
-    def __init__(self, engine: Engine, n: int = 1):
+    def __init__(self, engine: Engine, n: int = 1, prompt_param: str = "prompt"):
         self.engine, self.n = engine, n  # n: choices per prompt (submitted one after the other)
+        self.prompt_param = prompt_param  # the field an error about the prompt names
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.reqs = []
@@ -222,6 +223,10 @@ class _Group:
         i = len(self.reqs)
         try:
             req = self.engine.submit(prompt, params, on_output=lambda out, i=i: self._put(i, out))
+        except PromptError as e:  # (a prompt too long: coded as OpenAI codes it)
+            self.abort()
+            code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
+            raise ApiError(400, str(e), param=self.prompt_param, code=code) from None
         except ValueError as e:
             self.abort()
             raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
@@ -626,7 +631,7 @@ def create_app(
         stream, include_usage = _stream_flags(body)
         if im_end is not None and im_end not in params.stop_token_ids:
             params.stop_token_ids.append(im_end)
-        group = _Group(engine, n)
+        group = _Group(engine, n, prompt_param="messages")
         await group.submit_all([prompt], params)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
