@@ -1,0 +1,80 @@
+"""Peer oracle for the token draw: transformers' logits processors (repetition penalty, temperature, top-k, top-p in
+the order ``generate`` applies them) give the distribution; the same counter-based Gumbel noise draws from it. The
+engine's ``sample`` must pick the same token on every row, greedy rows included."""
+
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers.generation.logits_process import (  # noqa: E402
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from openk3.infer.sampling import gumbel_argmax_reference, sample, sample_keys  # noqa: E402
+
+
+def _hf_scores(logits, input_ids, temperature, top_k, top_p, penalty):
+    """One row's processed scores as transformers computes them (greedy: the penalty alone, then argmax)."""
+    procs = LogitsProcessorList()
+    if penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(penalty))
+    if temperature > 0:
+        if temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(temperature))
+        if top_k > 0:
+            procs.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            procs.append(TopPLogitsWarper(top_p))
+    return procs(input_ids[None], logits[None].clone())[0]
+
+
+@pytest.mark.parametrize("V", [97, 1000])
+def test_sample_matches_transformers_processors(V):
+    rng = random.Random(V)
+    torch.manual_seed(V)
+    B, L, rows = 16, 24, 0
+    for trial in range(12):
+        logits = torch.randn(B, V) * rng.choice([0.5, 2.0, 4.0])
+        input_ids = torch.randint(0, V, (B, L))
+        seen = torch.zeros(B, V, dtype=torch.bool).scatter_(1, input_ids, True)
+        temps = [rng.choice([0.0, 0.3, 0.7, 1.0, 1.5]) for _ in range(B)]
+        ks = [rng.choice([0, 1, 5, 50, V]) for _ in range(B)]
+        ps = [rng.choice([1.0, 0.95, 0.5, 0.1]) for _ in range(B)]
+        pens = [rng.choice([1.0, 1.3, 0.8]) for _ in range(B)]
+        keys = sample_keys([rng.getrandbits(63) for _ in range(B)], [rng.randrange(1000) for _ in range(B)])
+        got = sample(
+            logits, temperature=temps, top_k=ks, top_p=ps, repetition_penalty=pens, seen=seen, keys=keys,
+            fast=False,
+        )  # fmt: skip
+        for b in range(B):
+            s = _hf_scores(logits[b], input_ids[b], temps[b], ks[b], ps[b], pens[b])
+            if temps[b] == 0:
+                want = int(s.argmax())
+            else:
+                want = int(gumbel_argmax_reference(s[None], torch.tensor([keys[b]]))[0])
+            assert int(got[b]) == want, (trial, b, temps[b], ks[b], ps[b], pens[b])
+            rows += 1
+    assert rows == 12 * B
+
+
+def test_filters_keep_what_transformers_keeps():
+    """The kept sets of top-k and top-p (no ties in fp32 random logits) equal transformers' at many settings."""
+    from openk3.infer.sampling import apply_temperature, top_k_filter, top_p_filter
+
+    torch.manual_seed(3)
+    x = torch.randn(64, 500) * 3
+    for t in (0.5, 1.0, 2.0):
+        for k in (1, 3, 40, 499):
+            for p in (0.05, 0.3, 0.9, 0.999):
+                ours = top_p_filter(top_k_filter(apply_temperature(x, t), k), p)
+                hf = LogitsProcessorList(
+                    [TemperatureLogitsWarper(t), TopKLogitsWarper(k), TopPLogitsWarper(p)]
+                )(torch.zeros(64, 1, dtype=torch.long), x.clone())
+                assert torch.equal(torch.isfinite(ours), torch.isfinite(hf)), (t, k, p)
+                assert torch.equal(ours[torch.isfinite(ours)], hf[torch.isfinite(hf)]), (t, k, p)
