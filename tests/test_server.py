@@ -540,7 +540,7 @@ def test_request_body_limit(server, engine):
         msgs = [{"role": "user", "content": "y" * limit}]
         _err(tc.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs}), 413)
         assert tc.post("/v1/completions", json=body).status_code == 200  # still serving
-    for bad in (0, -1, 2.5, None):
+    for bad in (0, -1, 2.5, None, True):
         with pytest.raises(ValueError, match="max_request_bytes"):
             create_app(engine, MODEL, start_engine=False, max_request_bytes=bad)
 

@@ -287,7 +287,7 @@ def create_app(
 ):
     """The FastAPI application. ``start_engine``: start the engine's background loop with the app (and stop it at
     shutdown). ``max_request_bytes``: a larger request body gets a 413 error before it is read to its end."""
-    if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+    if not isinstance(max_request_bytes, int) or isinstance(max_request_bytes, bool) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     created = int(time.time())
     http_errors: dict[int, int] = {}
