@@ -1166,3 +1166,53 @@ def test_swap_ids_in_place_and_reordered():
     ids = torch.tensor([5, 6])
     _swap_ids(ids, None)
     assert ids.tolist() == [5, 6]
+
+
+def test_latency_histogram_buckets():
+    """Prometheus' bucket rule (v counts in every bucket with le >= v, a value on a bound in that bound's bucket),
+    cumulative counts, sum and count; bad bounds are refused."""
+    from openk3.infer.engine import LatencyHistogram
+
+    h = LatencyHistogram([0.1, 1.0, 10.0])
+    values = [0.05, 0.1, 0.10001, 1.0, 3.0, 11.0, 0.0]
+    for v in values:
+        h.observe(v)
+    bounds, cumulative, total, count = h.snapshot()
+    assert bounds == (0.1, 1.0, 10.0)
+    assert cumulative == [sum(v <= b for v in values) for b in bounds] == [3, 5, 6]
+    assert count == len(values) and total == pytest.approx(sum(values))
+    for bad in ([], [1.0, 0.5], [0.0, 1.0], [1.0, 1.0], [float("nan")]):
+        with pytest.raises(ValueError, match="buckets"):
+            LatencyHistogram(bad)
+
+
+def test_engine_latency_histograms(tiny):
+    """Each request is observed once in each latency histogram that applies, with durations that fit its own
+    timestamps: queue time <= time to first token <= end-to-end; time per output token over the tokens after the
+    first; an aborted request counts in end-to-end only."""
+    eng = Engine(tiny, None, max_seqs=2, max_tokens=512)
+    prompts = _prompts(31, [5, 9, 3])
+    reqs = eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    lone = eng.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0))[0]
+    snap = {k: h.snapshot() for k, h in eng.latency.items()}
+    assert snap["request_queue_time_seconds"][3] == 4
+    assert snap["time_to_first_token_seconds"][3] == 4
+    assert snap["e2e_request_latency_seconds"][3] == 4
+    assert snap["time_per_output_token_seconds"][3] == 3  # the one-token request has no gap
+    for r in reqs + [lone]:
+        assert r.arrival <= r.admit_time <= r.first_token_time
+    q, t, e = (
+        snap[k][2]
+        for k in ("request_queue_time_seconds", "time_to_first_token_seconds", "e2e_request_latency_seconds")
+    )
+    assert 0 <= q <= t <= e
+    ttft = sum(r.first_token_time - r.arrival for r in reqs + [lone])
+    assert t == pytest.approx(ttft, abs=1e-9)
+
+    r = eng.submit(prompts[1], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    eng.step()
+    eng.abort(r.id)
+    while not r.finished:
+        eng.step()
+    after = {k: h.snapshot()[3] for k, h in eng.latency.items()}
+    assert after["e2e_request_latency_seconds"] == 5 and after["time_per_output_token_seconds"] == 3

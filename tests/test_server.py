@@ -597,3 +597,42 @@ def test_tokenizing_leaves_the_event_loop_free(server, engine, monkeypatch):
     for p in body["prompt"]:
         want += [tok.decode(_reference_greedy(engine, tok.encode(p), 3)[0])] * 2
     assert texts == want
+
+
+def test_metrics_parse_as_prometheus_text(server, engine):
+    """/metrics parses with the Prometheus client's own parser: counters as counters, the latency histograms with
+    cumulative buckets ending in +Inf == count, and each finished request counted once in them."""
+    parser = pytest.importorskip("prometheus_client.parser")
+
+    def families():
+        text = httpx.get(server + "/metrics", timeout=10).text
+        return {f.name: f for f in parser.text_string_to_metric_families(text)}
+
+    def hist(fams, name):
+        f = fams[f"openk3_{name}"]
+        assert f.type == "histogram"
+        buckets = [(float(s.labels["le"]), s.value) for s in f.samples if s.name.endswith("_bucket")]
+        count = next(s.value for s in f.samples if s.name.endswith("_count"))
+        total = next(s.value for s in f.samples if s.name.endswith("_sum"))
+        bounds, values = zip(*buckets)
+        assert list(bounds) == sorted(bounds) and bounds[-1] == float("inf") and values[-1] == count
+        assert all(a <= b for a, b in zip(values, values[1:]))
+        return count, total
+
+    _wait_idle(engine)
+    names = ("request_queue_time_seconds", "time_to_first_token_seconds", "e2e_request_latency_seconds")
+    before = families()
+    counts0 = {n: hist(before, n)[0] for n in names + ("time_per_output_token_seconds",)}
+    for k in ("requests", "generation_tokens", "prefix_cache_hits", "http_errors"):
+        assert k not in before or before[f"openk3_{k}"].type == "counter", k
+    assert (
+        before["openk3_requests"].type == "counter" and before["openk3_prefix_cache_hits"].type == "counter"
+    )
+    assert before["openk3_pages_free"].type == "gauge"
+    body = {"model": MODEL, "prompt": ["def f(x):", "import os"], "max_tokens": 4, "ignore_eos": True}
+    assert httpx.post(server + "/v1/completions", json=body, timeout=60).status_code == 200
+    _wait_idle(engine)
+    after = families()
+    for n in names + ("time_per_output_token_seconds",):
+        assert hist(after, n)[0] == counts0[n] + 2, n
+    assert hist(after, "time_to_first_token_seconds")[1] <= hist(after, "e2e_request_latency_seconds")[1]

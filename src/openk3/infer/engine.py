@@ -21,6 +21,7 @@ thread; :class:`~openk3.infer.server` streams from it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import itertools
@@ -65,6 +66,7 @@ from openk3.ops.attnres import make_reader
 
 __all__ = [
     "ContextLengthError",
+    "LatencyHistogram",
     "EngineConfig",
     "PromptError",
     "Engine",
@@ -87,6 +89,42 @@ class PromptError(ValueError):
 
 class ContextLengthError(PromptError):
     """A request that does not fit the context: its prompt alone, or its prompt with ``max_tokens``."""
+
+
+class LatencyHistogram:
+    """Durations in seconds counted into fixed buckets (Prometheus' histogram: a value v falls in every bucket whose
+    upper bound ``le`` >= v), with their sum and count. Observed on the engine's thread, read from any thread."""
+
+    def __init__(self, buckets: Sequence[float]):
+        b = [float(x) for x in buckets]
+        if not b or any(x <= 0 or x != x for x in b) or b != sorted(set(b)):
+            raise ValueError(f"histogram buckets must be positive, distinct and increasing, got {buckets}")
+        self.buckets = tuple(b)
+        self._counts = [0] * (len(b) + 1)  # per bucket (not cumulative); the last: above every bound
+        self._sum, self._count = 0.0, 0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.buckets, seconds)] += 1
+            self._sum += seconds
+            self._count += 1
+
+    def snapshot(self) -> tuple[tuple[float, ...], list[int], float, int]:
+        """(bucket bounds, cumulative counts per bound, sum, count): one consistent reading."""
+        with self._lock:
+            return self.buckets, list(itertools.accumulate(self._counts[:-1])), self._sum, self._count
+
+
+# bucket bounds of the request-latency histograms (seconds): a millisecond to ten minutes
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
+    2.5, 5.0,
+)  # fmt: skip
 
 
 @dataclass
@@ -384,6 +422,7 @@ class Request:
         self.prefix_hit = 0
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
+        self.admit_time: float | None = None  # first admission (a preempted request keeps it)
         self.done_event = threading.Event()
         self._keys: list[tuple[int, bytes]] | None = None
 
@@ -506,6 +545,19 @@ class Engine:
             ),
             0,
         )
+        # request latencies (Prometheus histograms on /metrics): arrival = when the request was made (submit)
+        self.latency = {
+            "request_queue_time_seconds": LatencyHistogram(_LATENCY_BUCKETS),  # arrival -> first admission
+            "time_to_first_token_seconds": LatencyHistogram(
+                _LATENCY_BUCKETS
+            ),  # arrival -> first output token
+            "time_per_output_token_seconds": LatencyHistogram(
+                _TOKEN_BUCKETS
+            ),  # mean gap after the first token
+            "e2e_request_latency_seconds": LatencyHistogram(
+                _LATENCY_BUCKETS
+            ),  # arrival -> finished (any reason)
+        }
         # layer walk helpers
         inner = model.model
         self._seal_sites = {
@@ -878,6 +930,9 @@ class Engine:
                 self.prefix.record(hit)
             req.slot = self.pool.alloc_slot()
             req.admit_order = next(self._admit_counter)
+            if req.admit_time is None:
+                req.admit_time = time.monotonic()
+                self.latency["request_queue_time_seconds"].observe(req.admit_time - req.arrival)
             req.pages = []
             self.active.append(req)
             if snap is not None:
@@ -961,6 +1016,11 @@ class Engine:
             self.waiting.remove(req)
         req.finished, req.finish_reason, req.error = True, reason, error
         self.metrics[f"requests_finished_{reason}"] += 1
+        now = time.monotonic()
+        self.latency["e2e_request_latency_seconds"].observe(now - req.arrival)
+        if reason in ("stop", "length") and req.first_token_time is not None and len(req.output_ids) > 1:
+            gap = (now - req.first_token_time) / (len(req.output_ids) - 1)
+            self.latency["time_per_output_token_seconds"].observe(gap)
         tail = ""
         if reason in ("stop", "length") and req.detok is not None and not req.stop_hit:
             tail = self._extend_text(req, req.detok.flush(), final=True)
@@ -1272,6 +1332,7 @@ class Engine:
     def _append_token(self, req: Request, t: int, lp=None) -> None:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
+            self.latency["time_to_first_token_seconds"].observe(req.first_token_time - req.arrival)
         if lp is not None:
             req.logprobs.append(lp)
         lps = [lp] if lp is not None else None
@@ -1790,6 +1851,10 @@ class Engine:
         self._graphs[bucket] = (g, (meta, lengths, table), out, (buf, torch.empty_like(buf, device="cpu")))
 
     # ------------------------------------------------------------------------------------------------ stats
+    def counter_names(self) -> set[str]:
+        """The keys of :meth:`stats` that only ever grow (Prometheus counters); the rest are gauges."""
+        return set(self.metrics) | {"prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_tokens"}
+
     def stats(self) -> dict:
         m = dict(self.metrics)
         active = list(self.active)

@@ -455,7 +455,7 @@ def create_app(
     @app.get("/metrics")
     async def metrics():
         s = engine.stats()
-        counters = set(engine.metrics)
+        counters = engine.counter_names()
         lines = ["# TYPE openk3_requests_finished_total counter"]
         for k, v in s.items():
             if k.startswith("requests_finished_"):
@@ -473,6 +473,12 @@ def create_app(
         lines.append("# TYPE openk3_http_errors_total counter")
         for code, v in sorted(http_errors.items()):
             lines.append(f'openk3_http_errors_total{{code="{code}"}} {v}')
+        for name, h in engine.latency.items():
+            bounds, cumulative, total, count = h.snapshot()
+            lines.append(f"# TYPE openk3_{name} histogram")
+            lines += [f'openk3_{name}_bucket{{le="{b!r}"}} {c}' for b, c in zip(bounds, cumulative)]
+            lines.append(f'openk3_{name}_bucket{{le="+Inf"}} {count}')
+            lines += [f"openk3_{name}_sum {total!r}", f"openk3_{name}_count {count}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     # -------------------------------------------------------------------------------------------- completions
