@@ -636,3 +636,89 @@ def test_metrics_parse_as_prometheus_text(server, engine):
     for n in names + ("time_per_output_token_seconds",):
         assert hist(after, n)[0] == counts0[n] + 2, n
     assert hist(after, "time_to_first_token_seconds")[1] <= hist(after, "e2e_request_latency_seconds")[1]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openk3_serve_process(tmp_path):
+    """`openk3 serve` as a process: the engine's loop in the main thread, HTTP in another; it answers, /health is
+    ok, SIGTERM stops it cleanly (exit 0), and a port already taken is a clear error (exit != 0)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "openk3", "serve", "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "openk3 serve did not come up"
+            time.sleep(0.3)
+        name = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        r = httpx.post(
+            url + "/v1/completions", json={"model": name, "prompt": "def f", "max_tokens": 5, "ignore_eos": True},
+            timeout=120,
+        )  # fmt: skip
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert "openk3_time_to_first_token_seconds_count 1" in metrics
+
+        taken = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        assert taken.returncode != 0 and "could not start" in taken.stderr, taken.stderr[-2000:]
+
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_engine_run_loop_in_the_calling_thread():
+    """Engine.run_loop: the loop in whichever thread calls it, is_running() while it runs, requests served,
+    stopped by until() or by shutdown() from another thread; a second loop is refused."""
+    from openk3.config import get_preset
+    from openk3.infer.engine import Engine as _Engine
+    from openk3.infer.sampling import SamplingParams
+
+    torch.manual_seed(0)
+    eng = _Engine(K3ForCausalLM(get_preset("tiny")).eval(), None, max_seqs=2, max_tokens=256)
+    done = threading.Event()
+    th = threading.Thread(target=eng.run_loop, kwargs={"until": done.is_set})
+    th.start()
+    deadline = time.monotonic() + 10
+    while not eng.is_running():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="already running"):
+        eng.start()
+    with pytest.raises(RuntimeError, match="already running"):
+        eng.run_loop()
+    (r,) = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert r.finish_reason == "length" and len(r.output_ids) == 4
+    done.set()
+    th.join(10)
+    assert not th.is_alive() and not eng.is_running()
+
+    th = threading.Thread(target=eng.run_loop)
+    th.start()
+    while not eng.is_running():
+        time.sleep(0.01)
+    req = eng.submit([5, 6], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    eng.shutdown(timeout=10)
+    th.join(10)
+    assert not th.is_alive() and not eng.is_running() and req.finished

@@ -525,6 +525,8 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._looping = threading.Event()  # set while a loop runs, in start()'s thread or in run_loop()
+        self._loop_done = threading.Event()
         self._stop = False
         self._lock = threading.Lock()
         self.metrics = dict.fromkeys(
@@ -821,7 +823,7 @@ class Engine:
         ``.finish_reason``). Drives :meth:`step` itself unless the background loop is running."""
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         reqs = [self.submit(p, sp, on_output=on_output) for p, sp in zip(prompts, plist)]
-        if self._thread is not None:
+        if self.is_running():
             for r in reqs:
                 r.done_event.wait()
         else:
@@ -829,10 +831,28 @@ class Engine:
                 self.step()
         return reqs
 
+    def is_running(self) -> bool:
+        """Whether the scheduling loop runs (:meth:`start`'s thread or :meth:`run_loop`)."""
+        return self._looping.is_set()
+
+    def run_loop(self, until: Callable[[], bool] | None = None) -> None:
+        """Run the scheduling loop in the calling thread until :meth:`shutdown` (from another thread) or until
+        ``until()`` returns true (checked between steps, at least every 50 ms).
+
+        On CPU, run it in the thread that built the model, as ``openk3 serve`` does: a second thread doing torch work
+        starts a second OpenMP thread team, and with more pool threads than cores libgomp stops spinning between
+        parallel regions (the `tiny` model's decode in another thread: 3.5x slower on 2 cores, bench/NOTES.md v25)."""
+        if self._thread is not None or self._looping.is_set():
+            raise RuntimeError("the engine's loop is already running")
+        self._stop = False
+        self._loop(torch.get_num_threads(), until)
+
     def start(self) -> None:
-        """Run the scheduling loop in a daemon thread."""
+        """Run the scheduling loop in a daemon thread (see :meth:`run_loop` for the CPU caveat)."""
         if self._thread is not None:
             return
+        if self._looping.is_set():
+            raise RuntimeError("the engine's loop is already running (run_loop)")
         self._stop = False
         n_threads = torch.get_num_threads()  # new threads do not inherit torch's intra-op setting everywhere
         self._thread = threading.Thread(
@@ -840,7 +860,13 @@ class Engine:
         )
         self._thread.start()
 
+    def request_stop(self) -> None:
+        """Ask the loop to stop after its current step (safe from a signal handler); :meth:`shutdown` also waits."""
+        self._stop = True
+        self._wake.set()
+
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop (waiting up to ``timeout`` s for it) and abort whatever is still queued or running."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
@@ -848,25 +874,34 @@ class Engine:
             if self._thread.is_alive():
                 return
             self._thread = None
+        elif self._looping.is_set():  # run_loop in another thread
+            if not self._loop_done.wait(timeout):
+                return
         with torch.no_grad():  # nobody will step these any more: finish them so that waiters return
             self._drain_inbox()
             for r in list(self.active) + list(self.waiting):
                 self._finish(r, "abort")
             self._pending = None  # (its rows are finished: their tokens would be dropped anyway)
 
-    def _loop(self, n_threads: int) -> None:
+    def _loop(self, n_threads: int, until: Callable[[], bool] | None = None) -> None:
         if self.device.type == "cpu":
             torch.set_num_threads(n_threads)
-        while not self._stop:
-            self._wake.clear()
-            if not self.has_work():
-                self._wake.wait(0.05)
-                continue
-            try:
-                self.step()
-            except Exception:  # step() handles its own errors; this is the last line of defence
-                log.exception("engine loop error")
-                time.sleep(0.01)
+        self._loop_done.clear()
+        self._looping.set()
+        try:
+            while not self._stop and not (until is not None and until()):
+                self._wake.clear()
+                if not self.has_work():
+                    self._wake.wait(0.05)
+                    continue
+                try:
+                    self.step()
+                except Exception:  # step() handles its own errors; this is the last line of defence
+                    log.exception("engine loop error")
+                    time.sleep(0.01)
+        finally:
+            self._looping.clear()
+            self._loop_done.set()
 
     # ------------------------------------------------------------------------------------------------ scheduling
     def step(self) -> None:

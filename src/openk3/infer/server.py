@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -284,9 +285,13 @@ def create_app(
     api_key: str | None = None,
     start_engine: bool = True,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    loop_required: bool | None = None,
 ):
     """The FastAPI application. ``start_engine``: start the engine's background loop with the app (and stop it at
-    shutdown). ``max_request_bytes``: a larger request body gets a 413 error before it is read to its end."""
+    shutdown). ``max_request_bytes``: a larger request body gets a 413 error before it is read to its end.
+    ``loop_required`` (default: ``start_engine``): /health answers 503 while the engine's loop is not running."""
+    if loop_required is None:
+        loop_required = start_engine
     if not isinstance(max_request_bytes, int) or isinstance(max_request_bytes, bool) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     created = int(time.time())
@@ -432,8 +437,7 @@ def create_app(
     # -------------------------------------------------------------------------------------------- plain routes
     @app.get("/health")
     async def health():
-        alive = engine._thread is not None and engine._thread.is_alive()
-        if start_engine and not alive:
+        if loop_required and not engine.is_running():
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
 
@@ -717,11 +721,38 @@ def serve(
     log_level: str = "info",
     max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> None:
-    """Run the server in the foreground until interrupted."""
+    """Run the server until interrupted (Ctrl+C, SIGTERM). The HTTP side (uvicorn) runs in a thread and the
+    engine's loop in the calling thread: on CPU that is the thread that built the model, whose torch thread pool
+    is then the only one (see :meth:`Engine.run_loop`)."""
+    import signal
+
     import uvicorn
 
-    app = create_app(engine, model_name, api_key=api_key, max_request_bytes=max_request_bytes)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    app = create_app(
+        engine,
+        model_name,
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
+        start_engine=False,  # (the loop runs below, in this thread)
+        loop_required=True,
+    )
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False))
+    http = threading.Thread(target=server.run, name="openk3-http", daemon=True)
+    on_main = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, lambda *_: engine.request_stop()) if on_main else None
+    http.start()
+    try:
+        engine.run_loop(until=lambda: not http.is_alive())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, old_term)
+        server.should_exit = True
+        http.join(30)
+        engine.shutdown()
+    if not server.started:
+        raise RuntimeError(f"the HTTP server could not start on {host}:{port} (see the log above)")
 
 
 @dataclass
