@@ -38,7 +38,9 @@
 # moe_small.SELECT_TOPK (select_max) -> e2e_v23_*.json; v24: the few-token MoE and engine GPU tests with the tl.topk
 # selection on, the 48B batch-1 A/B of the gate/up tiles (up_16x128, up_8x256) -> e2e_v24_tiles.json, the
 # fused selection up to 4 tokens at batch 2 and 4 (fuse_select_4) -> e2e_v24_fuse4.json, and
-# both presets at batch 1 / 16 / 64 -> e2e_v24.json.
+# both presets at batch 1 / 16 / 64 -> e2e_v24.json; serve: bench/bench_serve.py (the default model behind `openk3
+# serve`, 64 streamed requests of 512 prompt tokens and 128 new tokens, all at once and at 16 per second; T_SERVE=240)
+# -> serve_burst.json, serve_rate16.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -206,6 +208,12 @@ if has v24; then
     | grep "^| [mk]\|WARN\|disabled"
   timeout "$T_E2E" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1,16,64 --wall-timing \
     --out "$OUT_DIR/e2e_v24.json" 2>&1 | grep "^| \|WARN\|disabled"
+fi
+if has serve; then
+  timeout "${T_SERVE:-240}" python3 bench/bench_serve.py --requests 64 --prompt-len 512 --max-tokens 128 \
+    --out "$OUT_DIR/serve_burst.json" 2>&1 | grep "^| \|throughput\|Error"
+  timeout "${T_SERVE:-240}" python3 bench/bench_serve.py --requests 64 --prompt-len 512 --max-tokens 128 --rate 16 \
+    --out "$OUT_DIR/serve_rate16.json" 2>&1 | grep "^| \|throughput\|Error"
 fi
 if has attnres_ab; then
   BENCH_MODEL_KERNEL_AB=5 timeout "$T_TRAIN" python3 bench/run_all.py --sections ceil,model --out "$OUT_DIR" \
