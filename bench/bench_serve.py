@@ -255,10 +255,14 @@ def main(argv=None) -> int:
         print(
             f"| {label} | {qs[0]:.1f} | {qs[1]:.1f} | {qs[2]:.1f} | {mean:.1f} | {1e3 * server.get(key, math.nan):.1f} |"
         )
+    ratio = (
+        f"the server reaches {100 * (tokens / wall) / (offline_tokens / offline_s):.0f} % of it"
+        if math.isinf(args.rate)
+        else "(the server's rate is bounded by the arrivals here: compare with --rate inf)"
+    )
     print(
         f"\nthroughput: server {tokens / wall:.1f} output tok/s ({args.requests / wall:.2f} req/s, {wall:.2f} s); "
-        f"engine alone {offline_tokens / offline_s:.1f} tok/s ({offline_s:.2f} s) -> the server reaches "
-        f"{100 * (tokens / wall) / (offline_tokens / offline_s):.0f} % of it"
+        f"engine alone, all at once: {offline_tokens / offline_s:.1f} tok/s ({offline_s:.2f} s); {ratio}"
     )
     out = args.out or os.path.join(os.environ.get("OUT") or os.path.join(ROOT, "bench", "out"), "serve.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
