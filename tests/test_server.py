@@ -679,9 +679,29 @@ def test_openk3_serve_process(tmp_path):
         taken = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
         assert taken.returncode != 0 and "could not start" in taken.stderr, taken.stderr[-2000:]
 
+        # SIGTERM while a stream runs: the stream ends (aborted) and the process exits promptly
+        body = {"model": name, "prompt": "x", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        got: list[str] = []
+
+        def stream():
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    got.append(line)
+
+        th = threading.Thread(target=stream)
+        th.start()
+        deadline = time.monotonic() + 60
+        while not any(x.startswith("data: {") for x in got):
+            assert time.monotonic() < deadline and th.is_alive(), got
+            time.sleep(0.05)
+        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err[-3000:]
+        assert time.monotonic() - t0 < 15, "the server took too long to stop"
+        th.join(30)
+        assert not th.is_alive()
+        assert any('"finish_reason":"abort"' in x for x in got), got[-3:]
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

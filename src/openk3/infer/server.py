@@ -748,9 +748,9 @@ def serve(
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, old_term)
+        engine.shutdown()  # first: running requests end (aborted), so their streams close and uvicorn can stop
         server.should_exit = True
         http.join(30)
-        engine.shutdown()
     if not server.started:
         raise RuntimeError(f"the HTTP server could not start on {host}:{port} (see the log above)")
 
