@@ -101,7 +101,7 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int,
     }
     t0 = time.perf_counter()
     first = last = None
-    tokens = 0
+    tokens = chunks = 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
@@ -113,6 +113,7 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int,
             if d.get("choices") and d["choices"][0].get("text"):
                 first = first if first is not None else now
                 last = now
+                chunks += 1
             if d.get("usage"):
                 tokens = d["usage"]["completion_tokens"]
     end = time.perf_counter()
@@ -121,6 +122,7 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int,
         "tpot": (last - first) / (tokens - 1) if first is not None and tokens > 1 else math.nan,
         "e2e": end - t0,
         "tokens": tokens,
+        "chunks": chunks,  # data events with text (a chunk carries several tokens when the server fell behind)
     }
 
 
@@ -260,8 +262,10 @@ def main(argv=None) -> int:
         if math.isinf(args.rate)
         else "(the server's rate is bounded by the arrivals here: compare with --rate inf)"
     )
+    chunks = sum(r["chunks"] for r in res)
+    print(f"\ntokens per streamed chunk: {tokens / max(chunks, 1):.2f} ({chunks} chunks with text)")
     print(
-        f"\nthroughput: server {tokens / wall:.1f} output tok/s ({args.requests / wall:.2f} req/s, {wall:.2f} s); "
+        f"throughput: server {tokens / wall:.1f} output tok/s ({args.requests / wall:.2f} req/s, {wall:.2f} s); "
         f"engine alone, all at once: {offline_tokens / offline_s:.1f} tok/s ({offline_s:.2f} s); {ratio}"
     )
     out = args.out or os.path.join(os.environ.get("OUT") or os.path.join(ROOT, "bench", "out"), "serve.json")

@@ -742,3 +742,41 @@ def test_engine_run_loop_in_the_calling_thread():
     eng.shutdown(timeout=10)
     th.join(10)
     assert not th.is_alive() and not eng.is_running() and req.finished
+
+
+def test_coalesce_merges_each_choices_outputs():
+    """A batch of outputs that arrived together becomes one output per choice (in first-arrival order): tokens, text
+    and logprobs joined in order, the first prompt logprobs kept, the last one's finish; an error stays alone."""
+    from openk3.infer.engine import RequestOutput
+    from openk3.infer.sampling import TokenLogprob
+    from openk3.infer.server import _coalesce
+
+    def out(tokens, text, finished=False, lps=None, plps=None, error=None):
+        return RequestOutput(
+            "r", tokens, text, finished, "length" if finished else None, 3, 0, error=error,
+            new_logprobs=lps, prompt_logprobs=plps,
+        )  # fmt: skip
+
+    lp = [TokenLogprob(t, -0.5 * t, []) for t in range(6)]
+    batch = [
+        (1, out([1], "a", lps=[lp[1]], plps=[None, lp[0]])),
+        (0, out([2], "b")),
+        (1, out([3, 4], "cd", lps=[lp[3], lp[4]])),
+        (0, out([5], "e", finished=True)),
+        (2, out([], "", finished=True, error="boom")),
+        (2, out([], "", finished=True)),
+    ]
+    got = _coalesce(batch)
+    assert [i for i, _ in got] == [1, 0, 2, 2]
+    one, zero, err, after = (o for _, o in got)
+    assert (one.new_token_ids, one.new_text, one.finished) == ([1, 3, 4], "acd", False)
+    assert one.new_logprobs == [lp[1], lp[3], lp[4]] and one.prompt_logprobs == [None, lp[0]]
+    assert (zero.new_token_ids, zero.new_text, zero.finished, zero.finish_reason) == (
+        [2, 5],
+        "be",
+        True,
+        "length",
+    )
+    assert zero.new_logprobs is None and zero.prompt_logprobs is None
+    assert err.error == "boom" and after.error is None
+    assert _coalesce([(0, batch[0][1])])[0][1] is batch[0][1]  # a lone output passes through as it is

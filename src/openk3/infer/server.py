@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import threading
@@ -234,12 +235,12 @@ class _Group:
         self.reqs.append(req)
 
     async def events(self, request=None):
-        """Yield (index, output) until every request finished; with ``request`` (non-streaming), poll for a client
-        disconnect while waiting."""
+        """Yield lists of (index, output), each list all that arrived since the last, until every request finished;
+        with ``request`` (non-streaming), poll for a client disconnect while waiting."""
         next_check = time.monotonic() + 1.0
         while len(self.done) < len(self.reqs):
             if request is None:
-                i, out = await self.queue.get()
+                item = await self.queue.get()
             else:
                 # once a second, whether outputs keep coming or not (they do while the request generates)
                 if time.monotonic() >= next_check:
@@ -248,12 +249,16 @@ class _Group:
                         self.abort()
                         return
                 try:
-                    i, out = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                    item = await asyncio.wait_for(self.queue.get(), timeout=1.0)
                 except TimeoutError:
                     continue
-            if out.finished:
-                self.done.add(i)
-            yield i, out
+            batch = [item]
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            for i, out in batch:
+                if out.finished:
+                    self.done.add(i)
+            yield batch
 
     def abort(self) -> None:
         for i, r in enumerate(self.reqs):
@@ -265,6 +270,44 @@ class _Group:
     def prompt_tokens(self) -> int:
         """Usage's prompt tokens: each prompt once, however many choices it has (as OpenAI counts them)."""
         return sum(r.num_prompt for r in self.reqs[:: self.n])
+
+
+def _coalesce(batch: list) -> list:
+    """(index, output) pairs with each choice's consecutive outputs merged into one (their tokens, text and
+    logprobs joined; the last one's finish). When the event loop falls behind the engine (many streams), a stream
+    then gets one chunk for the tokens of several steps instead of one chunk per token. An output with an error stays
+    on its own."""
+    merged: dict[int, list] = {}
+    out_pairs: list = []
+    for i, out in batch:
+        run = merged.get(i)
+        if run is not None and not out.error and not run[-1].error:
+            run.append(out)
+            continue
+        merged[i] = run = [out]
+        out_pairs.append((i, run))
+    result = []
+    for i, run in out_pairs:
+        if len(run) == 1:
+            result.append((i, run[0]))
+            continue
+        last = run[-1]
+        lps = [e for o in run for e in (o.new_logprobs or [])]
+        result.append(
+            (
+                i,
+                dataclasses.replace(
+                    last,
+                    new_token_ids=[t for o in run for t in o.new_token_ids],
+                    new_text="".join(o.new_text for o in run),
+                    new_logprobs=lps if any(o.new_logprobs is not None for o in run) else None,
+                    prompt_logprobs=next(
+                        (o.prompt_logprobs for o in run if o.prompt_logprobs is not None), None
+                    ),
+                ),
+            )
+        )
+    return result
 
 
 # ------------------------------------------------------------------------------------------------ app
@@ -545,30 +588,31 @@ def create_app(
                 started: set[int] = set()
                 offsets = [0] * len(group.reqs)
                 try:
-                    async for i, out in group.events():
-                        if out.error:
-                            yield _sse(ApiError(500, out.error, type_="server_error").body())
-                            continue
-                        completion += len(out.new_token_ids)
-                        text, pairs = out.new_text, []
-                        if i not in started:  # the choice's first output: the echoed prompt goes first
-                            started.add(i)
-                            if echo:
-                                text = echo_text(i) + text
-                                if want_lp:
-                                    pairs = prompt_pairs(i, out.prompt_logprobs)
-                        lp = None
-                        if want_lp:
-                            pairs += [(e.id, e) for e in out.new_logprobs or []]
-                            lp, offsets[i] = completion_logprobs(pairs, offsets[i])
-                        if text or out.finished or pairs:
-                            c = {
-                                "index": i,
-                                "text": text,
-                                "logprobs": lp,
-                                "finish_reason": out.finish_reason if out.finished else None,
-                            }
-                            yield _sse(chunk([c]))
+                    async for batch in group.events():
+                        for i, out in _coalesce(batch):
+                            if out.error:
+                                yield _sse(ApiError(500, out.error, type_="server_error").body())
+                                continue
+                            completion += len(out.new_token_ids)
+                            text, pairs = out.new_text, []
+                            if i not in started:  # the choice's first output: the echoed prompt goes first
+                                started.add(i)
+                                if echo:
+                                    text = echo_text(i) + text
+                                    if want_lp:
+                                        pairs = prompt_pairs(i, out.prompt_logprobs)
+                            lp = None
+                            if want_lp:
+                                pairs += [(e.id, e) for e in out.new_logprobs or []]
+                                lp, offsets[i] = completion_logprobs(pairs, offsets[i])
+                            if text or out.finished or pairs:
+                                c = {
+                                    "index": i,
+                                    "text": text,
+                                    "logprobs": lp,
+                                    "finish_reason": out.finish_reason if out.finished else None,
+                                }
+                                yield _sse(chunk([c]))
                     if include_usage:
                         yield _sse(chunk([], usage(group.prompt_tokens, completion)))
                     yield "data: [DONE]\n\n"
@@ -664,28 +708,29 @@ def create_app(
                             "finish_reason": None,
                         }
                         yield _sse(chunk([c]))
-                    async for i, out in group.events():
-                        if out.error:
-                            yield _sse(ApiError(500, out.error, type_="server_error").body())
-                            continue
-                        completion += len(out.new_token_ids)
-                        lp = chat_logprobs(out.new_logprobs) if out.new_logprobs else None
-                        if out.new_text or lp is not None:
-                            c = {
-                                "index": i,
-                                "delta": {"content": out.new_text},
-                                "logprobs": lp,
-                                "finish_reason": None,
-                            }
-                            yield _sse(chunk([c]))
-                        if out.finished:
-                            c = {
-                                "index": i,
-                                "delta": {},
-                                "logprobs": None,
-                                "finish_reason": out.finish_reason,
-                            }
-                            yield _sse(chunk([c]))
+                    async for batch in group.events():
+                        for i, out in _coalesce(batch):
+                            if out.error:
+                                yield _sse(ApiError(500, out.error, type_="server_error").body())
+                                continue
+                            completion += len(out.new_token_ids)
+                            lp = chat_logprobs(out.new_logprobs) if out.new_logprobs else None
+                            if out.new_text or lp is not None:
+                                c = {
+                                    "index": i,
+                                    "delta": {"content": out.new_text},
+                                    "logprobs": lp,
+                                    "finish_reason": None,
+                                }
+                                yield _sse(chunk([c]))
+                            if out.finished:
+                                c = {
+                                    "index": i,
+                                    "delta": {},
+                                    "logprobs": None,
+                                    "finish_reason": out.finish_reason,
+                                }
+                                yield _sse(chunk([c]))
                     if include_usage:
                         yield _sse(chunk([], usage(group.prompt_tokens, completion)))
                     yield "data: [DONE]\n\n"
@@ -769,16 +814,17 @@ async def _collect(group, request) -> _Collected:
     k = len(group.reqs)
     got = _Collected([""] * k, [None] * k, 0, [[] for _ in range(k)], [None] * k)
     try:
-        async for i, out in group.events(request):
-            if out.error:
-                raise ApiError(500, out.error, type_="server_error")
-            got.texts[i] += out.new_text
-            got.completion += len(out.new_token_ids)
-            got.logprobs[i] += out.new_logprobs or []
-            if out.prompt_logprobs is not None:
-                got.prompt_logprobs[i] = out.prompt_logprobs
-            if out.finished:
-                got.reasons[i] = out.finish_reason
+        async for batch in group.events(request):
+            for i, out in batch:
+                if out.error:
+                    raise ApiError(500, out.error, type_="server_error")
+                got.texts[i] += out.new_text
+                got.completion += len(out.new_token_ids)
+                got.logprobs[i] += out.new_logprobs or []
+                if out.prompt_logprobs is not None:
+                    got.prompt_logprobs[i] = out.prompt_logprobs
+                if out.finished:
+                    got.reasons[i] = out.finish_reason
     finally:
         group.abort()
     return got
