@@ -209,13 +209,10 @@ class _Group:
     async def submit_all(self, prompts: list, params: SamplingParams) -> None:
         """Submit ``n`` choices of each prompt. Text prompts are tokenized once each, together, in a worker thread:
         the tokenizers' batch encode runs without the GIL, so a long prompt does not hold up the event loop (the
-        other requests' streams) while it is encoded."""
+        other requests' streams) while it is encoded. (The routes refuse text prompts without a tokenizer.)"""
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
-            tok = self.engine.tokenizer
-            if tok is None:
-                raise ApiError(400, "this server has no tokenizer: send token ids")
-            encoded = iter(await asyncio.to_thread(tok.encode_batch, texts, True))
+            encoded = iter(await asyncio.to_thread(self.engine.tokenizer.encode_batch, texts, True))
             prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
         for p in prompts:
             for j in range(self.n):
@@ -265,6 +262,13 @@ class _Group:
             if i not in self.done:
                 self.engine.abort(r.id)
                 self.done.add(i)
+
+    async def outputs(self):
+        """(index, output) pairs until every request finished, each choice's outputs that arrived together merged
+        into one (:func:`_coalesce`): what a stream sends."""
+        async for batch in self.events():
+            for pair in _coalesce(batch):
+                yield pair
 
     @property
     def prompt_tokens(self) -> int:
@@ -588,31 +592,30 @@ def create_app(
                 started: set[int] = set()
                 offsets = [0] * len(group.reqs)
                 try:
-                    async for batch in group.events():
-                        for i, out in _coalesce(batch):
-                            if out.error:
-                                yield _sse(ApiError(500, out.error, type_="server_error").body())
-                                continue
-                            completion += len(out.new_token_ids)
-                            text, pairs = out.new_text, []
-                            if i not in started:  # the choice's first output: the echoed prompt goes first
-                                started.add(i)
-                                if echo:
-                                    text = echo_text(i) + text
-                                    if want_lp:
-                                        pairs = prompt_pairs(i, out.prompt_logprobs)
-                            lp = None
-                            if want_lp:
-                                pairs += [(e.id, e) for e in out.new_logprobs or []]
-                                lp, offsets[i] = completion_logprobs(pairs, offsets[i])
-                            if text or out.finished or pairs:
-                                c = {
-                                    "index": i,
-                                    "text": text,
-                                    "logprobs": lp,
-                                    "finish_reason": out.finish_reason if out.finished else None,
-                                }
-                                yield _sse(chunk([c]))
+                    async for i, out in group.outputs():
+                        if out.error:
+                            yield _sse(ApiError(500, out.error, type_="server_error").body())
+                            continue
+                        completion += len(out.new_token_ids)
+                        text, pairs = out.new_text, []
+                        if i not in started:  # the choice's first output: the echoed prompt goes first
+                            started.add(i)
+                            if echo:
+                                text = echo_text(i) + text
+                                if want_lp:
+                                    pairs = prompt_pairs(i, out.prompt_logprobs)
+                        lp = None
+                        if want_lp:
+                            pairs += [(e.id, e) for e in out.new_logprobs or []]
+                            lp, offsets[i] = completion_logprobs(pairs, offsets[i])
+                        if text or out.finished or pairs:
+                            c = {
+                                "index": i,
+                                "text": text,
+                                "logprobs": lp,
+                                "finish_reason": out.finish_reason if out.finished else None,
+                            }
+                            yield _sse(chunk([c]))
                     if include_usage:
                         yield _sse(chunk([], usage(group.prompt_tokens, completion)))
                     yield "data: [DONE]\n\n"
@@ -708,29 +711,28 @@ def create_app(
                             "finish_reason": None,
                         }
                         yield _sse(chunk([c]))
-                    async for batch in group.events():
-                        for i, out in _coalesce(batch):
-                            if out.error:
-                                yield _sse(ApiError(500, out.error, type_="server_error").body())
-                                continue
-                            completion += len(out.new_token_ids)
-                            lp = chat_logprobs(out.new_logprobs) if out.new_logprobs else None
-                            if out.new_text or lp is not None:
-                                c = {
-                                    "index": i,
-                                    "delta": {"content": out.new_text},
-                                    "logprobs": lp,
-                                    "finish_reason": None,
-                                }
-                                yield _sse(chunk([c]))
-                            if out.finished:
-                                c = {
-                                    "index": i,
-                                    "delta": {},
-                                    "logprobs": None,
-                                    "finish_reason": out.finish_reason,
-                                }
-                                yield _sse(chunk([c]))
+                    async for i, out in group.outputs():
+                        if out.error:
+                            yield _sse(ApiError(500, out.error, type_="server_error").body())
+                            continue
+                        completion += len(out.new_token_ids)
+                        lp = chat_logprobs(out.new_logprobs) if out.new_logprobs else None
+                        if out.new_text or lp is not None:
+                            c = {
+                                "index": i,
+                                "delta": {"content": out.new_text},
+                                "logprobs": lp,
+                                "finish_reason": None,
+                            }
+                            yield _sse(chunk([c]))
+                        if out.finished:
+                            c = {
+                                "index": i,
+                                "delta": {},
+                                "logprobs": None,
+                                "finish_reason": out.finish_reason,
+                            }
+                            yield _sse(chunk([c]))
                     if include_usage:
                         yield _sse(chunk([], usage(group.prompt_tokens, completion)))
                     yield "data: [DONE]\n\n"
