@@ -184,7 +184,10 @@ def run_preset(
         + ("" if fuse else " unfused-proj")
         + ({None: "", True: " fused-ffn", False: " no-fused-ffn"}[fuse_ffn])
         + (" fused-residual" if fuse_res else "")
-        + "".join(f" {k.removeprefix('fuse_')}={'on' if v else 'off'}" for k, v in (flags or {}).items())
+        + "".join(
+            f" {k.removeprefix('fuse_')}={v if not isinstance(v, bool) else 'on' if v else 'off'}"
+            for k, v in (flags or {}).items()
+        )
         + ("" if moe_small_n is None else f" moe-small<={moe_small_n}")
         + (f" [{variant}]" if variant else "")
         + "".join(f" {k}={v}" for k, v in SAMPLING.items())
@@ -407,6 +410,12 @@ def main():
         "fuse_read_norm,fuse_kda_lowrank",
     )
     ap.add_argument(
+        "--mla-backends",
+        default="",
+        metavar="NAMES",
+        help="A/B of EngineConfig.mla_backend: auto (our Triton kernel) and/or flashinfer, e.g. auto,flashinfer",
+    )
+    ap.add_argument(
         "--moe-small",
         type=int,
         default=None,
@@ -482,6 +491,13 @@ def main():
                     flag_sets = [off] + [{**off, n: True} for n in names]
                     if len(names) > 1:
                         flag_sets.append(dict.fromkeys(names, True))
+                mlas = [m for m in args.mla_backends.split(",") if m]
+                if mlas:  # each flag set once per MLA backend ("auto": the engine's default, None)
+                    flag_sets = [
+                        {**(fl or {}), "mla_backend": None if m == "auto" else m}
+                        for fl in flag_sets
+                        for m in mlas
+                    ]
                 kvs = [v for v in args.kernel_variants.split(",") if v] or [""]
                 for name in kvs:
                     if name and name not in KERNEL_VARIANTS:

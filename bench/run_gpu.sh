@@ -40,7 +40,9 @@
 # fused selection up to 4 tokens at batch 2 and 4 (fuse_select_4) -> e2e_v24_fuse4.json, and
 # both presets at batch 1 / 16 / 64 -> e2e_v24.json; serve: bench/bench_serve.py (the default model behind `openk3
 # serve`, 64 streamed requests of 512 prompt tokens and 128 new tokens, all at once and at 16 per second; T_SERVE=240)
-# -> serve_burst.json, serve_rate16.json.
+# -> serve_burst.json, serve_rate16.json; mla_peer: FlashInfer as the MLA decode step (needs flashinfer-python): its
+# GPU tests, bench/diag_mla_peer.py (ours beside FlashInfer's paged MLA decode, 16 and 96 heads) -> diag_mla_peer.json,
+# and the 48B-shape engine at context 4,096 with each MLA backend -> e2e_mla_peer.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -214,6 +216,13 @@ if has serve; then
     --out "$OUT_DIR/serve_burst.json" 2>&1 | grep "^| \|throughput\|Error"
   timeout "${T_SERVE:-240}" python3 bench/bench_serve.py --requests 64 --prompt-len 512 --max-tokens 128 --rate 16 \
     --out "$OUT_DIR/serve_rate16.json" 2>&1 | grep "^| \|throughput\|Error"
+fi
+if has mla_peer; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_mla_peer_gpu.py >"$OUT_DIR/tests_mla_peer.log" 2>&1
+  echo "mla_peer tests: exit $? ($(tail -1 "$OUT_DIR/tests_mla_peer.log"))"
+  timeout "$T_DECODE" python3 bench/diag_mla_peer.py --out "$OUT_DIR/diag_mla_peer.json" 2>&1 | grep "^| \|flashinfer\|copy"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1,16,64 --context 4096 \
+    --wall-timing --mla-backends auto,flashinfer --out "$OUT_DIR/e2e_mla_peer.json" 2>&1 | grep "^| \|WARN\|disabled\|rror"
 fi
 if has attnres_ab; then
   BENCH_MODEL_KERNEL_AB=5 timeout "$T_TRAIN" python3 bench/run_all.py --sections ceil,model --out "$OUT_DIR" \

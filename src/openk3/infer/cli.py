@@ -184,6 +184,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--decode-backend", default=None, help="decode steps: auto (default), reference, or a registered name"
     )
     g.add_argument(
+        "--mla-backend",
+        default="auto",
+        choices=["auto", "flashinfer"],
+        help="MLA decode attention: auto (our Triton kernel on CUDA; default) or flashinfer (optional package "
+        "flashinfer-python; faster at many heads, bench/NOTES.md v26)",
+    )
+    g.add_argument(
         "--moe-small-tokens",
         type=int,
         default=None,
@@ -267,6 +274,7 @@ def _load(args):
         gemv_residual=args.gemv_residual,
         fold_norms=args.fold_norms,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
+        mla_backend=None if args.mla_backend == "auto" else args.mla_backend,
     )
     if args.moe_small_tokens is not None:
         from openk3.fast import moe_small

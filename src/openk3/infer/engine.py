@@ -146,6 +146,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cache_dtype: torch.dtype | None = None  # default: the model's dtype
     decode_backend: str | None = None  # None: auto; "reference"; or a FAST_*_DECODE name
+    # the MLA layers' decode attention: None follows decode_backend (our Triton kernel on CUDA); "flashinfer":
+    # FlashInfer's paged MLA decode (optional package flashinfer-python, CUDA, a bf16 / fp16 cache), planned on the
+    # host once per step. On an H200 it took 1.8-2.6x less time than our kernel at 96 heads and the same at 16
+    # heads, but more at one row (bench/diag_mla_peer.py, bench/NOTES.md v26); outputs within bf16 rounding of ours
+    mla_backend: str | None = None
     record_logits: bool = False  # keep each decode step's logits on the request (tests / debugging)
     # decode step: each attention layer's input projections (KDA q/k/v/f_a/b/g, MLA q/latent/gate) as one GEMM over
     # their weights stored side by side (fewer, larger kernels; no extra memory: the model's projection weights become
@@ -239,6 +244,8 @@ class EngineConfig:
     graph_priority: bool = False
 
 
+# EngineConfig.mla_backend values (None: the MLA step that decode_backend resolves)
+MLA_BACKENDS = (None, "flashinfer")
 # EngineConfig.pdl applies to decode steps of at most this many rows: on an H200 it took 0.02-0.07 ms off a batch-1
 # step, but a 48B-shape batch-4 step measured 4.90 -> 5.24 ms with it (bench/NOTES.md v14)
 PDL_MAX_ROWS = 1
@@ -454,6 +461,8 @@ class Engine:
             setattr(cfg, k, v)
         if cfg.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {cfg.max_prefill_tokens}")
+        if cfg.mla_backend not in MLA_BACKENDS:
+            raise ValueError(f"mla_backend must be one of {MLA_BACKENDS}, got {cfg.mla_backend!r}")
         self.cfg = cfg
         self.model = model.eval()
         self.mcfg = model.config
@@ -586,6 +595,10 @@ class Engine:
             else:
                 log.info("fuse_kda_lowrank: the decode step is not the Triton kernel here; the GEMV is kept")
         self._mla_step = resolve_mla_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
+        # mla_backend="flashinfer": the step object, planned before each decode forward (_plan_mla)
+        self._mla_fi = self._flashinfer_step() if cfg.mla_backend == "flashinfer" else None
+        if self._mla_fi is not None:
+            self._mla_step = self._mla_fi
         # the decode step's second stream (parallel_ffn branches); None: every op in place
         self._side_used = False  # whether this decode forward issued work on the side stream (_branch)
         self._side = (
@@ -645,6 +658,34 @@ class Engine:
                 plan[i] = (ok(m, None)[0], not m.full_rank_gate and ok(m, None, "g_b_proj")[0])
         return plan
 
+    def _flashinfer_step(self):
+        """EngineConfig.mla_backend="flashinfer": the FlashInfer decode step for this model's MLA layers (None
+        without MLA layers); a clear error where it cannot run."""
+        from openk3.infer.mla_peer import FlashInferDecodeStep
+
+        layers = [self.model.model.layers[i].self_attn for i in self.pool.layout.mla_layers]
+        if not layers:
+            log.info("mla_backend='flashinfer': the model has no MLA layers")
+            return None
+        if self.device.type != "cuda":
+            raise ValueError(
+                f"mla_backend='flashinfer' needs a CUDA device, the engine runs on {self.device}"
+            )
+        m = layers[0]
+        if any((x.num_heads, x.scale, x.dc, x.dr) != (m.num_heads, m.scale, m.dc, m.dr) for x in layers):
+            raise ValueError(
+                "mla_backend='flashinfer': the MLA layers differ in heads, scale or latent widths"
+            )
+        return FlashInferDecodeStep(
+            self.device, num_heads=m.num_heads, page_size=self.pool.page_size, scale=m.scale, kv_lora_rank=m.dc,
+            rope_dim=m.dr, dtype=self.pool.dtype, max_pages_per_seq=self.pool.pages_for(self.max_model_len),
+        )  # fmt: skip
+
+    def _plan_mla(self, table: torch.Tensor, lengths: torch.Tensor, graph: bool) -> None:
+        """The host-side plan of the coming decode forward's MLA step, where it needs one (mla_backend)."""
+        if self._mla_fi is not None:
+            self._mla_fi.plan(table, lengths, graph=graph)
+
     def _plan_mla_glue(self) -> tuple | None:
         """The MLA glue steps (EngineConfig.fuse_mla_glue): with the Triton MLA step, the Triton prep kernel and the
         post step folded into the MLA step, reading W_UK / W_UV as views of each layer's kv_b_proj weight (model
@@ -656,6 +697,11 @@ class Engine:
         if self._mla_step is getattr(_kernels, "mla_decode_triton", None):
             views = {i: self.model.model.layers[i].self_attn.absorbed_weights() for i in self._absorbed}
             return _kernels.mla_prep_triton, None, views
+        if self._mla_fi is not None and hasattr(
+            _kernels, "mla_post_triton"
+        ):  # FlashInfer between our prep / post
+            views = {i: self.model.model.layers[i].self_attn.absorbed_weights() for i in self._absorbed}
+            return _kernels.mla_prep_triton, _kernels.mla_post_triton, views
         log.info(
             "fuse_mla_glue: the MLA step is not the Triton kernel here; the glue runs as PyTorch references"
         )
@@ -1441,10 +1487,12 @@ class Engine:
         bucket = self._bucket(B)
         if bucket is not None and bucket == meta.shape[1]:
             try:
+                self._plan_mla(table, lengths, graph=True)
                 return self._graph_decode(bucket, meta, lengths, table, B, ids_from)
             except Exception as e:  # capture failed (host sync in some op): run eagerly from now on
                 self._disable_graphs(e)
         dev = self.device
+        self._plan_mla(table[:B], lengths[:B], graph=False)
         meta, lengths, table = (device_tensor(t, t.dtype, dev) for t in (meta[:, :B], lengths[:B], table[:B]))
         _swap_ids(meta[0], ids_from)
         return self._decode_forward(meta[0], meta[1], table, lengths, meta[2])
@@ -1869,6 +1917,12 @@ class Engine:
         lengths.fill_(1)
         table = torch.full((bucket, self._max_pages_per_seq), pool.dummy_page, dtype=torch.int32, device=dev)
         bufs = (meta[0], meta[1], table, lengths, meta[2])
+        # the MLA step's plan for the scratch rows (the warm-up and the capture run them)
+        self._plan_mla(
+            torch.full((bucket, 1), pool.dummy_page, dtype=torch.int32),
+            torch.ones(bucket, dtype=torch.int32),
+            graph=True,
+        )
         s = torch.cuda.Stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):

@@ -1,0 +1,167 @@
+"""Diagnostic: the absorbed MLA decode kernel beside FlashInfer's paged MLA decode (its Hopper ``fa3`` form, a
+warp-specialised kernel of the FlashMLA kind) on the same paged latent cache, checked against each other and against
+the PyTorch reference, timed as replays of a CUDA graph holding 20 calls (host work and FlashInfer's host-side plan
+excluded), beside the HBM roofline (latent bytes over the measured copy bandwidth).
+
+    python3 bench/diag_mla_peer.py [--shapes 1x32x1040,64x16x8192,64x96x8192] [--page-size 16] [--out PATH]
+
+The FlashInfer column runs the engine's step (``openk3.infer.mla_peer.FlashInferDecodeStep``, which
+``EngineConfig.mla_backend="flashinfer"`` uses); its host-side plan is timed apart (``peer_plan_us``).
+FlashInfer is optional (``pip install flashinfer-python``; its kernels compile on first use with the CUDA toolkit's
+``nvcc``); without it only our kernel and the reference run. FlashInfer takes bf16 queries and writes a bf16
+output; ours takes the fp32 absorbed query (rounded to the cache's dtype inside) and writes fp32. The comparison
+rounds both outputs to bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+DC, DR = 512, 64
+
+
+def graph_us(fns, reps: int = 5) -> float:
+    """Median of ``reps`` replays of one CUDA graph holding ``fns`` in order, per function, in microseconds."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ts = []
+    for _ in range(reps):
+        ev[0].record()
+        g.replay()
+        ev[1].record()
+        torch.cuda.synchronize()
+        ts.append(ev[0].elapsed_time(ev[1]) * 1e3 / len(fns))
+    return sorted(ts)[reps // 2]
+
+
+def copy_tbps() -> float:
+    """Device-to-device copy bandwidth (bytes read + written), TB/s, of a 2 GiB buffer."""
+    x = torch.empty(1 << 30, dtype=torch.uint16, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ev[0].record()
+    for _ in range(10):
+        y.copy_(x)
+    ev[1].record()
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 2 * 10 / (ev[0].elapsed_time(ev[1]) * 1e-3) / 1e12
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def main() -> None:
+    from openk3.infer.decode import mla_decode_reference
+    from openk3.infer.kernels import mla_decode_triton
+    from openk3.infer.mla_peer import FlashInferDecodeStep, flashinfer_available
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="1x32x1040,64x16x8192,64x96x8192,16x96x16384,256x96x4096")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument(
+        "--out",
+        default=os.path.join(os.environ.get("OUT", os.path.join(ROOT, "bench", "out")), "diag_mla_peer.json"),
+    )
+    a = ap.parse_args()
+    ok, why = flashinfer_available()
+    print(f"flashinfer: {'yes' if ok else 'no (' + why + ')'}")
+    bw = copy_tbps()
+    print(f"copy bandwidth {bw:.2f} TB/s")
+    ps = a.page_size
+    scale = 192**-0.5
+    rows = []
+    for spec in a.shapes.split(","):
+        B, H, L = (int(v) for v in spec.split("x"))
+        torch.manual_seed(B * 1000 + H)
+        pages = -(-L // ps)
+        kv = torch.randn(B * pages + 1, ps, DC + DR, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(B * pages, device="cuda", dtype=torch.int32).view(B, pages)
+        # ragged lengths: L at most, every row at least half of it
+        lengths = torch.randint(L // 2, L + 1, (B,), device="cuda", dtype=torch.int32)
+        lengths[0] = L
+        q = torch.randn(B, H, DC + DR, device="cuda")
+        latent_bytes = int(lengths.sum()) * (DC + DR) * 2
+        row = {
+            "shape": spec,
+            "latent_MB": latent_bytes / 1e6,
+            "roofline_us": latent_bytes / (bw * 1e12) * 1e6,
+        }
+        ours_fn = functools.partial(mla_decode_triton, q, kv, table, lengths, scale=scale, kv_lora_rank=DC)
+        ours = ours_fn()
+        ref = None
+        if B * H * L <= 64 * 16 * 8192:
+            ref = mla_decode_reference(q, kv, table, lengths, scale=scale, kv_lora_rank=DC)
+            row["ours_rel_err"] = rel(ours.bfloat16(), ref)
+        row["ours_us"] = graph_us([ours_fn] * 20)
+        row["ours_TBps"] = latent_bytes / (row["ours_us"] * 1e-6) / 1e12
+        if ok:
+            # the engine's FlashInfer step: planned on the host from the host table and lengths, then run
+            peer = FlashInferDecodeStep(
+                torch.device("cuda"), num_heads=H, page_size=ps, scale=scale, kv_lora_rank=DC, rope_dim=DR,
+                dtype=torch.bfloat16, max_pages_per_seq=pages,
+            )  # fmt: skip
+            table_h, lengths_h = table.cpu(), lengths.cpu()
+            torch.cuda.synchronize()
+            peer.plan(table_h, lengths_h, graph=True)  # first plan: FlashInfer compiles its kernels
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                peer.plan(table_h, lengths_h, graph=True)
+            row["peer_plan_us"] = (time.perf_counter() - t0) / 10 * 1e6
+            peer_fn = functools.partial(peer, q, kv, table, lengths, scale=scale, kv_lora_rank=DC)
+            theirs = peer_fn()
+            row["peer_vs_ours_rel"] = rel(theirs, ours.bfloat16().float())
+            if ref is not None:
+                row["peer_rel_err"] = rel(theirs, ref)
+            row["peer_us"] = graph_us([peer_fn] * 20)
+            row["peer_TBps"] = latent_bytes / (row["peer_us"] * 1e-6) / 1e12
+            del peer, peer_fn
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del ours_fn, ours, ref
+        torch.cuda.empty_cache()
+    print()
+    print(
+        "| B x H x L (ragged, L max) | latent MB | roofline us | ours us (TB/s) | FlashInfer fa3 us (TB/s) | rel err ours / fa3 |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        p = f"{r['peer_us']:.1f} ({r['peer_TBps']:.2f})" if "peer_us" in r else "--"
+        e = f"{r.get('ours_rel_err', float('nan')):.1e} / {r.get('peer_rel_err', float('nan')):.1e}"
+        print(
+            f"| {r['shape']} | {r['latent_MB']:.1f} | {r['roofline_us']:.1f} | {r['ours_us']:.1f} "
+            f"({r['ours_TBps']:.2f}) | {p} | {e} |"
+        )
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"copy_TBps": bw, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
