@@ -149,7 +149,8 @@ class EngineConfig:
     # the MLA layers' decode attention: None follows decode_backend (our Triton kernel on CUDA); "flashinfer":
     # FlashInfer's paged MLA decode (optional package flashinfer-python, CUDA, a bf16 / fp16 cache), planned on the
     # host once per step. On an H200 it took 1.8-2.6x less time than our kernel at 96 heads and the same at 16
-    # heads, but more at one row (bench/diag_mla_peer.py, bench/NOTES.md v26); outputs within bf16 rounding of ours
+    # heads, but more at one row (bench/diag_mla_peer.py, bench/NOTES.md v26); experimental: the engine path has
+    # been tested on the CPU through a stand-in for FlashInfer only (tests/gpu/test_mla_peer_gpu.py not run yet)
     mla_backend: str | None = None
     record_logits: bool = False  # keep each decode step's logits on the request (tests / debugging)
     # decode step: each attention layer's input projections (KDA q/k/v/f_a/b/g, MLA q/latent/gate) as one GEMM over
