@@ -26,49 +26,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 DC, DR = 512, 64
-
-
-def graph_us(fns, reps: int = 5) -> float:
-    """Median of ``reps`` replays of one CUDA graph holding ``fns`` in order, per function, in microseconds."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ts = []
-    for _ in range(reps):
-        ev[0].record()
-        g.replay()
-        ev[1].record()
-        torch.cuda.synchronize()
-        ts.append(ev[0].elapsed_time(ev[1]) * 1e3 / len(fns))
-    return sorted(ts)[reps // 2]
-
-
-def copy_tbps() -> float:
-    """Device-to-device copy bandwidth (bytes read + written), TB/s, of a 2 GiB buffer."""
-    x = torch.empty(1 << 30, dtype=torch.uint16, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ev[0].record()
-    for _ in range(10):
-        y.copy_(x)
-    ev[1].record()
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 2 * 10 / (ev[0].elapsed_time(ev[1]) * 1e-3) / 1e12
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,9 +37,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
+    from diag_mla import graph_us
     from openk3.infer.decode import mla_decode_reference
     from openk3.infer.kernels import mla_decode_triton
     from openk3.infer.mla_peer import FlashInferDecodeStep, flashinfer_available
+    from run_all import copy_rate
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x32x1040,64x16x8192,64x96x8192,16x96x16384,256x96x4096")
@@ -91,7 +53,7 @@ def main() -> None:
     a = ap.parse_args()
     ok, why = flashinfer_available()
     print(f"flashinfer: {'yes' if ok else 'no (' + why + ')'}")
-    bw = copy_tbps()
+    bw = copy_rate()[0] / 1e12  # bytes read + written per second
     print(f"copy bandwidth {bw:.2f} TB/s")
     ps = a.page_size
     scale = 192**-0.5

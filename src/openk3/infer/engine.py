@@ -1488,7 +1488,6 @@ class Engine:
         bucket = self._bucket(B)
         if bucket is not None and bucket == meta.shape[1]:
             try:
-                self._plan_mla(table, lengths, graph=True)
                 return self._graph_decode(bucket, meta, lengths, table, B, ids_from)
             except Exception as e:  # capture failed (host sync in some op): run eagerly from now on
                 self._disable_graphs(e)
@@ -1872,6 +1871,8 @@ class Engine:
     def _graph_decode(self, bucket, meta, lengths, table, B: int, ids_from=None) -> torch.Tensor:
         if bucket not in self._graphs:
             self._capture(bucket)
+        # after a capture, which plans the MLA step for its scratch rows
+        self._plan_mla(table, lengths, graph=True)
         g, (b_meta, b_len, b_table), out, (buf, host) = self._graphs[bucket]
         # two copies, padding rows included: meta and lengths through one host buffer laid out as the device one
         # (pageable: the copy has taken the bytes when it returns), then the table; table columns past W keep
