@@ -3,7 +3,12 @@ warp-specialised kernel of the FlashMLA kind) on the same paged latent cache, ch
 the PyTorch reference, timed as replays of a CUDA graph holding 20 calls (host work and FlashInfer's host-side plan
 excluded), beside the HBM roofline (latent bytes over the measured copy bandwidth).
 
-    python3 bench/diag_mla_peer.py [--shapes 1x32x1040,64x16x8192,64x96x8192] [--page-size 16] [--out PATH]
+    python3 bench/diag_mla_peer.py [--shapes 1x32x1040,64x16x8192,64x96x8192] [--page-size 16] [--uniform]
+                                   [--out PATH]
+
+Lengths are ragged (each row uniform in [L/2, L], row 0 at L) unless ``--uniform``. Our kernel runs twice: its
+per-row splits (each row cut in the same number of shares) and its balanced splits (``balance=True``: the programs
+share the batch's tokens evenly).
 
 The FlashInfer column runs the engine's step (``openk3.infer.mla_peer.FlashInferDecodeStep``, which
 ``EngineConfig.mla_backend="flashinfer"`` uses); its host-side plan is timed apart (``peer_plan_us``).
@@ -39,13 +44,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     from diag_mla import graph_us
     from openk3.infer.decode import mla_decode_reference
-    from openk3.infer.kernels import mla_decode_triton
+    from openk3.infer.kernels import MLA_LAST_LAUNCH, mla_decode_triton
     from openk3.infer.mla_peer import FlashInferDecodeStep, flashinfer_available
     from run_all import copy_rate
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x32x1040,64x16x8192,64x96x8192,16x96x16384,256x96x4096")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--uniform", action="store_true", help="every row at L tokens (default: ragged)")
     ap.add_argument(
         "--out",
         default=os.path.join(os.environ.get("OUT", os.path.join(ROOT, "bench", "out")), "diag_mla_peer.json"),
@@ -67,6 +73,8 @@ def main() -> None:
         # ragged lengths: L at most, every row at least half of it
         lengths = torch.randint(L // 2, L + 1, (B,), device="cuda", dtype=torch.int32)
         lengths[0] = L
+        if a.uniform:
+            lengths.fill_(L)
         q = torch.randn(B, H, DC + DR, device="cuda")
         latent_bytes = int(lengths.sum()) * (DC + DR) * 2
         row = {
@@ -74,14 +82,24 @@ def main() -> None:
             "latent_MB": latent_bytes / 1e6,
             "roofline_us": latent_bytes / (bw * 1e12) * 1e6,
         }
-        ours_fn = functools.partial(mla_decode_triton, q, kv, table, lengths, scale=scale, kv_lora_rank=DC)
+        ours_fn = functools.partial(
+            mla_decode_triton, q, kv, table, lengths, scale=scale, kv_lora_rank=DC, balance=False
+        )
+        bal_fn = functools.partial(
+            mla_decode_triton, q, kv, table, lengths, scale=scale, kv_lora_rank=DC, balance=True
+        )
         ours = ours_fn()
+        ours_bal = bal_fn()
+        row["splits"] = MLA_LAST_LAUNCH["splits"]
+        row["bal_vs_ours_rel"] = rel(ours_bal, ours)
         ref = None
         if B * H * L <= 64 * 16 * 8192:
             ref = mla_decode_reference(q, kv, table, lengths, scale=scale, kv_lora_rank=DC)
             row["ours_rel_err"] = rel(ours.bfloat16(), ref)
-        row["ours_us"] = graph_us([ours_fn] * 20)
-        row["ours_TBps"] = latent_bytes / (row["ours_us"] * 1e-6) / 1e12
+            row["bal_rel_err"] = rel(ours_bal.bfloat16(), ref)
+        for key, fn in (("ours", ours_fn), ("bal", bal_fn)):
+            row[f"{key}_us"] = graph_us([fn] * 20)
+            row[f"{key}_TBps"] = latent_bytes / (row[f"{key}_us"] * 1e-6) / 1e12
         if ok:
             # the engine's FlashInfer step: planned on the host from the host table and lengths, then run
             peer = FlashInferDecodeStep(
@@ -106,23 +124,27 @@ def main() -> None:
             del peer, peer_fn
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del ours_fn, ours, ref
+        del ours_fn, bal_fn, ours, ours_bal, ref
         torch.cuda.empty_cache()
     print()
+    kind = "uniform" if a.uniform else "ragged, L max"
     print(
-        "| B x H x L (ragged, L max) | latent MB | roofline us | ours us (TB/s) | FlashInfer fa3 us (TB/s) | rel err ours / fa3 |"
+        f"| B x H x L ({kind}) | latent MB | roofline us | ours, per-row splits us (TB/s) | ours, balanced us (TB/s) "
+        "| FlashInfer fa3 us (TB/s) | rel err ours / balanced / fa3 |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         p = f"{r['peer_us']:.1f} ({r['peer_TBps']:.2f})" if "peer_us" in r else "--"
-        e = f"{r.get('ours_rel_err', float('nan')):.1e} / {r.get('peer_rel_err', float('nan')):.1e}"
+        e = " / ".join(
+            f"{r.get(k, float('nan')):.1e}" for k in ("ours_rel_err", "bal_rel_err", "peer_rel_err")
+        )
         print(
             f"| {r['shape']} | {r['latent_MB']:.1f} | {r['roofline_us']:.1f} | {r['ours_us']:.1f} "
-            f"({r['ours_TBps']:.2f}) | {p} | {e} |"
+            f"({r['ours_TBps']:.2f}) | {r['bal_us']:.1f} ({r['bal_TBps']:.2f}) | {p} | {e} |"
         )
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"copy_TBps": bw, "rows": rows}, f, indent=1)
+        json.dump({"copy_TBps": bw, "uniform": a.uniform, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -865,6 +865,61 @@ def test_mla_decode_variants(trans, prefetch):
     run_mla_case([33, 200], 3, 32, 16, 32, torch.float32, 5, 1e-5, block_n=16, num_splits=2, **kw)
 
 
+def balanced_splits(lengths, ns, block_n, spread):
+    """The balanced form's split arithmetic, written out plainly: (blocks per split, each row's split count)."""
+    blocks = [-(-n // block_n) for n in lengths]
+    c = max(1, -(-sum(blocks) // (ns * len(lengths))), -(-max(blocks) // (spread * ns)))
+    return c, [-(-n // c) for n in blocks]
+
+
+@here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("page_size", [1, 7, 16, 64])
+def test_mla_decode_balanced(dtype, page_size):
+    """Balanced splits (the programs share the batch's tokens evenly): ragged rows, one long row among short ones
+    (its splits capped at balance_spread x the even share), more head blocks than one (masked tail), both product
+    orientations, auto and explicit split counts, padded rows; against the reference, partials poisoned."""
+    seed = seed_of("balanced", str(dtype), page_size)
+    tol = MLA_TOL[dtype]
+    cases = (
+        ([300, 5, 7, 2, 9], 2, dict(block_n=16)),
+        ([1, 45, 64, 71], 3, dict(block_n=16, block_h=16, trans=False, prefetch=False)),
+        ([129, 70, 3], 5, dict(block_n=32, block_h=16, prefetch=2)),
+        ([200, 33], None, dict(block_n=16)),
+    )
+    for k, (lengths, ns, kw) in enumerate(cases):
+        H = 20 if "block_h" in kw else 5
+        run_mla_case(lengths, H, 32, 16, page_size, dtype, seed + k, tol, num_splits=ns, balance=True, **kw)
+        assert KN.MLA_LAST_LAUNCH["balance"] == (KN.MLA_LAST_LAUNCH["splits"] > 1)
+    # the cap binds for the long row: [300, 5, 7, 2, 9] + a padded row at 16-token blocks and two splits
+    c, per_row = balanced_splits([300, 5, 7, 2, 9, 1], 2, 16, KN.MLA_CONFIG["balance_spread"])
+    assert max(per_row) == 2 * KN.MLA_CONFIG["balance_spread"] and sum(per_row) <= 2 * 6 + 6
+    run_mla_case(
+        [300, 5, 7, 2, 9], 5, 32, 16, page_size, dtype, seed + 9, max(tol, POST_TOL[dtype]),
+        post=(24, dtype, True), num_splits=3, block_n=16, balance=True,
+    )  # fmt: skip
+    assert KN.MLA_LAST_LAUNCH["balance"] and KN.MLA_LAST_LAUNCH["post"] == "reduce"
+
+
+def test_balanced_split_arithmetic():
+    """The balanced form's split counts: every row's tokens covered, no row over the cap, all splits within the
+    launch's ns * B + B programs, and at uniform lengths the same chunks as the per-row form."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(200):
+        B = int(torch.randint(1, 40, (1,), generator=g))
+        ns = int(torch.randint(1, 9, (1,), generator=g))
+        bn = (16, 32, 64)[trial % 3]
+        lengths = torch.randint(1, 5000, (B,), generator=g).tolist()
+        c, per_row = balanced_splits(lengths, ns, bn, 2)
+        assert all(s * c * bn >= n for s, n in zip(per_row, lengths))
+        assert max(per_row) <= 2 * ns and sum(per_row) <= ns * B + B
+        n = lengths[0]
+        c_u, per_u = balanced_splits([n] * B, ns, bn, 2)
+        per_split = -(-n // ns)
+        chunk = -(-per_split // bn) * bn  # the per-row form's tokens per split
+        assert c_u * bn == chunk and per_u == [-(-n // chunk)] * B
+
+
 @here
 @pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
 def test_mla_prep_weight_before_the_wait(early, monkeypatch):
@@ -1109,6 +1164,8 @@ def test_mla_decode_gpu(dtype, H, page_size):
     tol = MLA_TOL[dtype]
     run_mla_case(lengths, H, 512, 64, page_size, dtype, seed, tol, n_pad=2)
     run_mla_case(lengths, H, 512, 64, page_size, dtype, seed + 1, tol, n_pad=2, num_splits=1)
+    run_mla_case(lengths, H, 512, 64, page_size, dtype, seed + 4, tol, n_pad=2, balance=True)
+    run_mla_case(lengths, H, 512, 64, page_size, dtype, seed + 5, tol, n_pad=2, num_splits=3, balance=True)
     if H == 96 and dtype == torch.bfloat16:
         run_mla_case(lengths, H, 512, 64, page_size, dtype, seed + 2, tol, n_pad=2, block_h=64, block_n=64)
         run_mla_case(

@@ -163,6 +163,11 @@ MLA_CONFIG = {
     "few_min_chunk_rows": 1,
     "max_splits": 64,
     "overhead_blocks": 2,  # a program's fixed cost (pipeline fill, epilogue, partials) in blocks of work
+    # balanced splits (mla_decode_triton's balance): the split count's programs share all rows' tokens evenly, so
+    # a batch of ragged lengths does not wait on its longest row's splits; a row takes at most balance_spread times
+    # the even share of splits (the partials' buffer is that much wider)
+    "balance": False,
+    "balance_spread": 2,
 }
 # The MLA glue steps around the split kernel (EngineConfig.fuse_mla_glue): the prep kernel (latent norm + cache
 # write + absorbed query) and the post step (W_UV product, rounding, output gate; folded into the reduce, or its own
@@ -679,22 +684,48 @@ if HAS_TRITON:
         return kn, kr, pages, m, l, acc
 
     @triton.jit
+    def _mla_balance(len_ptr, B, NP, NS, BLOCK_N: tl.constexpr, BP: tl.constexpr):
+        """The balanced split arithmetic (``BAL``): every row's lengths in ``BLOCK_N``-token blocks ``[BP]`` (zeros
+        past ``B``) and the blocks per split ``c``, the same for all rows: the least count that gives the batch's
+        blocks to at most ``NP`` programs and no row more than ``NS`` splits (row ``r`` takes ``cdiv(blocks[r],
+        c)`` splits, so the splits of all rows number at most ``NP + B``)."""
+        r = tl.arange(0, BP)
+        lens = tl.load(len_ptr + r, mask=r < B, other=0).to(tl.int32)
+        blocks = (lens + BLOCK_N - 1) // BLOCK_N
+        c = tl.maximum((tl.sum(blocks, axis=0) + NP - 1) // NP, (tl.max(blocks, axis=0) + NS - 1) // NS)
+        return lens, blocks, tl.maximum(c, 1)
+
+    @triton.jit
     def _mla_split_kernel(
         q_ptr, kv_ptr, bt_ptr, len_ptr, out_ptr, part_ptr, lse_ptr,
         s_qb, s_qh, s_kvp, s_kvt, s_btb, s_ob, s_oh,
-        H, scale_log2, NS,
+        H, scale_log2, NS, B, NP,
         PAGE: tl.constexpr, MODE: tl.constexpr, DIRECT: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr, TRANS: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, BAL: tl.constexpr = False, BP: tl.constexpr = 1,
     ):  # fmt: skip
         pdl_wait(PDL)
         pdl_trigger(PDL)
         hb = tl.program_id(0)
-        sp = tl.program_id(1)
-        b = tl.program_id(2)
         kv_dtype = kv_ptr.dtype.element_ty
-        length = tl.load(len_ptr + b).to(tl.int32)
-        chunk = tl.cdiv(tl.cdiv(length, NS), BLOCK_N) * BLOCK_N
+        if BAL:
+            # program f of the flat grid takes split f - (splits of the rows before b) of the row b whose splits
+            # hold it; programs past the last split find b == B and do nothing (their stores are masked off)
+            f = tl.program_id(1)
+            lens, blocks, c = _mla_balance(len_ptr, B, NP, NS, BLOCK_N, BP)
+            r = tl.arange(0, BP)
+            cum = tl.cumsum((blocks + c - 1) // c, axis=0)
+            b = tl.sum((cum <= f).to(tl.int32), axis=0)
+            sp = f - tl.sum(tl.where(r == b - 1, cum, 0), axis=0)
+            length = tl.sum(tl.where(r == b, lens, 0), axis=0)
+            live = b < B
+            b = tl.minimum(b, B - 1)
+            chunk = c * BLOCK_N
+        else:
+            sp = tl.program_id(1)
+            b = tl.program_id(2)
+            length = tl.load(len_ptr + b).to(tl.int32)
+            chunk = tl.cdiv(tl.cdiv(length, NS), BLOCK_N) * BLOCK_N
         start = sp * chunk
         end = tl.minimum(start + chunk, length)
         hh = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -753,6 +784,8 @@ if HAS_TRITON:
             row_id = (b.to(tl.int64) * H + hh) * NS + sp
             op = part_ptr + row_id * DC
             om = hm & (start < end)
+            if BAL:
+                om = om & live
             tl.store(lse_ptr + row_id, m + tl.log2(tl.where(nonempty, l, 1.0)), mask=om)
         if TRANS:
             tl.store(op[None, :] + dc[:, None], acc * inv_l[None, :], mask=om[None, :])
@@ -761,8 +794,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _mla_reduce_kernel(
-        part_ptr, lse_ptr, len_ptr, out_ptr, H, s_ob, s_oh, NS, DC: tl.constexpr, BLOCK_N: tl.constexpr,
-        BS: tl.constexpr, PDL: tl.constexpr,
+        part_ptr, lse_ptr, len_ptr, out_ptr, H, s_ob, s_oh, NS, B, NP, DC: tl.constexpr, BLOCK_N: tl.constexpr,
+        BS: tl.constexpr, PDL: tl.constexpr, BAL: tl.constexpr = False, BP: tl.constexpr = 1,
     ):  # fmt: skip
         """Combine the normalised partials of one (row, head) over the splits that hold tokens (the same split
         arithmetic as the split kernel), ``BS`` at a time, online in log2."""
@@ -771,16 +804,20 @@ if HAS_TRITON:
         h = tl.program_id(0)
         b = tl.program_id(1)
         dc = tl.arange(0, DC)
-        cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, DC, BLOCK_N, BS)
+        cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, B, NP, DC, BLOCK_N, BS, BAL, BP)
         tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + dc, cbar)
 
     @triton.jit
     def _mla_combine(
-        part_ptr, lse_ptr, len_ptr, b, h, H, NS, DC: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr
+        part_ptr, lse_ptr, len_ptr, b, h, H, NS, B, NP, DC: tl.constexpr, BLOCK_N: tl.constexpr,
+        BS: tl.constexpr, BAL: tl.constexpr, BP: tl.constexpr,
     ):  # fmt: skip
         """The attention output ``[DC]`` fp32 of row ``b``, head ``h`` from the split kernel's partials."""
         length = tl.load(len_ptr + b).to(tl.int32)
-        chunk = tl.cdiv(tl.cdiv(length, NS), BLOCK_N) * BLOCK_N
+        if BAL:
+            chunk = _mla_balance(len_ptr, B, NP, NS, BLOCK_N, BP)[2] * BLOCK_N
+        else:
+            chunk = tl.cdiv(tl.cdiv(length, NS), BLOCK_N) * BLOCK_N
         used = tl.cdiv(length, chunk)
         base = (b.to(tl.int64) * H + h) * NS
         dc = tl.arange(0, DC)
@@ -931,9 +968,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _mla_reduce_post_kernel(
-        part_ptr, lse_ptr, len_ptr, wuv_ptr, gate_ptr, o_ptr, H, NS, s_wh, s_wv, s_gb, s_ob,
+        part_ptr, lse_ptr, len_ptr, wuv_ptr, gate_ptr, o_ptr, H, NS, B, NP, s_wh, s_wv, s_gb, s_ob,
         DC: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, DV: tl.constexpr, VB: tl.constexpr,
         VC: tl.constexpr, STAGES: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr, WHOLE: tl.constexpr = False,
+        BAL: tl.constexpr = False, BP: tl.constexpr = 1,
     ):  # fmt: skip
         """The reduce with the post step folded in: program ``(vs, h, b)`` combines the partials of (row ``b``, head
         ``h``) and writes output values ``[vs * VB, (vs + 1) * VB)`` of that head (:func:`_mla_post_rows`).
@@ -951,7 +989,7 @@ if HAS_TRITON:
             )
         pdl_wait(PDL)
         pdl_trigger(PDL)
-        cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, DC, BLOCK_N, BS)
+        cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, B, NP, DC, BLOCK_N, BS, BAL, BP)
         if WHOLE:
             _mla_post_out(w, cbar, gate_ptr, o_ptr, b, h, v, vm, s_gb, s_ob, DV, GATE)
         else:
@@ -1221,7 +1259,9 @@ def _mla_resident(args: tuple, consts: dict, num_warps: int, device: torch.devic
     key = (tuple(sorted(consts.items())), num_warps, str(args[1].dtype), device.index)
     if key not in _RESIDENT:
         try:
-            ck = _mla_split_kernel.warmup(*args, 2, DIRECT=False, **consts, num_warps=num_warps, grid=(1,))
+            ck = _mla_split_kernel.warmup(
+                *args, 2, 1, 2, DIRECT=False, **consts, num_warps=num_warps, grid=(1,)
+            )
             ck._init_handles()
             props = triton.runtime.driver.active.utils.get_device_properties(
                 device.index if device.index is not None else torch.cuda.current_device()
@@ -1258,6 +1298,7 @@ def mla_decode_triton(
     gate: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     v_splits: int | None = None,
+    balance: bool | None = None,
 ) -> torch.Tensor:
     """Paged absorbed MLA decode (signature and layouts: :mod:`openk3.infer.decode`); returns ``[B, H, dc]`` fp32.
     ``num_splits`` (default :func:`mla_num_splits` with the compiled kernel's occupancy), ``block_h`` (heads per
@@ -1265,6 +1306,10 @@ def mla_decode_triton(
     ``prefetch`` (``True``: the next block's rows in registers; ``2``: the next block's page-table entries in
     registers, the rows through the pipeliner) and ``min_chunk`` (least tokens per split) override
     :data:`MLA_CONFIG`. The parameters used are left in :data:`MLA_LAST_LAUNCH`.
+
+    ``balance`` (default ``MLA_CONFIG["balance"]``; several rows and splits only): the ``num_splits * B`` programs
+    share the batch's tokens evenly instead of taking ``num_splits`` equal shares of each row, so rows of different
+    lengths finish together (:func:`_mla_balance`; a row takes at most ``balance_spread * num_splits`` splits).
 
     With ``w_uv [H, dv, dc]`` the MLA post step (:mod:`openk3.infer.decode`: ``W_UV``, rounding to ``out_dtype``,
     times ``sigmoid(gate)`` with ``gate [B, H * dv]``) is applied too, folded into the reduce of the splits (one
@@ -1345,17 +1390,23 @@ def mla_decode_triton(
                 resident=_mla_resident(args, consts, nw, q.device),
                 min_chunk=min_chunk,
             )
+    bal = bool(cfg["balance"] if balance is None else balance) and ns > 1 and B > 1
+    # partial slots per (row, head): a balanced row may take up to balance_spread times the even share of splits
+    nsp = max(ns, int(cfg["balance_spread"]) * ns) if bal else ns
     MLA_LAST_LAUNCH.update(
         splits=ns, block_h=bh, block_n=bn, num_warps=nw, num_stages=st, prefetch=pf, pdl=consts["PDL"],
-        min_chunk=min_chunk, post=None if post is None else "reduce" if ns > 1 else "kernel",
+        min_chunk=min_chunk, post=None if post is None else "reduce" if ns > 1 else "kernel", balance=bal,
     )  # fmt: skip
     if ns > 1:
-        part = torch.empty(B, H, ns, DC, dtype=torch.float32, device=q.device)
-        lse = torch.empty(B, H, ns, dtype=torch.float32, device=q.device)
+        part = torch.empty(B, H, nsp, DC, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, H, nsp, dtype=torch.float32, device=q.device)
         args = (*args[:5], part, lse, *args[7:])
     pdl = consts["PDL"]
-    _mla_split_kernel[(triton.cdiv(H, bh), ns, B)](
-        *args, ns, DIRECT=ns == 1, **consts, num_warps=nw, **pdl_launch(pdl)
+    bkw = dict(BAL=bal, BP=triton.next_power_of_2(B) if bal else 1)
+    # balanced: one flat axis of ns * B programs plus one per row (the rows' split counts round up)
+    grid = (triton.cdiv(H, bh), ns * B + B, 1) if bal else (triton.cdiv(H, bh), ns, B)
+    _mla_split_kernel[grid](
+        *args, nsp, B, ns * B, DIRECT=ns == 1, **consts, **bkw, num_warps=nw, **pdl_launch(pdl)
     )
     if post is not None:
         o, gate, pc = post
@@ -1364,17 +1415,17 @@ def mla_decode_triton(
             # W_UV held from before the wait where the streamed form would take more than one step
             whole = pc["VC"] < pc["VB"] and pc["VB"] * DC <= MLA_GLUE_CONFIG["post_whole_elems"]
             _mla_reduce_post_kernel[(pc["VS"], H, B)](
-                part, lse, lengths, w_uv, g, o, H, ns, w_uv.stride(0), w_uv.stride(1), g.stride(0), o.stride(0),
-                DC=DC, BLOCK_N=bn, BS=8, DV=pc["DV"], VB=pc["VB"], VC=pc["VC"], STAGES=pc["STAGES"],
-                GATE=gate is not None, PDL=pdl, WHOLE=whole, num_warps=pc["num_warps"], **pdl_launch(pdl),
+                part, lse, lengths, w_uv, g, o, H, nsp, B, ns * B, w_uv.stride(0), w_uv.stride(1), g.stride(0),
+                o.stride(0), DC=DC, BLOCK_N=bn, BS=8, DV=pc["DV"], VB=pc["VB"], VC=pc["VC"], STAGES=pc["STAGES"],
+                GATE=gate is not None, PDL=pdl, WHOLE=whole, **bkw, num_warps=pc["num_warps"], **pdl_launch(pdl),
             )  # fmt: skip
         else:  # the walk wrote the attention output: the post step reads it
             _launch_post(out, w_uv, gate, o, pc, pdl)
         return o
     if ns > 1:
         _mla_reduce_kernel[(H, B)](
-            part, lse, lengths, out, H, out.stride(0), out.stride(1), ns, DC=DC, BLOCK_N=bn, BS=8, PDL=pdl,
-            num_warps=4, **pdl_launch(pdl),
+            part, lse, lengths, out, H, out.stride(0), out.stride(1), nsp, B, ns * B, DC=DC, BLOCK_N=bn, BS=8,
+            PDL=pdl, **bkw, num_warps=4, **pdl_launch(pdl),
         )  # fmt: skip
     return out
 
