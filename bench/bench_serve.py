@@ -3,7 +3,8 @@
 kind of work (``Engine.generate`` with every request submitted at once: no HTTP, no streaming) and beside the
 server's own latency histograms (/metrics).
 
-    python3 bench/bench_serve.py [--requests 32] [--rate inf] [--prompt-len 128] [--max-tokens 64] [--out PATH]
+    python3 bench/bench_serve.py [--requests 32] [--rate inf] [--prompt-len 128] [--max-tokens 64]
+                                 [--warmup-requests N] [--out PATH]
                                  [any `openk3 serve` model / engine option, e.g. --ckpt DIR --max-seqs 64]
 
 Requests are token-id prompts (random, a fresh set for each of the two runs, so that neither reuses the other's
@@ -11,6 +12,10 @@ cached prefixes) with ``ignore_eos`` and a fixed ``max_tokens``, streamed (serve
 ``stream_options.include_usage``. ``--rate`` is the mean arrival rate in requests per second (Poisson arrivals,
 seeded); ``inf`` sends them all at once. Runs on CPU (the default ``tiny`` model) or on a GPU. Prints one table
 and writes JSON (default ``$OUT/serve.json`` or ``bench/out/serve.json``).
+
+Warm-up: before each timed run (the engine alone, then the server) ``--warmup-requests`` requests of the same
+lengths run untimed, all at once (default: as many as the timed run on a GPU, where the first batches of each size
+compile and autotune kernels -- Triton, fla's chunked prefill -- and take seconds; 2 on the CPU).
 """
 
 from __future__ import annotations
@@ -166,10 +171,18 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=None,
+        help="untimed requests of the same lengths before each timed run (default: --requests on a GPU, 2 on CPU)",
+    )
     ap.add_argument("--out", default=None)
     args, rest = ap.parse_known_args(argv)
     if args.requests < 1 or args.prompt_len < 1 or args.max_tokens < 1:
         raise SystemExit("--requests, --prompt-len and --max-tokens must be >= 1")
+    if args.warmup_requests is not None and args.warmup_requests < 0:
+        raise SystemExit(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
     if not (args.rate > 0):
         raise SystemExit(f"--rate must be > 0 (inf: all at once), got {args.rate}")
 
@@ -187,13 +200,17 @@ def main(argv=None) -> int:
         raise SystemExit(f"--prompt-len + --max-tokens = {need} exceeds the context ({ctx})")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
+    dev = str(next(engine.model.parameters()).device)
+    warm_n = args.warmup_requests
+    if warm_n is None:
+        warm_n = args.requests if dev.startswith("cuda") else 2
     # the engine alone (after a warm-up: compilation, autotuning, first-call costs)
-    engine.generate(_prompts(2, args.prompt_len, vocab, args.seed + 7), params)
+    if warm_n:
+        engine.generate(_prompts(warm_n, args.prompt_len, vocab, args.seed + 7), params)
     t0 = time.perf_counter()
     reqs = engine.generate(_prompts(args.requests, args.prompt_len, vocab, args.seed + 1), params)
     offline_s = time.perf_counter() - t0
     offline_tokens = sum(len(r.output_ids) for r in reqs)
-    dev = str(next(engine.model.parameters()).device)
     del engine, reqs  # (one copy of the model at a time on the device)
     import gc
 
@@ -213,6 +230,17 @@ def main(argv=None) -> int:
             "max_tokens": 4,
         }
         httpx.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()
+        if warm_n > 1:  # the server's own process compiles and autotunes anew
+            asyncio.run(
+                _load_test(
+                    url,
+                    name,
+                    _prompts(warm_n, args.prompt_len, vocab, args.seed + 8),
+                    args.max_tokens,
+                    math.inf,
+                    args.seed,
+                )
+            )
         before = _server_histograms(url)
         res, wall = asyncio.run(
             _load_test(
@@ -275,7 +303,7 @@ def main(argv=None) -> int:
             {
                 "model": name,
                 "device": dev,
-                "args": vars(args) | {"rate": str(args.rate)},
+                "args": vars(args) | {"rate": str(args.rate), "warmup_requests": warm_n},
                 "requests": res,
                 "wall_s": wall,
                 "output_tokens": tokens,
