@@ -126,6 +126,9 @@ KERNEL_VARIANTS = {
     # the routing selection inside the experts' gate/up kernel up to 4 tokens instead of 1 (every program forms its
     # token's top-k; measured slower for 2+ tokens with K max-reductions, v13)
     "fuse_select_4": _setting(_MOE_SMALL, "FUSE_SELECT_MAX_TOKENS", 4),
+    # the absorbed MLA's balanced splits (the programs share the batch's tokens evenly) against the per-row splits
+    "mla_balance": _setting(_KN, "MLA_CONFIG", True, key="balance"),
+    "mla_per_row": _setting(_KN, "MLA_CONFIG", False, key="balance"),
 }
 
 
