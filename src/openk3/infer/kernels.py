@@ -51,7 +51,11 @@ the older form, carries the next block's rows in registers instead.) The split c
 the programs they hold at once (:func:`mla_num_splits`, from the compiled kernel's shared memory and registers).
 With one split the program writes the output; otherwise it writes a normalised partial and its log2
 sum-exp, and a reduce kernel ``[H, B]`` combines the splits that hold tokens. Head blocks of one (row, split) are
-adjacent in launch order, so with several head blocks the cache bytes come from L2 after the first.
+adjacent in launch order, so with several head blocks the cache bytes come from L2 after the first. Balanced form
+(``balance``, several rows): the same ``num_splits * B`` programs (plus one per row) on one flat axis share the
+batch's tokens evenly -- every program derives one blocks-per-split count from all rows' lengths on the device and
+finds its (row, split) by a prefix sum over the rows' split counts -- so a short row takes fewer splits and a long
+one more, and ragged rows finish together.
 
 MLA glue (:mod:`openk3.infer.decode`'s prep and post steps, ``EngineConfig.fuse_mla_glue``). Prep, one launch of
 ``H * NC + B`` programs: ``H * NC`` programs each form ``dc / NC`` columns of one head's absorbed query for every
