@@ -971,12 +971,31 @@ def test_mla_glue_refusals():
 
 
 @here
-@pytest.mark.parametrize("q_lora", [True, False], ids=["qlora-gate", "plain-q-nogate"])
-def test_engine_mla_glue_triton_path(q_lora):
+@pytest.mark.parametrize(
+    "q_lora,balance",
+    [(True, False), (False, False), (True, True)],
+    ids=["qlora-gate", "plain-q-nogate", "balanced"],
+)
+def test_engine_mla_glue_triton_path(q_lora, balance, monkeypatch):
     """The engine's fuse_mla_glue branch with the Triton steps (taken on CUDA), here on a tiny fp32 model whose shared
     key fits the MLA kernel: the prep kernel gets the engine's strided projection slices and views of kv_b_proj, the
     post step is folded into the MLA step (the gate a slice of the fused projection); the decode logits equal those
-    of the engine without the flag (same Triton MLA step) and of a full re-forward."""
+    of the engine without the flag (same Triton MLA step) and of a full re-forward. ``balance``: the engine's MLA
+    steps in the balanced split form (MLA_CONFIG["balance"]; 16-token splits, so the two ragged rows take splits)."""
+    if balance:
+        monkeypatch.setitem(KN.MLA_CONFIG, "balance", True)
+        monkeypatch.setitem(KN.MLA_CONFIG, "min_chunk", 16)
+        monkeypatch.setitem(KN.MLA_CONFIG, "few_min_chunk", 16)
+    seen = []
+    real_step = KN.mla_decode_triton
+
+    def step(*a, **k):
+        out = real_step(*a, **k)
+        seen.append(KN.MLA_LAST_LAUNCH["balance"])
+        return out
+
+    monkeypatch.setattr(KN, "mla_decode_triton", step)
+
     from openk3.config import get_preset
     from openk3.infer.engine import Engine
     from openk3.infer.sampling import SamplingParams
@@ -994,7 +1013,7 @@ def test_engine_mla_glue_triton_path(q_lora):
         eng = Engine(
             model, None, max_seqs=4, max_tokens=256, page_size=8, record_logits=True, fuse_mla_glue=glue
         )
-        eng._mla_step = KN.mla_decode_triton  # (what CUDA resolves to)
+        eng._mla_step = KN.mla_decode_triton  # (what CUDA resolves to; here the spy around it)
         if glue:
             eng._mla_glue = eng._plan_mla_glue()
             assert eng._mla_glue[:2] == (KN.mla_prep_triton, None)
@@ -1013,6 +1032,7 @@ def test_engine_mla_glue_triton_path(q_lora):
         logs.append([torch.stack(r.logits_log) for r in reqs])
     for a, b in zip(*logs):
         check("engine glue vs none", b, a, 1e-5)
+    assert any(seen) == balance
 
 
 def test_register_only_with_cuda():
