@@ -695,8 +695,8 @@ if HAS_TRITON:
         c)`` splits, so the splits of all rows number at most ``NP + B``)."""
         r = tl.arange(0, BP)
         lens = tl.load(len_ptr + r, mask=r < B, other=0).to(tl.int32)
-        blocks = (lens + BLOCK_N - 1) // BLOCK_N
-        c = tl.maximum((tl.sum(blocks, axis=0) + NP - 1) // NP, (tl.max(blocks, axis=0) + NS - 1) // NS)
+        blocks = tl.cdiv(lens, BLOCK_N)
+        c = tl.maximum(tl.cdiv(tl.sum(blocks, axis=0), NP), tl.cdiv(tl.max(blocks, axis=0), NS))
         return lens, blocks, tl.maximum(c, 1)
 
     @triton.jit
@@ -718,7 +718,7 @@ if HAS_TRITON:
             f = tl.program_id(1)
             lens, blocks, c = _mla_balance(len_ptr, B, NP, NS, BLOCK_N, BP)
             r = tl.arange(0, BP)
-            cum = tl.cumsum((blocks + c - 1) // c, axis=0)
+            cum = tl.cumsum(tl.cdiv(blocks, c), axis=0)
             b = tl.sum((cum <= f).to(tl.int32), axis=0)
             sp = f - tl.sum(tl.where(r == b - 1, cum, 0), axis=0)
             length = tl.sum(tl.where(r == b, lens, 0), axis=0)
@@ -1263,6 +1263,7 @@ def _mla_resident(args: tuple, consts: dict, num_warps: int, device: torch.devic
     key = (tuple(sorted(consts.items())), num_warps, str(args[1].dtype), device.index)
     if key not in _RESIDENT:
         try:
+            # (NS 2, B 1, NP 2: a split launch's variant; the balanced form's arguments do not change its size)
             ck = _mla_split_kernel.warmup(
                 *args, 2, 1, 2, DIRECT=False, **consts, num_warps=num_warps, grid=(1,)
             )
