@@ -43,6 +43,9 @@
 # -> serve_burst.json, serve_rate16.json; mla_peer: FlashInfer as the MLA decode step (needs flashinfer-python): its
 # GPU tests, bench/diag_mla_peer.py (ours beside FlashInfer's paged MLA decode, 16 and 96 heads) -> diag_mla_peer.json,
 # and the 48B-shape engine at context 4,096 with each MLA backend -> e2e_mla_peer.json.
+# v27: the compiled MLA decode tests (per-row and balanced splits), bench/diag_mla_peer.py with ragged and with uniform
+# lengths (per-row, balanced, FlashInfer when installed) -> peer_ragged.json, peer_uniform.json, and the 48B-shape
+# engine at context 4,096 with each split form -> e2e_v27.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -216,6 +219,18 @@ if has serve; then
     --out "$OUT_DIR/serve_burst.json" 2>&1 | grep "^| \|throughput\|Error"
   timeout "${T_SERVE:-240}" python3 bench/bench_serve.py --requests 64 --prompt-len 512 --max-tokens 128 --rate 16 \
     --out "$OUT_DIR/serve_rate16.json" 2>&1 | grep "^| \|throughput\|Error"
+fi
+if has v27; then
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/test_decode_kernels.py -m gpu \
+    -k "test_mla_decode_gpu and not table" >"$OUT_DIR/tests_v27.log" 2>&1
+  echo "v27 tests: exit $? ($(tail -1 "$OUT_DIR/tests_v27.log"))"
+  timeout "$T_DECODE" python3 bench/diag_mla_peer.py --shapes 64x16x8192,64x96x8192,16x96x16384,256x16x4096,1x32x1040 \
+    --out "$OUT_DIR/peer_ragged.json" 2>&1 | grep "^| \|copy\|rror"
+  timeout "$T_DECODE" python3 bench/diag_mla_peer.py --uniform --shapes 64x16x8192,64x96x8192 \
+    --out "$OUT_DIR/peer_uniform.json" 2>&1 | grep "^| \|copy\|rror"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1,16,64 --context 4096 \
+    --wall-timing --kernel-variants mla_per_row,mla_balance,mla_per_row,mla_balance --out "$OUT_DIR/e2e_v27.json" \
+    2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
 if has mla_peer; then
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_mla_peer_gpu.py >"$OUT_DIR/tests_mla_peer.log" 2>&1
