@@ -170,10 +170,12 @@ def run_preset(
     fuse_res: bool | None = None,
     flags: dict | None = None,
     variant: str = "",
+    ragged: float = 1.0,
 ) -> None:
     """One engine per call; ``fuse_ffn`` / ``fuse_res`` / ``moe_small_n`` None: the engine's defaults; ``flags``:
     further EngineConfig booleans (e.g. ``fuse_read_norm``); ``variant``: a name of :data:`KERNEL_VARIANTS`, set
-    around the engine's whole run."""
+    around the engine's whole run; ``ragged`` < 1: prompt lengths drawn uniformly from [ragged * context, context]
+    (one draw per batch size, the same for every variant) instead of all ``context``."""
     from openk3.cost import predict_decode_time
     from openk3.fast import moe_small
     from openk3.infer.engine import Engine
@@ -193,6 +195,7 @@ def run_preset(
         )
         + ("" if moe_small_n is None else f" moe-small<={moe_small_n}")
         + (f" [{variant}]" if variant else "")
+        + (f" ragged>={ragged:g}" if ragged < 1 else "")
         + "".join(f" {k}={v}" for k, v in SAMPLING.items())
     )
     undo = KERNEL_VARIANTS[variant]() if variant else None
@@ -246,7 +249,16 @@ def run_preset(
     V = cfg.vocab_size
     for B in batches:
         try:
-            prompts = [torch.randint(0, V, (context,), generator=g).tolist() for _ in range(B)]
+            lo = max(1, int(ragged * context))
+            lens = (
+                [context] * B
+                if ragged >= 1
+                else [
+                    int(n)
+                    for n in torch.randint(lo, context + 1, (B,), generator=torch.Generator().manual_seed(B))
+                ]
+            )
+            prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
             params = SamplingParams(max_tokens=extra, ignore_eos=True, **{"temperature": 0.0, **SAMPLING})
             reqs = [eng.submit(p, params) for p in prompts]
             tp = time.time()
@@ -275,7 +287,7 @@ def run_preset(
                 eng.abort(r.id)
             while eng.has_work():
                 eng.step()
-            ctx = context + warm + steps // 2
+            ctx = round(sum(lens) / B) + warm + steps // 2
             pred = predict_decode_time(cfg, B, ctx)
             st, fw = statistics.median(step_t), statistics.median(n_fwd)
             row = {
@@ -393,6 +405,14 @@ def main():
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument(
+        "--ragged",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="prompt lengths uniform in [F * context, context] (e.g. 0.5; the context column is their mean); "
+        "default 1: every prompt has --context tokens",
+    )
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (no CUDA graphs)")
     ap.add_argument(
         "--compare-unfused",
@@ -459,6 +479,8 @@ def main():
     )
     ap.add_argument("--out", default=default or os.path.join(ROOT, "bench", "out", "e2e_decode.json"))
     args = ap.parse_args()
+    if not 0 < args.ragged <= 1:
+        ap.error(f"--ragged must lie in (0, 1], got {args.ragged}")
     global DEV, PROFILE, WALL, SAMPLING
     DEV = args.device
     WALL = args.wall_timing
@@ -522,6 +544,7 @@ def main():
                         res,
                         fl,
                         kv,
+                        args.ragged,
                     )
         except Exception as e:
             ERRORS.append(f"{preset}: {e!r}")

@@ -44,8 +44,9 @@
 # GPU tests, bench/diag_mla_peer.py (ours beside FlashInfer's paged MLA decode, 16 and 96 heads) -> diag_mla_peer.json,
 # and the 48B-shape engine at context 4,096 with each MLA backend -> e2e_mla_peer.json.
 # v27: the compiled MLA decode tests (per-row and balanced splits), bench/diag_mla_peer.py with ragged and with uniform
-# lengths (per-row, balanced, FlashInfer when installed) -> peer_ragged.json, peer_uniform.json, and the 48B-shape
-# engine at context 4,096 with each split form -> e2e_v27.json.
+# lengths (per-row, balanced, FlashInfer when installed) -> peer_ragged.json, peer_uniform.json; v27e2e: the
+# 48B-shape engine with each split form, 64 rows of ragged prompts (4k-8k tokens) -> e2e_v27_ragged.json and
+# uniform prompts of 4,096 tokens at batch 1 / 16 / 64 -> e2e_v27.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -228,8 +229,13 @@ if has v27; then
     --out "$OUT_DIR/peer_ragged.json" 2>&1 | grep "^| \|copy\|rror"
   timeout "$T_DECODE" python3 bench/diag_mla_peer.py --uniform --shapes 64x16x8192,64x96x8192 \
     --out "$OUT_DIR/peer_uniform.json" 2>&1 | grep "^| \|copy\|rror"
+fi
+if has v27e2e; then
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 64 --context 8192 --ragged 0.5 \
+    --wall-timing --kernel-variants mla_per_row,mla_balance,mla_per_row,mla_balance --out "$OUT_DIR/e2e_v27_ragged.json" \
+    2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1,16,64 --context 4096 \
-    --wall-timing --kernel-variants mla_per_row,mla_balance,mla_per_row,mla_balance --out "$OUT_DIR/e2e_v27.json" \
+    --wall-timing --kernel-variants mla_per_row,mla_balance --out "$OUT_DIR/e2e_v27.json" \
     2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
 if has mla_peer; then
