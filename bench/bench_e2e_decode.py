@@ -2,11 +2,12 @@
 cost model's weight-and-cache bandwidth roofline.
 
     python3 bench/bench_e2e_decode.py [--presets medium,kimi-linear-48b] [--batches 1,4,16,64] [--context 1024]
-                                      [--steps 24] [--moe-small N] [--compare-fusion] [--out PATH]
+                                      [--steps 24] [--ragged F] [--moe-small N] [--compare-fusion] [--out PATH]
 
 Per preset: a model with random weights is built on the GPU in bf16 (fp32 where SPEC keeps it), an
 :class:`~openk3.infer.engine.Engine` (paged cache, Triton decode steps, CUDA graphs) prefills ``batch`` random prompts
-of ``--context`` tokens, then every request decodes; ``--steps`` steady-state engine steps are timed (all rows
+of ``--context`` tokens (``--ragged F``: lengths uniform in [F * context, context], as a continuous-batching server
+holds them), then every request decodes; ``--steps`` steady-state engine steps are timed (all rows
 decoding, greedy). Two numbers per row:
 
 * ``step``: wall time of one ``Engine.step()`` (scheduling, the decode forward, sampling, bookkeeping): the time per
