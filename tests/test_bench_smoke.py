@@ -1,0 +1,80 @@
+"""The GPU benchmark scripts' CPU smoke modes: each runs end to end on tiny shapes and writes the JSON the notes are
+built from, so that a script does not break between GPU runs unnoticed. Speed is not checked here."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_bench_e2e_decode_cpu_ragged_variants(tmp_path):
+    out = tmp_path / "e2e.json"
+    context = 64
+    r = _run(
+        [
+            "bench/bench_e2e_decode.py", "--device", "cpu", "--presets", "tiny", "--batches", "1,4", "--steps", "3",
+            "--context", str(context), "--ragged", "0.5", "--kernel-variants", "mla_per_row,mla_balance",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["errors"] == []
+    rows = data["rows"]
+    assert [(row["batch"], row["preset"]) for row in rows] == [
+        (1, "tiny [mla_per_row] ragged>=0.5"),
+        (4, "tiny [mla_per_row] ragged>=0.5"),
+        (1, "tiny [mla_balance] ragged>=0.5"),
+        (4, "tiny [mla_balance] ragged>=0.5"),
+    ]
+    warm, steps = 4, 3
+    for row in rows:
+        assert row["step_ms"] > 0 and row["tok_s"] > 0
+        # the reported context is the prompts' mean length (in [context / 2, context]) plus the decoded tokens
+        mean_prompt = row["context"] - warm - steps // 2
+        assert context // 2 <= mean_prompt <= context
+    # the same draw of lengths for every variant (one per batch size)
+    assert rows[0]["context"] == rows[2]["context"] and rows[1]["context"] == rows[3]["context"]
+    assert "| tiny [mla_balance] ragged>=0.5 | 4 |" in r.stdout
+
+
+@pytest.mark.parametrize("bad", ["0", "1.5", "-0.2"])
+def test_bench_e2e_decode_rejects_bad_ragged(bad):
+    r = _run(
+        ["bench/bench_e2e_decode.py", "--device", "cpu", "--presets", "tiny", "--ragged", bad], timeout=120
+    )
+    assert r.returncode == 2
+    assert "--ragged must lie in (0, 1]" in r.stderr
+
+
+def test_bench_serve_cpu(tmp_path):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    out = tmp_path / "serve.json"
+    r = _run(
+        [
+            "bench/bench_serve.py", "--requests", "4", "--prompt-len", "16", "--max-tokens", "6",
+            "--warmup-requests", "2", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert len(data["requests"]) == 4 and data["args"]["warmup_requests"] == 2
+    assert all(0 < q["tokens"] <= 6 and q["ttft"] <= q["e2e"] for q in data["requests"])
+    assert data["output_tokens"] == sum(q["tokens"] for q in data["requests"]) and data["wall_s"] > 0
+    assert "throughput:" in r.stdout
