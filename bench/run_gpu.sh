@@ -232,7 +232,7 @@ if has v27; then
 fi
 if has v27e2e; then
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 64 --context 8192 --ragged 0.5 \
-    --wall-timing --kernel-variants mla_per_row,mla_balance,mla_per_row,mla_balance --out "$OUT_DIR/e2e_v27_ragged.json" \
+    --wall-timing --kernel-variants mla_per_row,mla_balance --out "$OUT_DIR/e2e_v27_ragged.json" \
     2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1,16,64 --context 4096 \
     --wall-timing --kernel-variants mla_per_row,mla_balance --out "$OUT_DIR/e2e_v27.json" \
