@@ -169,7 +169,8 @@ MLA_CONFIG = {
     "overhead_blocks": 2,  # a program's fixed cost (pipeline fill, epilogue, partials) in blocks of work
     # balanced splits (mla_decode_triton's balance): the split count's programs share all rows' tokens evenly, so
     # a batch of ragged lengths does not wait on its longest row's splits; a row takes at most balance_spread times
-    # the even share of splits (the partials' buffer is that much wider)
+    # the even share of splits (the partials' buffer is that much wider). Off: measured slower than the per-row
+    # form on an H100 (bench/NOTES.md v28: 3 % at ragged 16 heads, 19-96 % at 96 heads)
     "balance": False,
     "balance_spread": 2,
 }
