@@ -78,3 +78,21 @@ def test_bench_serve_cpu(tmp_path):
     assert all(0 < q["tokens"] <= 6 and q["ttft"] <= q["e2e"] for q in data["requests"])
     assert data["output_tokens"] == sum(q["tokens"] for q in data["requests"]) and data["wall_s"] > 0
     assert "throughput:" in r.stdout
+
+
+def test_diag_mla_compile_cpu(tmp_path):
+    """The sm_90 compile diagnostic of the MLA split kernel runs here (no GPU) and reports both split forms."""
+    pytest.importorskip("triton")
+    out = tmp_path / "mla_compile.json"
+    env_interp = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        r = _run(["bench/diag_mla_compile.py", "--configs", "few", "--rows", "16", "--out", str(out)])
+    finally:
+        if env_interp is not None:
+            os.environ["TRITON_INTERPRET"] = env_interp
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(x["config"], x["form"]) for x in rows] == [("few", "per-row"), ("few", "balanced, 16 rows")]
+    for x in rows:
+        assert 0 < x["regs"] <= 255 and x["shared"] > 0 and x["sass_instrs"] > 0
+    assert "| few | balanced, 16 rows |" in r.stdout

@@ -1,0 +1,94 @@
+"""Diagnostic, no GPU needed: compiles the absorbed MLA split kernel for sm_90 (Hopper) on this machine, per-row
+and balanced split forms, and prints registers per thread, spill instructions, shared memory and SASS size (through
+the ``cuobjdump`` that ships with Triton), so that a form's code generation can be compared before a GPU run.
+
+    python3 bench/diag_mla_compile.py [--configs many,few] [--rows 16,64] [--out PATH]
+
+Each configuration is an ``MLA_CONFIG`` regime ("many": more than 16 heads, "few": 16 or fewer); the balanced
+form is compiled for each row count in ``--rows`` (its ``BP``, the rows padded to a power of two, is a compile-time
+constant). bf16 latent cache, pages of 16 tokens, partials written (several splits). Run without
+``TRITON_INTERPRET`` in the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _signature(fn) -> dict:
+    """Argument types of the split kernel as the engine launches it (fp32 queries and outputs, bf16 cache, int32
+    table and lengths)."""
+    sig = {}
+    for n in fn.arg_names:
+        if n == "kv_ptr":
+            sig[n] = "*bf16"
+        elif n in ("bt_ptr", "len_ptr"):
+            sig[n] = "*i32"
+        elif n.endswith("_ptr"):
+            sig[n] = "*fp32"
+        elif n.startswith("s_") or n in ("H", "NS", "B", "NP"):
+            sig[n] = "i32"
+        elif n == "scale_log2":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "constexpr"
+    return sig
+
+
+def main():
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        sys.exit("diag_mla_compile.py compiles kernels: run it without TRITON_INTERPRET=1")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="many,few", help="MLA_CONFIG regimes to compile")
+    ap.add_argument("--rows", default="16,64", help="row counts for the balanced form (its BP)")
+    ap.add_argument("--page", type=int, default=16, help="page size in tokens")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    import triton
+
+    import openk3.infer.kernels as KN
+    from diag_kda_compile import compile_one
+
+    fn = KN._mla_split_kernel
+    sig = _signature(fn)
+    rows = []
+    for name in [c for c in args.configs.split(",") if c]:
+        if name not in ("many", "few"):
+            sys.exit(f"--configs: unknown regime {name!r} (many, few)")
+        cfg = KN.MLA_CONFIG[name]
+        bn = cfg["BLOCK_N"]
+        mode = 1 if args.page % bn == 0 else 2 if bn % args.page == 0 else 0
+        forms = [("per-row", False, 1)] + [
+            (f"balanced, {b} rows", True, triton.next_power_of_2(int(b))) for b in args.rows.split(",") if b
+        ]
+        for label, bal, bp in forms:
+            consts = dict(
+                PAGE=args.page, MODE=mode, DIRECT=False, DC=512, DR=64, BLOCK_H=cfg["block_h"], BLOCK_N=bn,
+                F32=False, TRANS=cfg["trans"], PREFETCH=int(cfg["prefetch"]), STAGES=cfg["num_stages"],
+                INTERP=False, PDL=False, BAL=bal, BP=bp,
+            )  # fmt: skip
+            r = compile_one(fn, consts, cfg["num_warps"], sig=sig, div=("H",))
+            r.update(config=name, form=label)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    print("| config | form | registers | spill loads / stores | shared KB | SASS instructions |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['config']} | {r['form']} | {r.get('regs')} | {r['spill_ld']} / {r['spill_st']} | "
+            f"{r['shared'] / 1024:.0f} | {r['sass_instrs']} |"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
