@@ -29,10 +29,32 @@ SHAPES = {
 }
 
 
+def signature(
+    fn, *, ptrs: dict | None = None, other_ptrs: str, ints=(), int_prefixes=("s_",), floats=()
+) -> dict:
+    """Argument types of the Triton kernel ``fn`` for an sm_90 compile: pointers named in ``ptrs`` get their type
+    there, other ``*_ptr`` arguments ``other_ptrs``; arguments named in ``ints`` or starting with one of
+    ``int_prefixes`` are i32, those in ``floats`` fp32, the rest constexprs."""
+    ptrs = ptrs or {}
+    sig = {}
+    for name in fn.arg_names:
+        if name in ptrs:
+            sig[name] = ptrs[name]
+        elif name.endswith("_ptr"):
+            sig[name] = other_ptrs
+        elif name in ints or name.startswith(tuple(int_prefixes)):
+            sig[name] = "i32"
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "constexpr"
+    return sig
+
+
 def _types(fn, dtype: str) -> dict:
     """Argument types of a KDA decode kernel launched on model tensors (activations and projection weights in the
     model dtype, the conv / gate / norm parameters and the caches fp32)."""
-    fp32_ptrs = {
+    fp32_ptrs = (
         "wq_ptr",
         "wk_ptr",
         "wv_ptr",
@@ -41,25 +63,9 @@ def _types(fn, dtype: str) -> dict:
         "norm_w_ptr",
         "conv_ptr",
         "state_ptr",
-    }
-    fp32_ptrs |= {"sg_ptr", "ss_ptr"}
-    sig = {}
-    for name in fn.arg_names:
-        if name == "slots_ptr":
-            sig[name] = "*i64"
-        elif name == "cnt_ptr":
-            sig[name] = "*i32"
-        elif name in fp32_ptrs:
-            sig[name] = "*fp32"
-        elif name.endswith("_ptr"):
-            sig[name] = f"*{dtype}"
-        elif name.startswith("s_"):
-            sig[name] = "i32"
-        elif name in ("lower_bound", "eps", "q_scale"):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "constexpr"
-    return sig
+    )
+    ptrs = {n: "*fp32" for n in (*fp32_ptrs, "sg_ptr", "ss_ptr")} | {"slots_ptr": "*i64", "cnt_ptr": "*i32"}
+    return signature(fn, ptrs=ptrs, other_ptrs=f"*{dtype}", floats=("lower_bound", "eps", "q_scale"))
 
 
 def compile_one(

@@ -25,21 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def _signature(fn) -> dict:
     """Argument types of the split kernel as the engine launches it (fp32 queries and outputs, bf16 cache, int32
     table and lengths)."""
-    sig = {}
-    for n in fn.arg_names:
-        if n == "kv_ptr":
-            sig[n] = "*bf16"
-        elif n in ("bt_ptr", "len_ptr"):
-            sig[n] = "*i32"
-        elif n.endswith("_ptr"):
-            sig[n] = "*fp32"
-        elif n.startswith("s_") or n in ("H", "NS", "B", "NP"):
-            sig[n] = "i32"
-        elif n == "scale_log2":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "constexpr"
-    return sig
+    from diag_kda_compile import signature
+
+    return signature(
+        fn,
+        ptrs={"kv_ptr": "*bf16", "bt_ptr": "*i32", "len_ptr": "*i32"},
+        other_ptrs="*fp32",
+        ints=("H", "NS", "B", "NP"),
+        floats=("scale_log2",),
+    )
 
 
 def main():

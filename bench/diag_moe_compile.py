@@ -22,21 +22,16 @@ TILES = [(16, 256, 3, 4), (16, 256, 3, 8), (8, 256, 3, 4), (16, 128, 3, 4), (8, 
 
 def _sig(fn) -> dict:
     """Argument types of the gate/up kernel on bf16 activations and weights."""
-    sig = {}
-    for n in fn.arg_names:
-        if n == "idx_ptr":
-            sig[n] = "*i64"
-        elif n in ("logit_ptr", "bias_ptr", "wt_ptr", "score_ptr"):
-            sig[n] = "*fp32"
-        elif n.endswith("_ptr"):
-            sig[n] = "*bf16"
-        elif n in ("E", "W", "I") or n.startswith(("s_", "s1", "s3")):
-            sig[n] = "i32"
-        elif n in ("b1", "ib1", "b2", "ib2", "scaling", "sb1", "isb1", "sb2", "isb2"):
-            sig[n] = "fp32"
-        else:
-            sig[n] = "constexpr"
-    return sig
+    from diag_kda_compile import signature
+
+    return signature(
+        fn,
+        ptrs={"idx_ptr": "*i64"} | dict.fromkeys(("logit_ptr", "bias_ptr", "wt_ptr", "score_ptr"), "*fp32"),
+        other_ptrs="*bf16",
+        ints=("E", "W", "I"),
+        int_prefixes=("s_", "s1", "s3"),
+        floats=("b1", "ib1", "b2", "ib2", "scaling", "sb1", "isb1", "sb2", "isb2"),
+    )
 
 
 def main():
