@@ -69,7 +69,7 @@ def _types(fn, dtype: str) -> dict:
 
 
 def compile_one(
-    fn, consts: dict, num_warps: int, dtype: str = "bf16", maxnreg: int = 0, sig=None, div=()
+    fn, consts: dict, num_warps: int, dtype: str = "bf16", maxnreg: int = 0, sig=None, div=(), gluon=False
 ) -> dict:
     """sm_90 compile of ``fn`` (argument types ``sig``, default: a KDA decode kernel's) with the constexprs
     ``consts``: registers, spills, barriers, instructions. Pointers and ``s_*`` strides are marked divisible by 16,
@@ -89,6 +89,8 @@ def compile_one(
         for i, n in enumerate(fn.arg_names)
         if sig[n].startswith("*") or n.startswith("s_") or n in div
     }
+    if gluon:  # a Gluon kernel (triton.experimental.gluon): its own front end
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     opts = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
@@ -107,6 +109,12 @@ def compile_one(
     res["spill_ld"] = len(re.findall(r"\bLDL\b", sass))
     res["spill_st"] = len(re.findall(r"\bSTL\b", sass))
     res["bar_sync"] = len(re.findall(r"\bBAR\.SYNC", sass))
+    # warpgroup MMAs, TMA loads and per-partition register budgets (warp-specialised kernels)
+    res["hgmma"] = len(re.findall(r"\bHGMMA\.", sass))
+    res["tma_loads"] = len(re.findall(r"\bUTMALDG\b", sass))
+    res["setmaxnreg"] = sorted(
+        {int(x, 16) for x in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d+, )?0x([0-9a-f]+)", sass)}
+    )
     res["sass_instrs"] = len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass))
     return res
 

@@ -2,11 +2,12 @@
 and balanced split forms, and prints registers per thread, spill instructions, shared memory and SASS size (through
 the ``cuobjdump`` that ships with Triton), so that a form's code generation can be compared before a GPU run.
 
-    python3 bench/diag_mla_compile.py [--configs many,few] [--rows 16,64] [--out PATH]
+    python3 bench/diag_mla_compile.py [--configs many,few,gluon] [--rows 16,64] [--out PATH]
 
 Each configuration is an ``MLA_CONFIG`` regime ("many": more than 16 heads, "few": 16 or fewer); the balanced
 form is compiled for each row count in ``--rows`` (its ``BP``, the rows padded to a power of two, is a compile-time
-constant). bf16 latent cache, pages of 16 tokens, partials written (several splits). Run without
+constant). "gluon": the warp-specialised Gluon split kernel (:mod:`openk3.infer.mla_gluon`), writing partials and
+writing the output (one split); it also reports its warpgroup MMAs, TMA loads and per-partition register budgets. bf16 latent cache, pages of 16 tokens, partials written (several splits). Run without
 ``TRITON_INTERPRET`` in the environment.
 """
 
@@ -36,6 +37,45 @@ def _signature(fn) -> dict:
     )
 
 
+def _gluon_rows(page: int) -> list[dict]:
+    """sm_90 compiles of the Gluon split kernel as :func:`openk3.infer.mla_gluon.mla_split_gluon` launches it
+    (bf16 cache, fp32 queries and outputs), writing partials and writing the output."""
+    from triton.experimental.gluon import language as gl
+
+    import openk3.infer.mla_gluon as MG
+    from diag_kda_compile import compile_one
+
+    if not MG.HAS_GLUON:
+        sys.exit("--configs gluon: this Triton has no Gluon")
+    cfg = MG.MLA_GLUON_CONFIG
+    box = min(page, cfg["block_n"])
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    fn = MG._mla_split_gluon_kernel
+    consts_names = ("PAGE", "BOX", "DIRECT", "BLOCK_H", "BLOCK_N", "STAGES", "PV_REGS", "LOAD_REGS")
+    sig = {}
+    for n in fn.arg_names:
+        if n == "kv_desc":
+            sig[n] = f"tensordesc<bf16[{box}, 64],{layout!r}>"
+        elif n in ("bt_ptr", "len_ptr"):
+            sig[n] = "*i32"
+        elif n.endswith("_ptr"):
+            sig[n] = "*fp32"
+        elif n == "scale_log2":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "constexpr" if n in consts_names else "i32"
+    rows = []
+    for label, direct in (("partials", False), ("one split", True)):
+        consts = dict(
+            PAGE=page, BOX=box, DIRECT=direct, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
+            STAGES=cfg["stages"], PV_REGS=cfg["pv_regs"], LOAD_REGS=cfg["load_regs"],
+        )  # fmt: skip
+        r = compile_one(fn, consts, 4, maxnreg=cfg["maxnreg"], sig=sig, gluon=True)
+        r.update(config="gluon", form=label)
+        rows.append(r)
+    return rows
+
+
 def main():
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("diag_mla_compile.py compiles kernels: run it without TRITON_INTERPRET=1")
@@ -54,8 +94,13 @@ def main():
     sig = _signature(fn)
     rows = []
     for name in [c for c in args.configs.split(",") if c]:
-        if name not in ("many", "few"):
-            sys.exit(f"--configs: unknown regime {name!r} (many, few)")
+        if name not in ("many", "few", "gluon"):
+            sys.exit(f"--configs: unknown regime {name!r} (many, few, gluon)")
+        if name == "gluon":
+            for r in _gluon_rows(args.page):
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            continue
         cfg = KN.MLA_CONFIG[name]
         bn = cfg["BLOCK_N"]
         mode = 1 if args.page % bn == 0 else 2 if bn % args.page == 0 else 0

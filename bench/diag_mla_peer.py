@@ -4,11 +4,12 @@ the PyTorch reference, timed as replays of a CUDA graph holding 20 calls (host w
 excluded), beside the HBM roofline (latent bytes over the measured copy bandwidth).
 
     python3 bench/diag_mla_peer.py [--shapes 1x32x1040,64x16x8192,64x96x8192] [--page-size 16] [--uniform]
-                                   [--out PATH]
+                                   [--variants ours,bal,w8,gluon] [--out PATH]
 
-Lengths are ragged (each row uniform in [L/2, L], row 0 at L) unless ``--uniform``. Our kernel runs twice: its
-per-row splits (each row cut in the same number of shares) and its balanced splits (``balance=True``: the programs
-share the batch's tokens evenly).
+Lengths are ragged (each row uniform in [L/2, L], row 0 at L) unless ``--uniform``. Our kernel runs in the forms
+named by ``--variants`` (default ``ours,bal``): ``ours`` its per-row splits (each row cut in the same number of
+shares), ``bal`` its balanced splits (``balance=True``: the programs share the batch's tokens evenly), ``w8`` the
+Triton tile at 8 warps, ``gluon`` the warp-specialised Gluon kernel (:mod:`openk3.infer.mla_gluon`, Hopper only).
 
 The FlashInfer column runs the engine's step (``openk3.infer.mla_peer.FlashInferDecodeStep``, which
 ``EngineConfig.mla_backend="flashinfer"`` uses); its host-side plan is timed apart (``peer_plan_us``).
@@ -34,6 +35,20 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 DC, DR = 512, 64
+# our kernel's forms (mla_decode_triton keywords) and their table labels
+VARIANTS = {
+    "ours": dict(balance=False, gluon=False),
+    "bal": dict(balance=True, gluon=False),
+    # the many-head tile at 8 warps (no spills in its sm_90 compile, against 32 at 4 warps)
+    "w8": dict(balance=False, gluon=False, num_warps=8),
+    "gluon": dict(gluon=True),
+}
+LABELS = {
+    "ours": "ours, per-row splits",
+    "bal": "ours, balanced",
+    "w8": "ours, 8 warps",
+    "gluon": "ours, Gluon",
+}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -56,7 +71,21 @@ def main() -> None:
         "--out",
         default=os.path.join(os.environ.get("OUT", os.path.join(ROOT, "bench", "out")), "diag_mla_peer.json"),
     )
+    ap.add_argument(
+        "--variants",
+        default="ours,bal",
+        help=f"our kernel's forms, comma separated (ours, the per-row splits, always runs): {', '.join(VARIANTS)}",
+    )
     a = ap.parse_args()
+    variants = ["ours"] + [v for v in a.variants.split(",") if v and v != "ours"]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        sys.exit(f"--variants: unknown {bad} (known: {', '.join(VARIANTS)})")
+    from openk3.infer.mla_gluon import HAS_GLUON
+
+    gluon_ok = HAS_GLUON and torch.cuda.get_device_capability()[0] == 9
+    if "gluon" in variants and not gluon_ok:
+        print("gluon: skipped (needs Triton's Gluon and a Hopper GPU)")
     ok, why = flashinfer_available()
     print(f"flashinfer: {'yes' if ok else 'no (' + why + ')'}")
     bw = copy_rate()[0] / 1e12  # bytes read + written per second
@@ -82,24 +111,30 @@ def main() -> None:
             "latent_MB": latent_bytes / 1e6,
             "roofline_us": latent_bytes / (bw * 1e12) * 1e6,
         }
-        ours_fn = functools.partial(
-            mla_decode_triton, q, kv, table, lengths, scale=scale, kv_lora_rank=DC, balance=False
-        )
-        bal_fn = functools.partial(
-            mla_decode_triton, q, kv, table, lengths, scale=scale, kv_lora_rank=DC, balance=True
-        )
-        ours = ours_fn()
-        ours_bal = bal_fn()
-        row["splits"] = MLA_LAST_LAUNCH["splits"]
-        row["bal_vs_ours_rel"] = rel(ours_bal, ours)
+        fns = {
+            v: functools.partial(
+                mla_decode_triton, q, kv, table, lengths, scale=scale, kv_lora_rank=DC, **VARIANTS[v]
+            )
+            for v in variants
+            if v != "gluon" or gluon_ok
+        }
+        outs = {}
+        for v, fn in fns.items():
+            outs[v] = fn()
+            row[f"{v}_splits"] = MLA_LAST_LAUNCH["splits"]
+        ours = outs["ours"]
+        row["splits"] = row["ours_splits"]
+        for v in fns:
+            if v != "ours":
+                row[f"{v}_vs_ours_rel"] = rel(outs[v], ours)
         ref = None
         if B * H * L <= 64 * 16 * 8192:
             ref = mla_decode_reference(q, kv, table, lengths, scale=scale, kv_lora_rank=DC)
-            row["ours_rel_err"] = rel(ours.bfloat16(), ref)
-            row["bal_rel_err"] = rel(ours_bal.bfloat16(), ref)
-        for key, fn in (("ours", ours_fn), ("bal", bal_fn)):
-            row[f"{key}_us"] = graph_us([fn] * 20)
-            row[f"{key}_TBps"] = latent_bytes / (row[f"{key}_us"] * 1e-6) / 1e12
+            for v in fns:
+                row[f"{v}_rel_err"] = rel(outs[v].bfloat16(), ref)
+        for v, fn in fns.items():
+            row[f"{v}_us"] = graph_us([fn] * 20)
+            row[f"{v}_TBps"] = latent_bytes / (row[f"{v}_us"] * 1e-6) / 1e12
         if ok:
             # the engine's FlashInfer step: planned on the host from the host table and lengths, then run
             peer = FlashInferDecodeStep(
@@ -124,24 +159,24 @@ def main() -> None:
             del peer, peer_fn
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del ours_fn, bal_fn, ours, ours_bal, ref
+        del fns, outs, ours, ref
         torch.cuda.empty_cache()
     print()
     kind = "uniform" if a.uniform else "ragged, L max"
+    cols = [v for v in variants if any(f"{v}_us" in r for r in rows)]
     print(
-        f"| B x H x L ({kind}) | latent MB | roofline us | ours, per-row splits us (TB/s) | ours, balanced us (TB/s) "
-        "| FlashInfer fa3 us (TB/s) | rel err ours / balanced / fa3 |"
+        f"| B x H x L ({kind}) | latent MB | roofline us | "
+        + " | ".join(f"{LABELS[v]} us (TB/s)" for v in cols)
+        + " | FlashInfer fa3 us (TB/s) | rel err "
+        + " / ".join(cols)
+        + " / fa3 |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | " + "--- | " * len(cols) + "--- | --- |")
     for r in rows:
         p = f"{r['peer_us']:.1f} ({r['peer_TBps']:.2f})" if "peer_us" in r else "--"
-        e = " / ".join(
-            f"{r.get(k, float('nan')):.1e}" for k in ("ours_rel_err", "bal_rel_err", "peer_rel_err")
-        )
-        print(
-            f"| {r['shape']} | {r['latent_MB']:.1f} | {r['roofline_us']:.1f} | {r['ours_us']:.1f} "
-            f"({r['ours_TBps']:.2f}) | {r['bal_us']:.1f} ({r['bal_TBps']:.2f}) | {p} | {e} |"
-        )
+        e = " / ".join(f"{r.get(k + '_rel_err', float('nan')):.1e}" for k in [*cols, "peer"])
+        t = " | ".join(f"{r[v + '_us']:.1f} ({r[v + '_TBps']:.2f})" if v + "_us" in r else "--" for v in cols)
+        print(f"| {r['shape']} | {r['latent_MB']:.1f} | {r['roofline_us']:.1f} | {t} | {p} | {e} |")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"copy_TBps": bw, "uniform": a.uniform, "rows": rows}, f, indent=1)

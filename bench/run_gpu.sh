@@ -46,7 +46,10 @@
 # v27: the compiled MLA decode tests (per-row and balanced splits), bench/diag_mla_peer.py with ragged and with uniform
 # lengths (per-row, balanced, FlashInfer when installed) -> peer_ragged.json, peer_uniform.json; v27e2e: the
 # 48B-shape engine with each split form, 64 rows of ragged prompts (4k-8k tokens) -> e2e_v27_ragged.json and
-# uniform prompts of 4,096 tokens at batch 1 / 16 / 64 -> e2e_v27.json.
+# uniform prompts of 4,096 tokens at batch 1 / 16 / 64 -> e2e_v27.json; gluon: the GPU tests of the warp-specialised
+# Gluon MLA split kernel (tests_gluon.log), then bench/diag_mla_peer.py with the Triton tile at 4 and 8 warps, the
+# Gluon kernel (when its tests passed) and FlashInfer at 96 heads (ragged, and uniform at 64 x 96 x 8k) ->
+# peer_gluon.json, peer_gluon_uniform.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -237,6 +240,22 @@ if has v27e2e; then
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 1,16,64 --context 4096 \
     --wall-timing --kernel-variants mla_per_row,mla_balance --out "$OUT_DIR/e2e_v27.json" \
     2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
+fi
+if has gluon; then
+  # the Gluon kernel's GPU tests first, in their own process (a wrong barrier phase would hang, not fail); the
+  # timing runs it only if they passed
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/test_decode_kernels.py -m gpu -k "gluon" \
+    >"$OUT_DIR/tests_gluon.log" 2>&1
+  rc=$?
+  echo "gluon tests: exit $rc ($(tail -1 "$OUT_DIR/tests_gluon.log"))"
+  grep -m5 "Error\|assert\|FAILED" "$OUT_DIR/tests_gluon.log"
+  V=ours,w8
+  [ $rc -eq 0 ] && V=ours,w8,gluon
+  timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants $V \
+    --shapes 64x96x8192,16x96x16384,256x96x4096,4x96x16384,1x96x4096,64x16x8192 \
+    --out "$OUT_DIR/peer_gluon.json" 2>&1 | grep "^| \|copy\|rror\|gluon\|flashinfer"
+  timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants $V --uniform --shapes 64x96x8192 \
+    --out "$OUT_DIR/peer_gluon_uniform.json" 2>&1 | grep "^| \|rror"
 fi
 if has mla_peer; then
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_mla_peer_gpu.py >"$OUT_DIR/tests_mla_peer.log" 2>&1

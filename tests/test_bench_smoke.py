@@ -81,14 +81,28 @@ def test_bench_serve_cpu(tmp_path):
 
 
 def test_diag_mla_compile_cpu(tmp_path, monkeypatch):
-    """The sm_90 compile diagnostic of the MLA split kernel runs here (no GPU) and reports both split forms."""
+    """The sm_90 compile diagnostic of the MLA split kernels runs here (no GPU) and reports both split forms of the
+    Triton kernel and both output forms of the warp-specialised Gluon kernel; the Gluon kernel compiles to warpgroup
+    MMAs fed by TMA, with per-partition register budgets, no spills, in one SM's shared memory."""
     pytest.importorskip("triton")
+    from openk3.infer.mla_gluon import HAS_GLUON
+
     out = tmp_path / "mla_compile.json"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the script compiles; it refuses the interpreter)
-    r = _run(["bench/diag_mla_compile.py", "--configs", "few", "--rows", "16", "--out", str(out)])
+    configs = "few,gluon" if HAS_GLUON else "few"
+    r = _run(["bench/diag_mla_compile.py", "--configs", configs, "--rows", "16", "--out", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [(x["config"], x["form"]) for x in rows] == [("few", "per-row"), ("few", "balanced, 16 rows")]
+    want = [("few", "per-row"), ("few", "balanced, 16 rows")]
+    if HAS_GLUON:
+        want += [("gluon", "partials"), ("gluon", "one split")]
+    assert [(x["config"], x["form"]) for x in rows] == want
     for x in rows:
         assert 0 < x["regs"] <= 255 and x["shared"] > 0 and x["sass_instrs"] > 0
     assert "| few | balanced, 16 rows |" in r.stdout
+    for x in rows[2:]:
+        assert x["spill_ld"] == 0 and x["spill_st"] == 0
+        assert x["shared"] <= 227 * 1024  # Hopper's per-block limit
+        assert x["hgmma"] > 0 and x["tma_loads"] > 0
+        # the loader warp's small budget and the product groups' large ones
+        assert min(x["setmaxnreg"]) <= 32 and max(x["setmaxnreg"]) >= 200

@@ -1193,6 +1193,99 @@ def test_mla_decode_gpu(dtype, H, page_size):
         )
 
 
+def _gluon_here() -> bool:
+    from openk3.infer.mla_gluon import HAS_GLUON
+
+    return CUDA and HAS_GLUON and torch.cuda.get_device_capability()[0] == 9
+
+
+@here
+def test_mla_gluon_refusals():
+    """The Gluon split kernel is asked for where it cannot run: a clear error, never a fallback that hides it."""
+    from openk3.infer.mla_gluon import gluon_supported
+
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 64, 576, generator=gen).to(DEV)
+    kv = torch.randn(9, 16, 576, generator=gen).to(DEV)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4).to(DEV)
+    lens = torch.tensor([40, 64], dtype=torch.int32).to(DEV)
+    if not _gluon_here():
+        ok, why = gluon_supported(q, kv.bfloat16(), 512)
+        assert not ok and why
+        with pytest.raises(ValueError, match="gluon"):
+            KN.mla_decode_triton(q, kv.bfloat16(), table, lens, scale=0.1, kv_lora_rank=512, gluon=True)
+        # the default leaves it off here (and off below the head threshold everywhere)
+        KN.mla_decode_triton(q, kv, table, lens, scale=0.1, kv_lora_rank=512)
+        assert KN.MLA_LAST_LAUNCH["kernel"] == "triton"
+        return
+    for bad, msg in (
+        (kv, "bf16 or fp16"),  # fp32 cache
+        (torch.randn(9, 12, 576, generator=gen).bfloat16().to(DEV), "power-of-two page"),
+        (torch.randn(9, 16, 640, generator=gen).bfloat16().to(DEV)[..., :576], "contiguous"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            KN.mla_decode_triton(q, bad, table, lens, scale=0.1, kv_lora_rank=512, gluon=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("H", [64, 96])
+@pytest.mark.parametrize("page_size", [8, 16, 64, 128])
+def test_mla_gluon_gpu(dtype, H, page_size):
+    """The warp-specialised Gluon split walk against the fp32 reference: ragged rows (one token, block and page
+    boundaries, a shared prefix, padded rows), several splits, one split, every cache row no token owns NaN, and the
+    post step folded into the reduce."""
+    if not _gluon_here():
+        pytest.skip("needs Triton's Gluon and a Hopper GPU")
+    seed = seed_of("gluon", str(dtype), H, page_size)
+    lengths = [1, 2047, 3000, 64, 777, 16, 128, 63]
+    tol = MLA_TOL[torch.bfloat16]
+    for k, kw in enumerate(
+        (
+            {},
+            dict(num_splits=1),
+            dict(num_splits=3),
+            dict(num_splits=5, poison=True),
+            dict(post=(128, torch.bfloat16, True)),
+        )
+    ):
+        run_mla_case(lengths, H, 512, 64, page_size, dtype, seed + k, tol, n_pad=2, gluon=True, **kw)
+        assert KN.MLA_LAST_LAUNCH["kernel"] == "gluon" and KN.MLA_LAST_LAUNCH["block_n"] == 64
+
+
+@pytest.mark.gpu
+def test_mla_gluon_gpu_graph():
+    """The Gluon walk captured in a CUDA graph (with the reduce), replayed on new queries, lengths and cache rows,
+    agrees with the Triton kernel and the reference."""
+    if not _gluon_here():
+        pytest.skip("needs Triton's Gluon and a Hopper GPU")
+    gen = torch.Generator().manual_seed(23)
+    B, H, ps, maxp = 6, 96, 16, 200
+    kv = torch.randn(B * maxp + 1, ps, 576, generator=gen).bfloat16().to(DEV)
+    table = torch.randperm(B * maxp, generator=gen).view(B, maxp).int().to(DEV)
+    lens = torch.randint(1, maxp * ps, (B,), generator=gen).int().to(DEV)
+    q = torch.randn(B, H, 576, generator=gen).to(DEV)
+
+    def step():
+        return KN.mla_decode_triton(q, kv, table, lens, scale=192**-0.5, kv_lora_rank=512, gluon=True)
+
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o_g = step()
+    for rep in range(3):
+        q.copy_(torch.randn(q.shape, generator=gen))
+        kv.copy_(torch.randn(kv.shape, generator=gen).bfloat16())
+        lens.copy_(torch.randint(1, maxp * ps, (B,), generator=gen))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = mla_decode_reference(q, kv, table, lens, scale=192**-0.5, kv_lora_rank=512)
+        check(f"gluon graph replay {rep}", o_g, ref, MLA_TOL[torch.bfloat16])
+        tri = KN.mla_decode_triton(q, kv, table, lens, scale=192**-0.5, kv_lora_rank=512, gluon=False)
+        check(f"gluon graph replay {rep} vs triton", o_g, tri, 2e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize(

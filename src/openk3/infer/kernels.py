@@ -173,6 +173,11 @@ MLA_CONFIG = {
     # form on an H100 (bench/NOTES.md v28: 3 % at ragged 16 heads, 19-96 % at 96 heads)
     "balance": False,
     "balance_spread": 2,
+    # the warp-specialised Gluon split kernel (openk3.infer.mla_gluon: a TMA loader warp and two warp groups on
+    # the products, 64 heads per program) for models with at least "gluon_min_heads" heads, on Hopper with a bf16 /
+    # fp16 cache; the Triton split kernel otherwise
+    "gluon": False,
+    "gluon_min_heads": 64,
 }
 # The MLA glue steps around the split kernel (EngineConfig.fuse_mla_glue): the prep kernel (latent norm + cache
 # write + absorbed query) and the post step (W_UV product, rounding, output gate; folded into the reduce, or its own
@@ -1284,6 +1289,23 @@ def _mla_resident(args: tuple, consts: dict, num_warps: int, device: torch.devic
     return _RESIDENT[key]
 
 
+def _use_gluon(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, gluon: bool | None) -> bool:
+    """Whether :func:`mla_decode_triton`'s split walk runs the Gluon kernel (``gluon``: the caller's choice,
+    None: :data:`MLA_CONFIG`'s)."""
+    if gluon is False or INTERPRET:
+        if gluon:
+            raise ValueError("mla_decode_triton: gluon=True has no CPU interpreter form")
+        return False
+    if gluon is None and not (MLA_CONFIG["gluon"] and q.shape[1] >= MLA_CONFIG["gluon_min_heads"]):
+        return False
+    from openk3.infer.mla_gluon import gluon_supported
+
+    ok, why = gluon_supported(q, kv_cache, kv_lora_rank)
+    if gluon and not ok:
+        raise ValueError(f"mla_decode_triton: gluon=True: {why}")
+    return ok
+
+
 def mla_decode_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -1305,6 +1327,7 @@ def mla_decode_triton(
     out_dtype: torch.dtype | None = None,
     v_splits: int | None = None,
     balance: bool | None = None,
+    gluon: bool | None = None,
 ) -> torch.Tensor:
     """Paged absorbed MLA decode (signature and layouts: :mod:`openk3.infer.decode`); returns ``[B, H, dc]`` fp32.
     ``num_splits`` (default :func:`mla_num_splits` with the compiled kernel's occupancy), ``block_h`` (heads per
@@ -1320,7 +1343,12 @@ def mla_decode_triton(
     With ``w_uv [H, dv, dc]`` the MLA post step (:mod:`openk3.infer.decode`: ``W_UV``, rounding to ``out_dtype``,
     times ``sigmoid(gate)`` with ``gate [B, H * dv]``) is applied too, folded into the reduce of the splits (one
     split: its own launch after the walk), and the result is ``o [B, H * dv]`` in ``out_dtype``; ``v_splits``
-    overrides the number of programs per (row, head) that share its ``dv`` outputs."""
+    overrides the number of programs per (row, head) that share its ``dv`` outputs.
+
+    ``gluon`` (default: ``MLA_CONFIG["gluon"]`` where the model has at least ``MLA_CONFIG["gluon_min_heads"]``
+    heads and :func:`openk3.infer.mla_gluon.gluon_supported` takes the inputs): the split walk runs the
+    warp-specialised Gluon kernel (64 heads and 64 tokens per block; the tile parameters above do not apply).
+    ``gluon=True`` on inputs it does not take is an error."""
     if w_uv is None and (gate is not None or out_dtype is not None or v_splits is not None):
         raise ValueError("mla_decode_triton: gate, out_dtype and v_splits come with w_uv (the post step)")
     B, H, D = q.shape
@@ -1337,7 +1365,13 @@ def mla_decode_triton(
     q = _row_major(q)
     block_table = _row_major(block_table)
     cfg = MLA_CONFIG
+    use_g = _use_gluon(q, kv_cache, DC, gluon)
     base = cfg["fp32"] if kv_cache.dtype == torch.float32 else cfg["few" if H <= 16 else "many"]
+    if use_g:
+        from openk3.infer.mla_gluon import MLA_GLUON_CONFIG
+
+        base = {**base, "block_h": MLA_GLUON_CONFIG["block_h"], "BLOCK_N": MLA_GLUON_CONFIG["block_n"]}
+        block_h = block_n = None
     bh = block_h or base["block_h"]
     bn = block_n or base["BLOCK_N"]
     nw = num_warps or base["num_warps"]
@@ -1383,7 +1417,7 @@ def mla_decode_triton(
     if not ns:  # decided once per shape and configuration (this is on the decode step's host path)
         max_context = block_table.shape[1] * page_size
         min_chunk = _min_chunk(B, cfg, min_chunk)
-        key = (B, H, max_context, nw, kv_cache.dtype, q.device, min_chunk, *consts.values())
+        key = (B, H, max_context, nw, kv_cache.dtype, q.device, min_chunk, use_g, *consts.values())
         ns = _SPLITS.get(key)
         if ns is None:
             ns = _SPLITS[key] = mla_num_splits(
@@ -1393,15 +1427,16 @@ def mla_decode_triton(
                 bh,
                 q.device,
                 block_n=bn,
-                resident=_mla_resident(args, consts, nw, q.device),
+                resident=1 if use_g else _mla_resident(args, consts, nw, q.device),
                 min_chunk=min_chunk,
             )
-    bal = bool(cfg["balance"] if balance is None else balance) and ns > 1 and B > 1
+    bal = bool(cfg["balance"] if balance is None else balance) and ns > 1 and B > 1 and not use_g
     # partial slots per (row, head): a balanced row may take up to balance_spread times the even share of splits
     nsp = max(ns, int(cfg["balance_spread"]) * ns) if bal else ns
     MLA_LAST_LAUNCH.update(
         splits=ns, block_h=bh, block_n=bn, num_warps=nw, num_stages=st, prefetch=pf, pdl=consts["PDL"],
         min_chunk=min_chunk, post=None if post is None else "reduce" if ns > 1 else "kernel", balance=bal,
+        kernel="gluon" if use_g else "triton",
     )  # fmt: skip
     if ns > 1:
         part = torch.empty(B, H, nsp, DC, dtype=torch.float32, device=q.device)
@@ -1411,9 +1446,15 @@ def mla_decode_triton(
     bkw = dict(BAL=bal, BP=triton.next_power_of_2(B) if bal else 1)
     # balanced: one flat axis of ns * B programs plus one per row (the rows' split counts round up)
     grid = (triton.cdiv(H, bh), ns * B + B, 1) if bal else (triton.cdiv(H, bh), ns, B)
-    _mla_split_kernel[grid](
-        *args, nsp, B, ns * B, DIRECT=ns == 1, **consts, **bkw, num_warps=nw, **pdl_launch(pdl)
-    )
+    if use_g:
+        from openk3.infer.mla_gluon import mla_split_gluon
+
+        # (no programmatic dependent launch: the kernel after it waits for its completion)
+        mla_split_gluon(q, kv_cache, block_table, lengths, args[5], args[6] if ns > 1 else None, ns, scale)
+    else:
+        _mla_split_kernel[grid](
+            *args, nsp, B, ns * B, DIRECT=ns == 1, **consts, **bkw, num_warps=nw, **pdl_launch(pdl)
+        )
     if post is not None:
         o, gate, pc = post
         g = gate if gate is not None else o

@@ -1,0 +1,347 @@
+"""Absorbed MLA decode for many heads on Hopper, warp-specialised (Gluon, ``triton.experimental.gluon``).
+
+At 64 or more heads the split kernel of :mod:`openk3.infer.kernels` is compute-bound: every latent row is scored
+against every head (576-wide products) and summed into every head's 512-wide output, and a Triton program whose one
+warp group waits for its rows, forms both products and updates the softmax in turn keeps the tensor cores busy a
+fraction of the time (bench/NOTES.md v20). This kernel splits that chain over three roles in one program, which Triton
+3.6 does not form by itself for this loop:
+
+* a loader warp walks the row's block table and issues TMA copies of whole pages (``[PAGE, 64]`` boxes of the
+  ``[pages * PAGE, 576]`` cache) into a ring of ``STAGES`` shared-memory buffers of 64 tokens each, one mbarrier per
+  buffer counting the bytes in;
+* the score warp group (the kernel's own four warps) forms ``S = Q K^T`` for 64 heads x 64 tokens with
+  asynchronous warpgroup MMAs (nine 64-wide slices of the 576 values), keeps the online softmax in fp32 (log2
+  domain), hands the bf16 probabilities and the rescale factors to the other group through shared memory, and
+  accumulates output columns 0-255 (``P V``, P from registers);
+* the second warp group accumulates output columns 256-511 from the same probabilities (P from shared memory).
+
+Both groups release a buffer when their products over it have completed, so the loader refills it while the next
+block is scored. One program takes 64 heads of one row and one contiguous share of its context (the split of
+:func:`openk3.infer.kernels.mla_num_splits`, whole 64-token blocks); it writes the normalised partial and its log2
+sum-exp in the layout of the Triton split kernel, so the same reduce (and reduce + post) kernels combine the splits.
+Same roundings as the Triton kernel: the fp32 query is rounded to the cache dtype, products accumulate in fp32, the
+probabilities are rounded to the cache dtype before the value product.
+
+Tokens past a row's length inside its last page are read, masked out of the scores and zeroed in shared memory
+before the value products, so whatever those cache rows hold (stale or non-finite values) cannot reach the output;
+page slots past the end of a split are loaded from outside the cache tensor, which TMA fills with zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_GLUON = True
+except Exception:  # pragma: no cover - Triton without Gluon
+    HAS_GLUON = False
+
+__all__ = ["HAS_GLUON", "MLA_GLUON_CONFIG", "gluon_supported", "mla_split_gluon"]
+
+# Launch parameters: heads per program (the MMAs' M side), tokens per block, ring depth, the registers per thread of
+# the second group and of the loader (the score group gets what is left of the kernel's register file; the kernel
+# runs 4 + 4 + 1 warps, counted as three warp groups), and the kernel's register cap.
+MLA_GLUON_CONFIG = {
+    "block_h": 64,
+    "block_n": 64,
+    "stages": 2,
+    "pv_regs": 232,
+    "load_regs": 24,
+    "maxnreg": 168,
+}
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _mla_g_loader(
+        kv_desc, bt_ptr, kv_s, kv_ready, kv_free, start, end, nblk, oob_row,
+        PAGE: gl.constexpr, BOX: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        for i in range(nblk):
+            st = i % STAGES
+            ph = (i // STAGES) & 1
+            mbarrier.wait(kv_free.index(st), ph ^ 1)
+            mbarrier.expect(kv_ready.index(st), NKC * BLOCK_N * 64 * kv_desc.dtype.primitive_bitwidth // 8)
+            n0 = start + i * BLOCK_N
+            for ps in gl.static_range(BLOCK_N // BOX):
+                t0 = n0 + ps * BOX
+                live = t0 < end
+                page = gl.load(bt_ptr + t0 // PAGE, mask=live, other=0)
+                row = gl.where(live, page * PAGE + t0 % PAGE, oob_row)
+                for j in gl.static_range(NKC):
+                    dst = kv_s.index(st * NKC + j).slice(ps * BOX, BOX)
+                    tma.async_copy_global_to_shared(kv_desc, [row, j * 64], kv_ready.index(st), dst)
+
+    @gluon.jit
+    def _mla_g_pv(
+        kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, fin, out_ptr, lse_ptr, b, hb, sp, start, end, nblk,
+        H, s_ob, s_oh, NS,
+        DIRECT: gl.constexpr, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """The second warp group: output columns 256-511."""
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+        )
+        o4 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o5 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o6 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o7 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        for i in range(nblk):
+            st = i % STAGES
+            ph = (i // STAGES) & 1
+            mbarrier.wait(kv_ready.index(st), ph)
+            mbarrier.wait(p_ready, i & 1)
+            alpha = a_s.load(gl.SliceLayout(1, o_l))
+            o4 = o4 * alpha[:, None]
+            o5 = o5 * alpha[:, None]
+            o6 = o6 * alpha[:, None]
+            o7 = o7 * alpha[:, None]
+            o4 = warpgroup_mma(p_s, kv_s.index(st * NKC + 4), o4, is_async=True)
+            o5 = warpgroup_mma(p_s, kv_s.index(st * NKC + 5), o5, is_async=True)
+            o6 = warpgroup_mma(p_s, kv_s.index(st * NKC + 6), o6, is_async=True)
+            o7 = warpgroup_mma(p_s, kv_s.index(st * NKC + 7), o7, is_async=True)
+            o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o4, o5, o6, o7))
+            mbarrier.arrive(p_free)
+            mbarrier.arrive(kv_free.index(st))
+        mbarrier.wait(fin, 0)
+        inv = a_s.load(gl.SliceLayout(1, o_l))
+        _mla_g_store(out_ptr, o4, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 4, DIRECT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o5, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 5, DIRECT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o6, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 6, DIRECT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o7, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 7, DIRECT, BLOCK_H, o_l)
+
+    @gluon.jit
+    def _mla_g_store(
+        out_ptr, o, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J: gl.constexpr, DIRECT: gl.constexpr,
+        BLOCK_H: gl.constexpr, o_l: gl.constexpr,
+    ):  # fmt: skip
+        """Columns ``64 J .. 64 J + 63`` of the program's normalised output: the output row (one split) or the
+        ``[B, H, NS, 512]`` partials (nothing for a split past the row's length)."""
+        hh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+        dd = J * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, o_l))
+        hm = hh < H
+        if DIRECT:
+            row = b.to(gl.int64) * s_ob + hh.to(gl.int64) * s_oh
+        else:
+            row = ((b.to(gl.int64) * H + hh) * NS + sp) * 512
+            hm = hm & (start < end)
+        gl.store(out_ptr + row[:, None] + dd[None, :], o * inv[:, None], mask=hm[:, None])
+
+    @gluon.jit
+    def _mla_g_zero_tail(kv_s, base, keep_rows, BLOCK_N: gl.constexpr):
+        """Zero rows ``keep_rows ..`` of the value slices (chunks 0-7) of one buffer (generic-proxy stores: the
+        caller fences before the value products read them)."""
+        zl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])
+        keep = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl)) < keep_rows
+        for j in gl.static_range(8):
+            buf = kv_s.index(base + j)
+            x = buf.load(zl)
+            buf.store(gl.where(keep[:, None], x, gl.zeros_like(x)))
+
+    @gluon.jit
+    def _mla_g_score(
+        q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, fin, out_ptr, lse_ptr, b, hb, sp, start, end,
+        nblk, H, s_ob, s_oh, NS, scale_log2,
+        DIRECT: gl.constexpr, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        """The score warp group: scores, online softmax, output columns 0-255."""
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+        )
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        kv_dtype: gl.constexpr = kv_s.dtype
+        m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+        l = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
+        o0 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o1 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o2 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o3 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        for i in range(nblk):
+            st = i % STAGES
+            ph = (i // STAGES) & 1
+            mbarrier.wait(kv_ready.index(st), ph)
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+            for j in gl.static_range(NKC):
+                s = warpgroup_mma(q_s.index(j), kv_s.index(st * NKC + j).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            tok = start + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+            s = gl.where((tok < end)[None, :], s * scale_log2, float("-inf"))
+            n0 = start + i * BLOCK_N
+            if n0 + BLOCK_N > end:
+                # the last block: rows past the length (the rest of the row's last page, or zeros) leave the
+                # value product, so that whatever those cache rows hold cannot reach the output
+                _mla_g_zero_tail(kv_s, st * NKC, end - n0, BLOCK_N)
+            m_new = gl.maximum(m, gl.max(s, axis=1))
+            alpha = gl.exp2(m - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            l = l * alpha + gl.sum(p, axis=1)
+            m = m_new
+            pb = p.to(kv_dtype)
+            # the second group has read the previous block's probabilities and factors
+            mbarrier.wait(p_free, (i & 1) ^ 1)
+            p_s.store(pb)
+            a_s.store(alpha)
+            fence_async_shared()
+            mbarrier.arrive(p_ready)
+            pa = gl.convert_layout(pb, p_l)
+            al = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))
+            o0 = warpgroup_mma(pa, kv_s.index(st * NKC + 0), o0 * al[:, None], is_async=True)
+            o1 = warpgroup_mma(pa, kv_s.index(st * NKC + 1), o1 * al[:, None], is_async=True)
+            o2 = warpgroup_mma(pa, kv_s.index(st * NKC + 2), o2 * al[:, None], is_async=True)
+            o3 = warpgroup_mma(pa, kv_s.index(st * NKC + 3), o3 * al[:, None], is_async=True)
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+            mbarrier.arrive(kv_free.index(st))
+        nonempty = l > 0.0
+        inv = 1.0 / gl.where(nonempty, l, 1.0)
+        # the factors' buffer takes 1 / l once the second group is past its last block
+        mbarrier.wait(p_free, (nblk & 1) ^ 1)
+        a_s.store(inv)
+        mbarrier.arrive(fin)
+        inv_o = gl.convert_layout(inv, gl.SliceLayout(1, o_l))
+        _mla_g_store(out_ptr, o0, inv_o, b, hb, sp, start, end, H, s_ob, s_oh, NS, 0, DIRECT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o1, inv_o, b, hb, sp, start, end, H, s_ob, s_oh, NS, 1, DIRECT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o2, inv_o, b, hb, sp, start, end, H, s_ob, s_oh, NS, 2, DIRECT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o3, inv_o, b, hb, sp, start, end, H, s_ob, s_oh, NS, 3, DIRECT, BLOCK_H, o_l)
+        if not DIRECT:
+            hh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
+            row = (b.to(gl.int64) * H + hh) * NS + sp
+            lse = m + gl.log2(gl.where(nonempty, l, 1.0))
+            gl.store(lse_ptr + row, lse, mask=(hh < H) & (start < end))
+
+    @gluon.jit
+    def _mla_split_gluon_kernel(
+        q_ptr, kv_desc, bt_ptr, len_ptr, out_ptr, lse_ptr,
+        s_qb, s_qh, s_btb, s_ob, s_oh, H, scale_log2, NS, oob_row,
+        PAGE: gl.constexpr, BOX: gl.constexpr, DIRECT: gl.constexpr, BLOCK_H: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PV_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    ):  # fmt: skip
+        NKC: gl.constexpr = 9  # 576 = 9 x 64: 512 latent values (also the value), 64 rope values
+        hb = gl.program_id(0)
+        sp = gl.program_id(1)
+        b = gl.program_id(2)
+        length = gl.load(len_ptr + b).to(gl.int32)
+        chunk = gl.cdiv(gl.cdiv(length, NS), BLOCK_N) * BLOCK_N
+        start = sp * chunk
+        end = gl.minimum(start + chunk, length)
+        nblk = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+        kv_dtype: gl.constexpr = kv_desc.dtype
+        sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_s = gl.allocate_shared_memory(kv_dtype, [NKC, BLOCK_H, 64], sw)
+        kv_s = gl.allocate_shared_memory(kv_dtype, [STAGES * NKC, BLOCK_N, 64], sw)
+        p_s = gl.allocate_shared_memory(kv_dtype, [BLOCK_H, BLOCK_N], sw)
+        a_s = gl.allocate_shared_memory(
+            gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        )
+        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for k in gl.static_range(STAGES):
+            mbarrier.init(kv_ready.index(k), count=1)
+            mbarrier.init(kv_free.index(k), count=2)
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
+        mbarrier.init(fin, count=1)
+        # the query rows of this program's heads (zeros past H), rounded to the cache dtype
+        ql: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
+        hh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ql))
+        dd = gl.arange(0, 64, layout=gl.SliceLayout(0, ql))
+        qp = q_ptr + b.to(gl.int64) * s_qb + hh[:, None].to(gl.int64) * s_qh + dd[None, :]
+        for j in gl.static_range(NKC):
+            qj = gl.load(qp + j * 64, mask=(hh < H)[:, None], other=0.0)
+            q_s.index(j).store(qj.to(kv_dtype))
+        fence_async_shared()
+        bt = bt_ptr + b.to(gl.int64) * s_btb
+        gl.warp_specialize(
+            [
+                (
+                    _mla_g_score,
+                    (q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, fin, out_ptr, lse_ptr, b, hb, sp,
+                     start, end, nblk, H, s_ob, s_oh, NS, scale_log2, DIRECT, BLOCK_H, NKC, STAGES, BLOCK_N),
+                ),
+                (
+                    _mla_g_pv,
+                    (kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, fin, out_ptr, lse_ptr, b, hb, sp, start,
+                     end, nblk, H, s_ob, s_oh, NS, DIRECT, BLOCK_H, NKC, STAGES),
+                ),
+                (
+                    _mla_g_loader,
+                    (kv_desc, bt, kv_s, kv_ready, kv_free, start, end, nblk, oob_row, PAGE, BOX, NKC, STAGES,
+                     BLOCK_N),
+                ),
+            ],
+            [4, 1],
+            [PV_REGS, LOAD_REGS],
+        )  # fmt: skip
+
+
+def gluon_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> tuple[bool, str]:
+    """Whether :func:`mla_split_gluon` takes these inputs (and why not)."""
+    if not HAS_GLUON:
+        return False, "this Triton has no Gluon (triton.experimental.gluon)"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False, "the Gluon MLA kernel is for Hopper (sm_90) GPUs"
+    if kv_cache.dtype not in (torch.bfloat16, torch.float16):
+        return False, f"needs a bf16 or fp16 latent cache, got {kv_cache.dtype}"
+    if q.shape[-1] != 576 or kv_lora_rank != 512 or kv_cache.shape[-1] != 576:
+        return False, "needs the 512 + 64 latent of K3's MLA"
+    page = kv_cache.shape[1]
+    if page < 8 or page & (page - 1):
+        return False, f"needs a power-of-two page size of at least 8 tokens, got {page}"
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != 576 or kv_cache.stride(0) != page * 576:
+        return False, "needs a contiguous [pages, page_size, 576] cache"
+    return True, ""
+
+
+def mla_split_gluon(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    num_splits: int,
+    scale: float,
+    cfg: dict | None = None,
+) -> None:
+    """The split walk: ``out`` is ``[B, H, 512]`` fp32 with one split, else the ``[B, H, num_splits, 512]``
+    partials with ``lse [B, H, num_splits]`` (log2 sum-exp), as :func:`openk3.infer.kernels.mla_decode_triton`'s
+    split kernel writes them; every split covers whole ``cfg["block_n"]``-token blocks."""
+    cfg = {**MLA_GLUON_CONFIG, **(cfg or {})}
+    ok, why = gluon_supported(q, kv_cache, 512)
+    if not ok:
+        raise ValueError(f"mla_split_gluon: {why}")
+    B, H, _ = q.shape
+    page = kv_cache.shape[1]
+    box = min(page, cfg["block_n"])
+    flat = kv_cache.view(-1, 576)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [box, 64], layout)
+    direct = num_splits == 1
+    grid = (triton.cdiv(H, cfg["block_h"]), num_splits, B)
+    _mla_split_gluon_kernel[grid](
+        q, desc, block_table, lengths, out, out if lse is None else lse,
+        q.stride(0), q.stride(1), block_table.stride(0),
+        out.stride(0) if direct else 0, out.stride(1) if direct else 0,
+        H, float(scale) * math.log2(math.e), num_splits, flat.shape[0],
+        PAGE=page, BOX=box, DIRECT=direct, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
+        PV_REGS=cfg["pv_regs"], LOAD_REGS=cfg["load_regs"], num_warps=4, maxnreg=cfg["maxnreg"],
+    )  # fmt: skip
