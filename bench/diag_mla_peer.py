@@ -42,6 +42,8 @@ VARIANTS = {
     # the many-head tile at 8 warps (no spills in its sm_90 compile, against 32 at 4 warps)
     "w8": dict(balance=False, gluon=False, num_warps=8),
     "gluon": dict(gluon=True),
+    # 32-token blocks, a ring of four
+    "gluon_n32": dict(gluon=True, gluon_config={"block_n": 32, "stages": 4}),
 }
 LABELS = {
     "ours": "ours, per-row splits",
@@ -84,7 +86,7 @@ def main() -> None:
     from openk3.infer.mla_gluon import HAS_GLUON
 
     gluon_ok = HAS_GLUON and torch.cuda.get_device_capability()[0] == 9
-    if "gluon" in variants and not gluon_ok:
+    if any(v.startswith("gluon") for v in variants) and not gluon_ok:
         print("gluon: skipped (needs Triton's Gluon and a Hopper GPU)")
     ok, why = flashinfer_available()
     print(f"flashinfer: {'yes' if ok else 'no (' + why + ')'}")
@@ -116,7 +118,7 @@ def main() -> None:
                 mla_decode_triton, q, kv, table, lengths, scale=scale, kv_lora_rank=DC, **VARIANTS[v]
             )
             for v in variants
-            if v != "gluon" or gluon_ok
+            if not v.startswith("gluon") or gluon_ok
         }
         outs = {}
         for v, fn in fns.items():

@@ -249,10 +249,10 @@ if has gluon; then
   rc=$?
   echo "gluon tests: exit $rc ($(tail -1 "$OUT_DIR/tests_gluon.log"))"
   grep -m5 "Error\|assert\|FAILED" "$OUT_DIR/tests_gluon.log"
-  V=ours,w8
-  [ $rc -eq 0 ] && V=ours,w8,gluon
+  V=ours
+  [ $rc -eq 0 ] && V=ours,gluon,gluon_n32
   timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants $V \
-    --shapes 64x96x8192,16x96x16384,256x96x4096,4x96x16384,1x96x4096,64x16x8192 \
+    --shapes 64x96x8192,16x96x16384,256x96x4096,4x96x16384,2x96x4096,64x64x8192,64x32x8192,8x32x4096,1x32x1040 \
     --out "$OUT_DIR/peer_gluon.json" 2>&1 | grep "^| \|copy\|rror\|gluon\|flashinfer"
   timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants $V --uniform --shapes 64x96x8192 \
     --out "$OUT_DIR/peer_gluon_uniform.json" 2>&1 | grep "^| \|rror"

@@ -1247,10 +1247,14 @@ def test_mla_gluon_gpu(dtype, H, page_size):
             dict(num_splits=3),
             dict(num_splits=5, poison=True),
             dict(post=(128, torch.bfloat16, True)),
+            # 32-token blocks in a ring of four
+            dict(gluon_config={"block_n": 32, "stages": 4}),
+            dict(num_splits=3, poison=True, gluon_config={"block_n": 32, "stages": 4}),
         )
     ):
         run_mla_case(lengths, H, 512, 64, page_size, dtype, seed + k, tol, n_pad=2, gluon=True, **kw)
-        assert KN.MLA_LAST_LAUNCH["kernel"] == "gluon" and KN.MLA_LAST_LAUNCH["block_n"] == 64
+        assert KN.MLA_LAST_LAUNCH["kernel"] == "gluon"
+        assert KN.MLA_LAST_LAUNCH["block_n"] == kw.get("gluon_config", {}).get("block_n", 64)
 
 
 @pytest.mark.gpu

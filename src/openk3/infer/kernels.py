@@ -178,6 +178,7 @@ MLA_CONFIG = {
     # fp16 cache; the Triton split kernel otherwise
     "gluon": False,
     "gluon_min_heads": 64,
+    "gluon_min_rows": 2,
 }
 # The MLA glue steps around the split kernel (EngineConfig.fuse_mla_glue): the prep kernel (latent norm + cache
 # write + absorbed query) and the post step (W_UV product, rounding, output gate; folded into the reduce, or its own
@@ -1296,7 +1297,11 @@ def _use_gluon(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, gluon
         if gluon:
             raise ValueError("mla_decode_triton: gluon=True has no CPU interpreter form")
         return False
-    if gluon is None and not (MLA_CONFIG["gluon"] and q.shape[1] >= MLA_CONFIG["gluon_min_heads"]):
+    if gluon is None and not (
+        MLA_CONFIG["gluon"]
+        and q.shape[1] >= MLA_CONFIG["gluon_min_heads"]
+        and q.shape[0] >= MLA_CONFIG["gluon_min_rows"]
+    ):
         return False
     from openk3.infer.mla_gluon import gluon_supported
 
@@ -1328,6 +1333,7 @@ def mla_decode_triton(
     v_splits: int | None = None,
     balance: bool | None = None,
     gluon: bool | None = None,
+    gluon_config: dict | None = None,
 ) -> torch.Tensor:
     """Paged absorbed MLA decode (signature and layouts: :mod:`openk3.infer.decode`); returns ``[B, H, dc]`` fp32.
     ``num_splits`` (default :func:`mla_num_splits` with the compiled kernel's occupancy), ``block_h`` (heads per
@@ -1348,7 +1354,8 @@ def mla_decode_triton(
     ``gluon`` (default: ``MLA_CONFIG["gluon"]`` where the model has at least ``MLA_CONFIG["gluon_min_heads"]``
     heads and :func:`openk3.infer.mla_gluon.gluon_supported` takes the inputs): the split walk runs the
     warp-specialised Gluon kernel (64 heads and 64 tokens per block; the tile parameters above do not apply).
-    ``gluon=True`` on inputs it does not take is an error."""
+    ``gluon=True`` on inputs it does not take is an error; ``gluon_config`` overrides entries of
+    :data:`openk3.infer.mla_gluon.MLA_GLUON_CONFIG` (tile and ring depth)."""
     if w_uv is None and (gate is not None or out_dtype is not None or v_splits is not None):
         raise ValueError("mla_decode_triton: gate, out_dtype and v_splits come with w_uv (the post step)")
     B, H, D = q.shape
@@ -1370,7 +1377,8 @@ def mla_decode_triton(
     if use_g:
         from openk3.infer.mla_gluon import MLA_GLUON_CONFIG
 
-        base = {**base, "block_h": MLA_GLUON_CONFIG["block_h"], "BLOCK_N": MLA_GLUON_CONFIG["block_n"]}
+        gcfg = {**MLA_GLUON_CONFIG, **(gluon_config or {})}
+        base = {**base, "block_h": gcfg["block_h"], "BLOCK_N": gcfg["block_n"]}
         block_h = block_n = None
     bh = block_h or base["block_h"]
     bn = block_n or base["BLOCK_N"]
@@ -1417,7 +1425,7 @@ def mla_decode_triton(
     if not ns:  # decided once per shape and configuration (this is on the decode step's host path)
         max_context = block_table.shape[1] * page_size
         min_chunk = _min_chunk(B, cfg, min_chunk)
-        key = (B, H, max_context, nw, kv_cache.dtype, q.device, min_chunk, use_g, *consts.values())
+        key = (B, H, max_context, nw, kv_cache.dtype, q.device, min_chunk, use_g, bh, bn, *consts.values())
         ns = _SPLITS.get(key)
         if ns is None:
             ns = _SPLITS[key] = mla_num_splits(
@@ -1450,7 +1458,9 @@ def mla_decode_triton(
         from openk3.infer.mla_gluon import mla_split_gluon
 
         # (no programmatic dependent launch: the kernel after it waits for its completion)
-        mla_split_gluon(q, kv_cache, block_table, lengths, args[5], args[6] if ns > 1 else None, ns, scale)
+        mla_split_gluon(
+            q, kv_cache, block_table, lengths, args[5], args[6] if ns > 1 else None, ns, scale, gcfg
+        )
     else:
         _mla_split_kernel[grid](
             *args, nsp, B, ns * B, DIRECT=ns == 1, **consts, **bkw, num_warps=nw, **pdl_launch(pdl)

@@ -245,7 +245,11 @@ if HAS_GLUON:
         sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         q_s = gl.allocate_shared_memory(kv_dtype, [NKC, BLOCK_H, 64], sw)
         kv_s = gl.allocate_shared_memory(kv_dtype, [STAGES * NKC, BLOCK_N, 64], sw)
-        p_s = gl.allocate_shared_memory(kv_dtype, [BLOCK_H, BLOCK_N], sw)
+        # (the probabilities' rows are BLOCK_N values: a narrower swizzle below 64 tokens)
+        p_sw: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=min(128, BLOCK_N * 2), element_bitwidth=16, rank=2
+        )
+        p_s = gl.allocate_shared_memory(kv_dtype, [BLOCK_H, BLOCK_N], p_sw)
         a_s = gl.allocate_shared_memory(
             gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         )
