@@ -50,6 +50,7 @@ LABELS = {
     "bal": "ours, balanced",
     "w8": "ours, 8 warps",
     "gluon": "ours, Gluon",
+    "gluon_n32": "ours, Gluon N32 x4",
 }
 
 
