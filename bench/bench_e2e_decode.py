@@ -130,6 +130,9 @@ KERNEL_VARIANTS = {
     # the absorbed MLA's balanced splits (the programs share the batch's tokens evenly) against the per-row splits
     "mla_balance": _setting(_KN, "MLA_CONFIG", True, key="balance"),
     "mla_per_row": _setting(_KN, "MLA_CONFIG", False, key="balance"),
+    # the MLA split walk by the warp-specialised Gluon kernel (openk3.infer.mla_gluon) or by the Triton kernel
+    "mla_gluon": _setting(_KN, "MLA_CONFIG", True, key="gluon"),
+    "mla_triton": _setting(_KN, "MLA_CONFIG", False, key="gluon"),
 }
 
 

@@ -689,3 +689,42 @@ def test_engine_graph_priority():
         graph_priority=True,
     )
     assert E.GRAPH_PRIORITY < 0 and err < 1e-3, err
+
+
+@pytest.mark.parametrize("fuse_glue", [True, False], ids=["glue", "noglue"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_engine_gluon_mla_decode(graphs, fuse_glue, monkeypatch):
+    """bf16 engine whose MLA layers have K3's latent (512 + 64 values) and 32 heads, with the warp-specialised Gluon
+    split walk (``MLA_CONFIG["gluon"]``, from two rows up; the batch shrinks through the graph buckets down to one
+    row, which takes the Triton kernel): decode logits no further from the fp32 reference than a bf16 full forward
+    is, as for the default step."""
+    from openk3.infer import kernels as KN
+    from openk3.infer import mla_gluon as MG
+    from openk3.infer.engine import Engine
+    from openk3.infer.sampling import SamplingParams
+
+    if not (MG.HAS_GLUON and torch.cuda.get_device_capability()[0] == 9):
+        pytest.skip("needs Triton's Gluon and a Hopper GPU")
+    monkeypatch.setitem(KN.MLA_CONFIG, "gluon", True)
+    monkeypatch.setitem(KN.MLA_CONFIG, "gluon_min_heads", 32)
+    monkeypatch.setitem(KN.MLA_CONFIG, "gluon_min_rows", 2)
+    calls = []
+    real = MG.mla_split_gluon
+    monkeypatch.setattr(
+        MG, "mla_split_gluon", lambda q, *a, **k: (calls.append(q.shape[0]), real(q, *a, **k))
+    )
+    over = dict(kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=32, num_key_value_heads=32)
+    model = _model("small", pin_routing=True, **over)
+    eng = Engine(
+        model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, use_cuda_graphs=graphs,
+        prefix_cache=False, fuse_mla_glue=fuse_glue,
+    )  # fmt: skip
+    lengths = [5, 130, 17, 64, 1, 200]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 24, 33, 8, 40, 16)]
+    reqs = eng.generate(_prompts(1, lengths, model.config.vocab_size), params)
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert calls and min(calls) >= 2, calls  # the Gluon walk ran, and only from two rows up
+    truth = _truth(reqs)
+    e_full = _err(_full_logits(model, reqs), truth)
+    e_eng = _err([torch.stack(r.logits_log) for r in reqs], truth)
+    assert e_eng < max(1.5 * e_full, 1e-2), (e_eng, e_full)

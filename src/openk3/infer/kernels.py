@@ -174,10 +174,12 @@ MLA_CONFIG = {
     "balance": False,
     "balance_spread": 2,
     # the warp-specialised Gluon split kernel (openk3.infer.mla_gluon: a TMA loader warp and two warp groups on
-    # the products, 64 heads per program) for models with at least "gluon_min_heads" heads, on Hopper with a bf16 /
-    # fp16 cache; the Triton split kernel otherwise
-    "gluon": False,
-    "gluon_min_heads": 64,
+    # the products, 64 heads per program) for at least "gluon_min_heads" heads and "gluon_min_rows" rows, on Hopper
+    # with a bf16 / fp16 cache; the Triton split kernel otherwise. H100, ragged rows (bench/NOTES.md v29): 96 heads
+    # 1.8-2.2x faster than the Triton kernel (and 1-18 % faster than FlashInfer's), 32 heads 1.2-1.3x; one row at
+    # 32 heads and 1,040 tokens 13.0 against 11.5 us, so one row keeps the Triton kernel
+    "gluon": True,
+    "gluon_min_heads": 32,
     "gluon_min_rows": 2,
 }
 # The MLA glue steps around the split kernel (EngineConfig.fuse_mla_glue): the prep kernel (latent norm + cache
@@ -1352,7 +1354,8 @@ def mla_decode_triton(
     overrides the number of programs per (row, head) that share its ``dv`` outputs.
 
     ``gluon`` (default: ``MLA_CONFIG["gluon"]`` where the model has at least ``MLA_CONFIG["gluon_min_heads"]``
-    heads and :func:`openk3.infer.mla_gluon.gluon_supported` takes the inputs): the split walk runs the
+    heads, the batch at least ``MLA_CONFIG["gluon_min_rows"]`` rows, no Triton tile parameter or ``balance`` is
+    given and :func:`openk3.infer.mla_gluon.gluon_supported` takes the inputs): the split walk runs the
     warp-specialised Gluon kernel (64 heads and 64 tokens per block; the tile parameters above do not apply).
     ``gluon=True`` on inputs it does not take is an error; ``gluon_config`` overrides entries of
     :data:`openk3.infer.mla_gluon.MLA_GLUON_CONFIG` (tile and ring depth)."""
@@ -1372,7 +1375,11 @@ def mla_decode_triton(
     q = _row_major(q)
     block_table = _row_major(block_table)
     cfg = MLA_CONFIG
-    use_g = _use_gluon(q, kv_cache, DC, gluon)
+    # a Triton tile or split form asked for by name runs the Triton kernel unless gluon=True says otherwise
+    tile = any(v is not None for v in (block_h, block_n, num_warps, num_stages, trans, prefetch)) or bool(
+        balance
+    )
+    use_g = _use_gluon(q, kv_cache, DC, False if gluon is None and tile else gluon)
     base = cfg["fp32"] if kv_cache.dtype == torch.float32 else cfg["few" if H <= 16 else "many"]
     if use_g:
         from openk3.infer.mla_gluon import MLA_GLUON_CONFIG
