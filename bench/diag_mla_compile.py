@@ -51,7 +51,17 @@ def _gluon_rows(page: int) -> list[dict]:
     box = min(page, cfg["block_n"])
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     fn = MG._mla_split_gluon_kernel
-    consts_names = ("PAGE", "BOX", "DIRECT", "BLOCK_H", "BLOCK_N", "STAGES", "PV_REGS", "LOAD_REGS")
+    consts_names = (
+        "PAGE",
+        "BOX",
+        "DIRECT",
+        "BLOCK_H",
+        "BLOCK_N",
+        "STAGES",
+        "PV_REGS",
+        "LOAD_REGS",
+        "PINGPONG",
+    )
     sig = {}
     for n in fn.arg_names:
         if n == "kv_desc":
@@ -69,6 +79,7 @@ def _gluon_rows(page: int) -> list[dict]:
         consts = dict(
             PAGE=page, BOX=box, DIRECT=direct, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
             STAGES=cfg["stages"], PV_REGS=cfg["pv_regs"], LOAD_REGS=cfg["load_regs"],
+            PINGPONG=bool(cfg["pingpong"]),
         )  # fmt: skip
         r = compile_one(fn, consts, 4, maxnreg=cfg["maxnreg"], sig=sig, gluon=True)
         r.update(config="gluon", form=label)

@@ -44,6 +44,8 @@ VARIANTS = {
     "gluon": dict(gluon=True),
     # 32-token blocks, a ring of four
     "gluon_n32": dict(gluon=True, gluon_config={"block_n": 32, "stages": 4}),
+    # the two warp groups scoring alternate blocks
+    "gluon_pp": dict(gluon=True, gluon_config={"pingpong": True}),
 }
 LABELS = {
     "ours": "ours, per-row splits",
@@ -51,6 +53,7 @@ LABELS = {
     "w8": "ours, 8 warps",
     "gluon": "ours, Gluon",
     "gluon_n32": "ours, Gluon N32 x4",
+    "gluon_pp": "ours, Gluon ping-pong",
 }
 
 

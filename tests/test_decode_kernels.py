@@ -1258,6 +1258,33 @@ def test_mla_gluon_gpu(dtype, H, page_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 96])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_mla_gluon_gpu_pingpong(H, page_size):
+    """The Gluon kernel's ping-pong form (the two warp groups score alternate blocks, the softmax state passed
+    between them through shared memory) against the fp32 reference: odd and even block counts per split, one block,
+    NaN in unowned cache rows, the folded post step."""
+    if not _gluon_here():
+        pytest.skip("needs Triton's Gluon and a Hopper GPU")
+    seed = seed_of("gluon-pp", H, page_size)
+    lengths = [1, 2047, 3000, 64, 777, 16, 128, 63, 65, 192]
+    pp = {"pingpong": True}
+    for k, kw in enumerate(
+        (
+            {},
+            dict(num_splits=1),
+            dict(num_splits=3, poison=True),
+            dict(num_splits=2, post=(128, torch.bfloat16, True)),
+        )
+    ):
+        run_mla_case(
+            lengths, H, 512, 64, page_size, torch.bfloat16, seed + k, MLA_TOL[torch.bfloat16], n_pad=2,
+            gluon=True, gluon_config=pp, **kw,
+        )  # fmt: skip
+        assert KN.MLA_LAST_LAUNCH["kernel"] == "gluon"
+
+
+@pytest.mark.gpu
 def test_mla_gluon_gpu_graph():
     """The Gluon walk captured in a CUDA graph (with the reduce), replayed on new queries, lengths and cache rows,
     agrees with the Triton kernel and the reference."""

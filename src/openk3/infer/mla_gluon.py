@@ -62,6 +62,8 @@ MLA_GLUON_CONFIG = {
     "pv_regs": 232,
     "load_regs": 24,
     "maxnreg": 168,
+    # the two warp groups take alternate blocks' scores (_mla_g_pp) instead of one group scoring every block
+    "pingpong": False,
 }
 
 if HAS_GLUON:
@@ -226,11 +228,121 @@ if HAS_GLUON:
             gl.store(lse_ptr + row, lse, mask=(hh < H) & (start < end))
 
     @gluon.jit
+    def _mla_g_pv_other(o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, kv_free, pt, J0: gl.constexpr, NKC: gl.constexpr,
+                        STAGES: gl.constexpr, row_o: gl.constexpr):  # fmt: skip
+        """Ping-pong form: fold the other group's block ``pt`` (its probabilities and rescale factor from shared
+        memory) into this group's four output tiles, and release its buffer."""
+        pst = pt % STAGES
+        mbarrier.wait(p_ready, pt & 1)
+        al = a_s.load(row_o)
+        o0 = warpgroup_mma(p_s, kv_s.index(pst * NKC + J0 + 0), o0 * al[:, None], is_async=True)
+        o1 = warpgroup_mma(p_s, kv_s.index(pst * NKC + J0 + 1), o1 * al[:, None], is_async=True)
+        o2 = warpgroup_mma(p_s, kv_s.index(pst * NKC + J0 + 2), o2 * al[:, None], is_async=True)
+        o3 = warpgroup_mma(p_s, kv_s.index(pst * NKC + J0 + 3), o3 * al[:, None], is_async=True)
+        return o0, o1, o2, o3
+
+    @gluon.jit
+    def _mla_g_pp(
+        q_s, kv_s, p_s, a_s, ml_s, kv_ready, kv_free, p_ready, ml_ready, out_ptr, lse_ptr, b, hb, sp, start, end,
+        nblk, H, s_ob, s_oh, NS, scale_log2,
+        PAR: gl.constexpr, DIRECT: gl.constexpr, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        """Ping-pong form (``PINGPONG``): warp group ``PAR`` scores the blocks ``PAR, PAR + 2, ...`` and keeps output
+        columns ``256 PAR .. 256 PAR + 255`` of every block. The softmax state runs through the blocks in order:
+        the owner of block ``t`` reads ``(m, l)`` after block ``t - 1`` from shared memory, writes its own, and
+        publishes its bf16 probabilities and rescale factor for the other group; while one group is in its softmax
+        the other's score MMAs run. One buffer each for ``(m, l)``, the probabilities and the factor: the group that
+        writes block ``t``'s has read block ``t - 1``'s (and waited for its MMAs over them)."""
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+        )
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        kv_dtype: gl.constexpr = kv_s.dtype
+        J0: gl.constexpr = 4 * PAR
+        o0 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o1 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o2 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o3 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        for j in range(PAR, nblk, 2):
+            st = j % STAGES
+            mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+            for c in gl.static_range(NKC):
+                s = warpgroup_mma(q_s.index(c), kv_s.index(st * NKC + c).permute((1, 0)), s, is_async=True)
+            m_prev = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
+            l_prev = gl.zeros([BLOCK_H], gl.float32, row_s)
+            if j > 0:  # the other group's block j - 1, in order, while the scores run
+                o0, o1, o2, o3 = _mla_g_pv_other(
+                    o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, kv_free, j - 1, J0, NKC, STAGES, row_o
+                )
+                # (MMA groups complete in order: this also waits for the scores issued before)
+                o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+                mbarrier.arrive(kv_free.index((j - 1) % STAGES))
+                mbarrier.wait(ml_ready, (j - 1) & 1)
+                m_prev = ml_s.index(0).load(row_s)
+                l_prev = ml_s.index(1).load(row_s)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            n0 = start + j * BLOCK_N
+            tok = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+            s = gl.where((tok < end)[None, :], s * scale_log2, float("-inf"))
+            m_new = gl.maximum(m_prev, gl.max(s, axis=1))
+            alpha = gl.exp2(m_prev - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            l_new = l_prev * alpha + gl.sum(p, axis=1)
+            if n0 + BLOCK_N > end:
+                _mla_g_zero_tail(kv_s, st * NKC, end - n0, BLOCK_N)
+            pb = p.to(kv_dtype)
+            ml_s.index(0).store(m_new)
+            ml_s.index(1).store(l_new)
+            p_s.store(pb)
+            a_s.store(alpha)
+            fence_async_shared()
+            mbarrier.arrive(ml_ready)
+            mbarrier.arrive(p_ready)
+            pa = gl.convert_layout(pb, p_l)
+            al = gl.convert_layout(alpha, row_o)
+            o0 = warpgroup_mma(pa, kv_s.index(st * NKC + J0 + 0), o0 * al[:, None], is_async=True)
+            o1 = warpgroup_mma(pa, kv_s.index(st * NKC + J0 + 1), o1 * al[:, None], is_async=True)
+            o2 = warpgroup_mma(pa, kv_s.index(st * NKC + J0 + 2), o2 * al[:, None], is_async=True)
+            o3 = warpgroup_mma(pa, kv_s.index(st * NKC + J0 + 3), o3 * al[:, None], is_async=True)
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+            mbarrier.arrive(kv_free.index(st))
+        if nblk > 0:
+            if (nblk - 1) % 2 != PAR:  # the other group's last block comes after this group's last
+                o0, o1, o2, o3 = _mla_g_pv_other(
+                    o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, kv_free, nblk - 1, J0, NKC, STAGES, row_o
+                )
+                o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+                mbarrier.arrive(kv_free.index((nblk - 1) % STAGES))
+            # the state after the last block (no group writes it again)
+            mbarrier.wait(ml_ready, (nblk - 1) & 1)
+        m = ml_s.index(0).load(row_o)
+        l = ml_s.index(1).load(row_o)
+        nonempty = (l > 0.0) & (nblk > 0)
+        inv = 1.0 / gl.where(nonempty, l, 1.0)
+        _mla_g_store(out_ptr, o0, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 0, DIRECT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o1, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 1, DIRECT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o2, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 2, DIRECT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 3, DIRECT, BLOCK_H, o_l)
+        if not DIRECT and PAR == 0:
+            hh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_o)
+            row = (b.to(gl.int64) * H + hh) * NS + sp
+            lse = m + gl.log2(gl.where(nonempty, l, 1.0))
+            gl.store(lse_ptr + row, lse, mask=(hh < H) & (start < end))
+
+    @gluon.jit
     def _mla_split_gluon_kernel(
         q_ptr, kv_desc, bt_ptr, len_ptr, out_ptr, lse_ptr,
         s_qb, s_qh, s_btb, s_ob, s_oh, H, scale_log2, NS, oob_row,
         PAGE: gl.constexpr, BOX: gl.constexpr, DIRECT: gl.constexpr, BLOCK_H: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PV_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+        PINGPONG: gl.constexpr = False,
     ):  # fmt: skip
         NKC: gl.constexpr = 9  # 576 = 9 x 64: 512 latent values (also the value), 64 rope values
         hb = gl.program_id(0)
@@ -274,27 +386,53 @@ if HAS_GLUON:
             q_s.index(j).store(qj.to(kv_dtype))
         fence_async_shared()
         bt = bt_ptr + b.to(gl.int64) * s_btb
-        gl.warp_specialize(
-            [
-                (
-                    _mla_g_score,
-                    (q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, fin, out_ptr, lse_ptr, b, hb, sp,
-                     start, end, nblk, H, s_ob, s_oh, NS, scale_log2, DIRECT, BLOCK_H, NKC, STAGES, BLOCK_N),
-                ),
-                (
-                    _mla_g_pv,
-                    (kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, fin, out_ptr, lse_ptr, b, hb, sp, start,
-                     end, nblk, H, s_ob, s_oh, NS, DIRECT, BLOCK_H, NKC, STAGES),
-                ),
-                (
-                    _mla_g_loader,
-                    (kv_desc, bt, kv_s, kv_ready, kv_free, start, end, nblk, oob_row, PAGE, BOX, NKC, STAGES,
-                     BLOCK_N),
-                ),
-            ],
-            [4, 1],
-            [PV_REGS, LOAD_REGS],
-        )  # fmt: skip
+        if PINGPONG:
+            ml_s = gl.allocate_shared_memory(
+                gl.float32, [2, BLOCK_H], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+            )
+            gl.warp_specialize(
+                [
+                    (
+                        _mla_g_pp,
+                        (q_s, kv_s, p_s, a_s, ml_s, kv_ready, kv_free, p_ready, fin, out_ptr, lse_ptr, b, hb, sp,
+                         start, end, nblk, H, s_ob, s_oh, NS, scale_log2, 0, DIRECT, BLOCK_H, NKC, STAGES, BLOCK_N),
+                    ),
+                    (
+                        _mla_g_pp,
+                        (q_s, kv_s, p_s, a_s, ml_s, kv_ready, kv_free, p_ready, fin, out_ptr, lse_ptr, b, hb, sp,
+                         start, end, nblk, H, s_ob, s_oh, NS, scale_log2, 1, DIRECT, BLOCK_H, NKC, STAGES, BLOCK_N),
+                    ),
+                    (
+                        _mla_g_loader,
+                        (kv_desc, bt, kv_s, kv_ready, kv_free, start, end, nblk, oob_row, PAGE, BOX, NKC, STAGES,
+                         BLOCK_N),
+                    ),
+                ],
+                [4, 1],
+                [PV_REGS, LOAD_REGS],
+            )  # fmt: skip
+        else:
+            gl.warp_specialize(
+                [
+                    (
+                        _mla_g_score,
+                        (q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, fin, out_ptr, lse_ptr, b, hb, sp,
+                         start, end, nblk, H, s_ob, s_oh, NS, scale_log2, DIRECT, BLOCK_H, NKC, STAGES, BLOCK_N),
+                    ),
+                    (
+                        _mla_g_pv,
+                        (kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, fin, out_ptr, lse_ptr, b, hb, sp, start,
+                         end, nblk, H, s_ob, s_oh, NS, DIRECT, BLOCK_H, NKC, STAGES),
+                    ),
+                    (
+                        _mla_g_loader,
+                        (kv_desc, bt, kv_s, kv_ready, kv_free, start, end, nblk, oob_row, PAGE, BOX, NKC, STAGES,
+                         BLOCK_N),
+                    ),
+                ],
+                [4, 1],
+                [PV_REGS, LOAD_REGS],
+            )  # fmt: skip
 
 
 def gluon_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> tuple[bool, str]:
@@ -347,5 +485,6 @@ def mla_split_gluon(
         out.stride(0) if direct else 0, out.stride(1) if direct else 0,
         H, float(scale) * math.log2(math.e), num_splits, flat.shape[0],
         PAGE=page, BOX=box, DIRECT=direct, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
-        PV_REGS=cfg["pv_regs"], LOAD_REGS=cfg["load_regs"], num_warps=4, maxnreg=cfg["maxnreg"],
+        PV_REGS=cfg["pv_regs"], LOAD_REGS=cfg["load_regs"], PINGPONG=bool(cfg["pingpong"]), num_warps=4,
+        maxnreg=cfg["maxnreg"],
     )  # fmt: skip
