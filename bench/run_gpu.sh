@@ -49,7 +49,9 @@
 # uniform prompts of 4,096 tokens at batch 1 / 16 / 64 -> e2e_v27.json; gluon: the GPU tests of the warp-specialised
 # Gluon MLA split kernel (tests_gluon.log), then bench/diag_mla_peer.py with the Triton tile at 4 and 8 warps, the
 # Gluon kernel (when its tests passed) and FlashInfer at 96 heads (ragged, and uniform at 64 x 96 x 8k) ->
-# peer_gluon.json, peer_gluon_uniform.json.
+# peer_gluon.json, peer_gluon_uniform.json; gluon_e2e (H200: the 48B shape does not fit 80 GB): the engine GPU
+# tests with the Gluon walk, then the 48B-shape engine with the Triton and the Gluon MLA walk at batch 16 / 64,
+# 4,096-token prompts (twice each) -> e2e_gluon.json, and 64 ragged 4k-8k prompts -> e2e_gluon_ragged.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -256,6 +258,18 @@ if has gluon; then
     --out "$OUT_DIR/peer_gluon.json" 2>&1 | grep "^| \|copy\|rror\|gluon\|flashinfer"
   timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants $V --uniform --shapes 64x96x8192 \
     --out "$OUT_DIR/peer_gluon_uniform.json" 2>&1 | grep "^| \|rror"
+fi
+if has gluon_e2e; then
+  # the 48B shape needs the H200 (its bf16 weights do not fit an 80 GB card)
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_engine_gpu.py -k gluon \
+    >"$OUT_DIR/tests_gluon_e2e.log" 2>&1
+  echo "gluon engine tests: exit $? ($(tail -1 "$OUT_DIR/tests_gluon_e2e.log"))"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 16,64 --context 4096 \
+    --wall-timing --kernel-variants mla_triton,mla_gluon,mla_triton,mla_gluon --out "$OUT_DIR/e2e_gluon.json" \
+    2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 64 --context 8192 --ragged 0.5 \
+    --wall-timing --kernel-variants mla_triton,mla_gluon --out "$OUT_DIR/e2e_gluon_ragged.json" \
+    2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
 if has mla_peer; then
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_mla_peer_gpu.py >"$OUT_DIR/tests_mla_peer.log" 2>&1
