@@ -298,9 +298,10 @@ def test_env_command_reports_every_op_and_decode_step(capsys):
         assert d["chosen"] in d["backends"] and "reference" in d["backends"], op
         if not info["cuda"]:
             assert d["chosen"] == "reference", op
-    assert set(info["decode_steps"]) == {"kda", "mla", "moe", "launch"}
+    assert set(info["decode_steps"]) == {"kda", "mla", "mla_walk", "moe", "launch"}
+    assert info["decode_steps"]["mla_walk"]["chosen"] in ("reference", "triton", "gluon")
     if not info["cuda"]:
-        assert all(info["decode_steps"][op]["chosen"] == "reference" for op in ("kda", "mla"))
+        assert all(info["decode_steps"][op]["chosen"] == "reference" for op in ("kda", "mla", "mla_walk"))
         assert info["decode_steps"]["moe"]["chosen"] == "layer"
         assert info["decode_steps"]["launch"]["chosen"] == "plain"
     assert info["decode_steps"]["launch"]["chosen"] in ("plain", "pdl")

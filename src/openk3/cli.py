@@ -185,6 +185,7 @@ def _decode_steps() -> dict:
                 "why": f"router + experts in 5 Triton launches at <= {moe_small.SMALL_N} tokens and <= "
                 f"{moe_small.PAIRS_PER_EXPERT} (token, slot) pairs per expert (OPENK3_MOE_SMALL_N)",
             }
+    out["mla_walk"] = _mla_walk(ok, why)
     from openk3.fast import _triton
 
     if not ok:
@@ -197,6 +198,27 @@ def _decode_steps() -> dict:
             "why": "programmatic dependent launch off (--pdl or OPENK3_PDL=1: on)",
         }
     return out
+
+
+def _mla_walk(kernels_ok: bool, why: str) -> dict:
+    """Which kernel walks the paged latent cache in the MLA decode step: the warp-specialised Gluon kernel
+    (Hopper, enough heads and rows) or the Triton split kernel."""
+    if not kernels_ok:
+        return {"chosen": "reference", "why": why}
+    from openk3.infer import kernels, mla_gluon
+
+    cfg = kernels.MLA_CONFIG
+    if not mla_gluon.HAS_GLUON:
+        return {"chosen": "triton", "why": "this Triton has no Gluon (triton.experimental.gluon)"}
+    if torch.cuda.get_device_capability(0)[0] != 9:
+        return {"chosen": "triton", "why": "the Gluon MLA kernel is for Hopper (sm_90)"}
+    if not cfg["gluon"]:
+        return {"chosen": "triton", "why": "the Gluon MLA kernel is off (MLA_CONFIG['gluon'])"}
+    return {
+        "chosen": "gluon",
+        "why": f"warp-specialised Gluon kernel from {cfg['gluon_min_heads']} heads and {cfg['gluon_min_rows']} "
+        "rows with a bf16 / fp16 cache; the Triton split kernel otherwise",
+    }
 
 
 def _fusions(backends: dict) -> dict:
