@@ -205,6 +205,8 @@ def _mla_walk(kernels_ok: bool, why: str) -> dict:
     (Hopper, enough heads and rows) or the Triton split kernel."""
     if not kernels_ok:
         return {"chosen": "reference", "why": why}
+    import torch
+
     from openk3.infer import kernels, mla_gluon
 
     cfg = kernels.MLA_CONFIG
