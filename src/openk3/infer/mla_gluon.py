@@ -1,6 +1,6 @@
 """Absorbed MLA decode for many heads on Hopper, warp-specialised (Gluon, ``triton.experimental.gluon``).
 
-At 64 or more heads the split kernel of :mod:`openk3.infer.kernels` is compute-bound: every latent row is scored
+With many heads (K3 has 96) the split kernel of :mod:`openk3.infer.kernels` is compute-bound: every latent row is scored
 against every head (576-wide products) and summed into every head's 512-wide output, and a Triton program whose one
 warp group waits for its rows, forms both products and updates the softmax in turn keeps the tensor cores busy a
 fraction of the time (bench/NOTES.md v20). This kernel splits that chain over three roles in one program, which Triton
@@ -25,6 +25,9 @@ probabilities are rounded to the cache dtype before the value product.
 Tokens past a row's length inside its last page are read, masked out of the scores and zeroed in shared memory
 before the value products, so whatever those cache rows hold (stale or non-finite values) cannot reach the output;
 page slots past the end of a split are loaded from outside the cache tensor, which TMA fills with zeros.
+
+:func:`openk3.infer.kernels.mla_decode_triton` takes this walk by default on Hopper from ``MLA_CONFIG
+["gluon_min_heads"]`` heads and ``["gluon_min_rows"]`` rows (measured: bench/NOTES.md v29).
 """
 
 from __future__ import annotations
@@ -472,6 +475,8 @@ def mla_split_gluon(
     if not ok:
         raise ValueError(f"mla_split_gluon: {why}")
     B, H, _ = q.shape
+    if block_table.dtype != torch.int32:  # (the loader's page arithmetic and TMA coordinates are 32-bit)
+        block_table = block_table.to(torch.int32)
     page = kv_cache.shape[1]
     box = min(page, cfg["block_n"])
     flat = kv_cache.view(-1, 576)
