@@ -46,6 +46,10 @@ VARIANTS = {
     "gluon_n32": dict(gluon=True, gluon_config={"block_n": 32, "stages": 4}),
     # the two warp groups scoring alternate blocks
     "gluon_pp": dict(gluon=True, gluon_config={"pingpong": True}),
+    # the same with 32-token blocks in a ring of four (3 spilled values in its sm_90 compile, against ~80)
+    "gluon_pp32": dict(
+        gluon=True, gluon_config={"pingpong": True, "block_n": 32, "stages": 4, "pv_regs": 240}
+    ),
 }
 LABELS = {
     "ours": "ours, per-row splits",
@@ -54,6 +58,7 @@ LABELS = {
     "gluon": "ours, Gluon",
     "gluon_n32": "ours, Gluon N32 x4",
     "gluon_pp": "ours, Gluon ping-pong",
+    "gluon_pp32": "ours, Gluon ping-pong N32 x4",
 }
 
 

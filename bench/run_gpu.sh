@@ -47,8 +47,9 @@
 # lengths (per-row, balanced, FlashInfer when installed) -> peer_ragged.json, peer_uniform.json; v27e2e: the
 # 48B-shape engine with each split form, 64 rows of ragged prompts (4k-8k tokens) -> e2e_v27_ragged.json and
 # uniform prompts of 4,096 tokens at batch 1 / 16 / 64 -> e2e_v27.json; gluon: the GPU tests of the warp-specialised
-# Gluon MLA split kernel (tests_gluon.log), then bench/diag_mla_peer.py with the Triton tile at 4 and 8 warps, the
-# Gluon kernel (when its tests passed) and FlashInfer at 96 heads (ragged, and uniform at 64 x 96 x 8k) ->
+# Gluon MLA split kernel (tests_gluon.log, the ping-pong forms included), then bench/diag_mla_peer.py with the
+# Triton kernel, the Gluon kernel and its ping-pong form with 32-token blocks (when the tests passed) and FlashInfer
+# at 96, 64 and 32 heads (ragged, and uniform at 64 x 96 x 8k) ->
 # peer_gluon.json, peer_gluon_uniform.json; gluon_e2e (H200: the 48B shape does not fit 80 GB): the engine GPU
 # tests with the Gluon walk, then the 48B-shape engine with the Triton and the Gluon MLA walk at batch 16 / 64,
 # 4,096-token prompts (twice each) -> e2e_gluon.json, and 64 ragged 4k-8k prompts -> e2e_gluon_ragged.json.
@@ -252,7 +253,7 @@ if has gluon; then
   echo "gluon tests: exit $rc ($(tail -1 "$OUT_DIR/tests_gluon.log"))"
   grep -m5 "Error\|assert\|FAILED" "$OUT_DIR/tests_gluon.log"
   V=ours
-  [ $rc -eq 0 ] && V=ours,gluon,gluon_n32
+  [ $rc -eq 0 ] && V=ours,gluon,gluon_pp32
   timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants $V \
     --shapes 64x96x8192,16x96x16384,256x96x4096,4x96x16384,2x96x4096,64x64x8192,64x32x8192,8x32x4096,1x32x1040 \
     --out "$OUT_DIR/peer_gluon.json" 2>&1 | grep "^| \|copy\|rror\|gluon\|flashinfer"
