@@ -43,7 +43,7 @@ def _gluon_rows(page: int) -> list[dict]:
     from triton.experimental.gluon import language as gl
 
     import openk3.infer.mla_gluon as MG
-    from diag_kda_compile import compile_one
+    from diag_kda_compile import compile_one, signature
 
     if not MG.HAS_GLUON:
         sys.exit("--configs gluon: this Triton has no Gluon")
@@ -51,29 +51,13 @@ def _gluon_rows(page: int) -> list[dict]:
     box = min(page, cfg["block_n"])
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     fn = MG._mla_split_gluon_kernel
-    consts_names = (
-        "PAGE",
-        "BOX",
-        "DIRECT",
-        "BLOCK_H",
-        "BLOCK_N",
-        "STAGES",
-        "PV_REGS",
-        "LOAD_REGS",
-        "PINGPONG",
+    sig = signature(
+        fn,
+        ptrs={"kv_desc": f"tensordesc<bf16[{box}, 64],{layout!r}>", "bt_ptr": "*i32", "len_ptr": "*i32"},
+        other_ptrs="*fp32",
+        ints=("H", "NS", "oob_row"),
+        floats=("scale_log2",),
     )
-    sig = {}
-    for n in fn.arg_names:
-        if n == "kv_desc":
-            sig[n] = f"tensordesc<bf16[{box}, 64],{layout!r}>"
-        elif n in ("bt_ptr", "len_ptr"):
-            sig[n] = "*i32"
-        elif n.endswith("_ptr"):
-            sig[n] = "*fp32"
-        elif n == "scale_log2":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "constexpr" if n in consts_names else "i32"
     rows = []
     for label, direct in (("partials", False), ("one split", True)):
         consts = dict(

@@ -92,6 +92,28 @@ if HAS_GLUON:
                     tma.async_copy_global_to_shared(kv_desc, [row, j * 64], kv_ready.index(st), dst)
 
     @gluon.jit
+    def _mla_g_pv4(a, kv_s, base, al, o0, o1, o2, o3):
+        """Issue (asynchronously) a warp group's four 64-column value products over one buffer: ``o_c = o_c * al
+        + a @ kv_s[base + c]`` for ``c`` in 0-3 (``a``: the probabilities, in registers or shared memory; ``al``:
+        the rescale factor per head)."""
+        o0 = warpgroup_mma(a, kv_s.index(base + 0), o0 * al[:, None], is_async=True)
+        o1 = warpgroup_mma(a, kv_s.index(base + 1), o1 * al[:, None], is_async=True)
+        o2 = warpgroup_mma(a, kv_s.index(base + 2), o2 * al[:, None], is_async=True)
+        o3 = warpgroup_mma(a, kv_s.index(base + 3), o3 * al[:, None], is_async=True)
+        return o0, o1, o2, o3
+
+    @gluon.jit
+    def _mla_g_store4(
+        out_ptr, o0, o1, o2, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0: gl.constexpr,
+        DIRECT: gl.constexpr, BLOCK_H: gl.constexpr, o_l: gl.constexpr,
+    ):  # fmt: skip
+        """A warp group's four output tiles, columns ``64 J0 ..`` (:func:`_mla_g_store`)."""
+        _mla_g_store(out_ptr, o0, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 0, DIRECT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o1, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 1, DIRECT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o2, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 2, DIRECT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 3, DIRECT, BLOCK_H, o_l)
+
+    @gluon.jit
     def _mla_g_pv(
         kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, fin, out_ptr, lse_ptr, b, hb, sp, start, end, nblk,
         H, s_ob, s_oh, NS,
@@ -111,23 +133,15 @@ if HAS_GLUON:
             mbarrier.wait(kv_ready.index(st), ph)
             mbarrier.wait(p_ready, i & 1)
             alpha = a_s.load(gl.SliceLayout(1, o_l))
-            o4 = o4 * alpha[:, None]
-            o5 = o5 * alpha[:, None]
-            o6 = o6 * alpha[:, None]
-            o7 = o7 * alpha[:, None]
-            o4 = warpgroup_mma(p_s, kv_s.index(st * NKC + 4), o4, is_async=True)
-            o5 = warpgroup_mma(p_s, kv_s.index(st * NKC + 5), o5, is_async=True)
-            o6 = warpgroup_mma(p_s, kv_s.index(st * NKC + 6), o6, is_async=True)
-            o7 = warpgroup_mma(p_s, kv_s.index(st * NKC + 7), o7, is_async=True)
+            o4, o5, o6, o7 = _mla_g_pv4(p_s, kv_s, st * NKC + 4, alpha, o4, o5, o6, o7)
             o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o4, o5, o6, o7))
             mbarrier.arrive(p_free)
             mbarrier.arrive(kv_free.index(st))
         mbarrier.wait(fin, 0)
         inv = a_s.load(gl.SliceLayout(1, o_l))
-        _mla_g_store(out_ptr, o4, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 4, DIRECT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o5, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 5, DIRECT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o6, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 6, DIRECT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o7, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 7, DIRECT, BLOCK_H, o_l)
+        _mla_g_store4(
+            out_ptr, o4, o5, o6, o7, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 4, DIRECT, BLOCK_H, o_l
+        )
 
     @gluon.jit
     def _mla_g_store(
@@ -207,10 +221,7 @@ if HAS_GLUON:
             mbarrier.arrive(p_ready)
             pa = gl.convert_layout(pb, p_l)
             al = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))
-            o0 = warpgroup_mma(pa, kv_s.index(st * NKC + 0), o0 * al[:, None], is_async=True)
-            o1 = warpgroup_mma(pa, kv_s.index(st * NKC + 1), o1 * al[:, None], is_async=True)
-            o2 = warpgroup_mma(pa, kv_s.index(st * NKC + 2), o2 * al[:, None], is_async=True)
-            o3 = warpgroup_mma(pa, kv_s.index(st * NKC + 3), o3 * al[:, None], is_async=True)
+            o0, o1, o2, o3 = _mla_g_pv4(pa, kv_s, st * NKC, al, o0, o1, o2, o3)
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
             mbarrier.arrive(kv_free.index(st))
         nonempty = l > 0.0
@@ -220,10 +231,9 @@ if HAS_GLUON:
         a_s.store(inv)
         mbarrier.arrive(fin)
         inv_o = gl.convert_layout(inv, gl.SliceLayout(1, o_l))
-        _mla_g_store(out_ptr, o0, inv_o, b, hb, sp, start, end, H, s_ob, s_oh, NS, 0, DIRECT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o1, inv_o, b, hb, sp, start, end, H, s_ob, s_oh, NS, 1, DIRECT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o2, inv_o, b, hb, sp, start, end, H, s_ob, s_oh, NS, 2, DIRECT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o3, inv_o, b, hb, sp, start, end, H, s_ob, s_oh, NS, 3, DIRECT, BLOCK_H, o_l)
+        _mla_g_store4(
+            out_ptr, o0, o1, o2, o3, inv_o, b, hb, sp, start, end, H, s_ob, s_oh, NS, 0, DIRECT, BLOCK_H, o_l
+        )
         if not DIRECT:
             hh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
             row = (b.to(gl.int64) * H + hh) * NS + sp
@@ -231,18 +241,14 @@ if HAS_GLUON:
             gl.store(lse_ptr + row, lse, mask=(hh < H) & (start < end))
 
     @gluon.jit
-    def _mla_g_pv_other(o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, kv_free, pt, J0: gl.constexpr, NKC: gl.constexpr,
+    def _mla_g_pv_other(o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, pt, J0: gl.constexpr, NKC: gl.constexpr,
                         STAGES: gl.constexpr, row_o: gl.constexpr):  # fmt: skip
-        """Ping-pong form: fold the other group's block ``pt`` (its probabilities and rescale factor from shared
-        memory) into this group's four output tiles, and release its buffer."""
-        pst = pt % STAGES
+        """Ping-pong form: issue the products that fold the other group's block ``pt`` (its probabilities and
+        rescale factor from shared memory) into this group's four output tiles (the caller waits for them and
+        releases the buffer)."""
         mbarrier.wait(p_ready, pt & 1)
         al = a_s.load(row_o)
-        o0 = warpgroup_mma(p_s, kv_s.index(pst * NKC + J0 + 0), o0 * al[:, None], is_async=True)
-        o1 = warpgroup_mma(p_s, kv_s.index(pst * NKC + J0 + 1), o1 * al[:, None], is_async=True)
-        o2 = warpgroup_mma(p_s, kv_s.index(pst * NKC + J0 + 2), o2 * al[:, None], is_async=True)
-        o3 = warpgroup_mma(p_s, kv_s.index(pst * NKC + J0 + 3), o3 * al[:, None], is_async=True)
-        return o0, o1, o2, o3
+        return _mla_g_pv4(p_s, kv_s, (pt % STAGES) * NKC + J0, al, o0, o1, o2, o3)
 
     @gluon.jit
     def _mla_g_pp(
@@ -282,7 +288,7 @@ if HAS_GLUON:
             l_prev = gl.zeros([BLOCK_H], gl.float32, row_s)
             if j > 0:  # the other group's block j - 1, in order, while the scores run
                 o0, o1, o2, o3 = _mla_g_pv_other(
-                    o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, kv_free, j - 1, J0, NKC, STAGES, row_o
+                    o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, j - 1, J0, NKC, STAGES, row_o
                 )
                 # (MMA groups complete in order: this also waits for the scores issued before)
                 o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
@@ -310,16 +316,13 @@ if HAS_GLUON:
             mbarrier.arrive(p_ready)
             pa = gl.convert_layout(pb, p_l)
             al = gl.convert_layout(alpha, row_o)
-            o0 = warpgroup_mma(pa, kv_s.index(st * NKC + J0 + 0), o0 * al[:, None], is_async=True)
-            o1 = warpgroup_mma(pa, kv_s.index(st * NKC + J0 + 1), o1 * al[:, None], is_async=True)
-            o2 = warpgroup_mma(pa, kv_s.index(st * NKC + J0 + 2), o2 * al[:, None], is_async=True)
-            o3 = warpgroup_mma(pa, kv_s.index(st * NKC + J0 + 3), o3 * al[:, None], is_async=True)
+            o0, o1, o2, o3 = _mla_g_pv4(pa, kv_s, st * NKC + J0, al, o0, o1, o2, o3)
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
             mbarrier.arrive(kv_free.index(st))
         if nblk > 0:
             if (nblk - 1) % 2 != PAR:  # the other group's last block comes after this group's last
                 o0, o1, o2, o3 = _mla_g_pv_other(
-                    o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, kv_free, nblk - 1, J0, NKC, STAGES, row_o
+                    o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, nblk - 1, J0, NKC, STAGES, row_o
                 )
                 o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
                 mbarrier.arrive(kv_free.index((nblk - 1) % STAGES))
@@ -329,10 +332,9 @@ if HAS_GLUON:
         l = ml_s.index(1).load(row_o)
         nonempty = (l > 0.0) & (nblk > 0)
         inv = 1.0 / gl.where(nonempty, l, 1.0)
-        _mla_g_store(out_ptr, o0, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 0, DIRECT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o1, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 1, DIRECT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o2, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 2, DIRECT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 3, DIRECT, BLOCK_H, o_l)
+        _mla_g_store4(
+            out_ptr, o0, o1, o2, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0, DIRECT, BLOCK_H, o_l
+        )
         if not DIRECT and PAR == 0:
             hh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_o)
             row = (b.to(gl.int64) * H + hh) * NS + sp
