@@ -59,15 +59,32 @@ def _gluon_rows(page: int) -> list[dict]:
         floats=("scale_log2",),
     )
     rows = []
-    for label, direct in (("partials", False), ("one split", True)):
-        consts = dict(
-            PAGE=page, BOX=box, DIRECT=direct, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
-            STAGES=cfg["stages"], PV_REGS=cfg["pv_regs"], LOAD_REGS=cfg["load_regs"],
-            PINGPONG=bool(cfg["pingpong"]),
-        )  # fmt: skip
+    common = dict(
+        PAGE=page, BOX=box, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
+        PV_REGS=cfg["pv_regs"], LOAD_REGS=cfg["load_regs"],
+    )  # fmt: skip
+    for label, out in (("partials", 0), ("one split", 1)):
+        consts = dict(common, OUT=out, PINGPONG=bool(cfg["pingpong"]))
         r = compile_one(fn, consts, 4, maxnreg=cfg["maxnreg"], sig=sig, gluon=True)
         r.update(config="gluon", form=label)
         rows.append(r)
+    # the persistent walk (query rows by TMA too)
+    fn = MG._mla_persist_gluon_kernel
+    desc = f"tensordesc<bf16[{{}}, 64],{layout!r}>"
+    sig = signature(
+        fn,
+        ptrs={
+            "kv_desc": desc.format(box), "q_desc": desc.format(cfg["block_h"]), "bt_ptr": "*i32", "len_ptr": "*i32",
+            "plan_ptr": "*i32",
+        },
+        other_ptrs="*fp32",
+        ints=("H", "B", "oob_row"),
+        floats=("scale_log2",),
+    )  # fmt: skip
+    consts = dict(common, LOAD_REGS=cfg["persist_load_regs"])
+    r = compile_one(fn, consts, 4, maxnreg=cfg["maxnreg"], sig=sig, gluon=True)
+    r.update(config="gluon", form="persistent")
+    rows.append(r)
     return rows
 
 

@@ -42,6 +42,8 @@ VARIANTS = {
     # the many-head tile at 8 warps (no spills in its sm_90 compile, against 32 at 4 warps)
     "w8": dict(balance=False, gluon=False, num_warps=8),
     "gluon": dict(gluon=True),
+    # the Gluon split walk (one program per head block, split and row) instead of the persistent walk
+    "gluon_split": dict(gluon=True, gluon_config={"persistent": False}),
     # 32-token blocks, a ring of four
     "gluon_n32": dict(gluon=True, gluon_config={"block_n": 32, "stages": 4}),
     # the two warp groups scoring alternate blocks
@@ -56,6 +58,7 @@ LABELS = {
     "bal": "ours, balanced",
     "w8": "ours, 8 warps",
     "gluon": "ours, Gluon",
+    "gluon_split": "ours, Gluon split walk",
     "gluon_n32": "ours, Gluon N32 x4",
     "gluon_pp": "ours, Gluon ping-pong",
     "gluon_pp32": "ours, Gluon ping-pong N32 x4",

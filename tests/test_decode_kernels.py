@@ -14,6 +14,7 @@ afterwards. Padded rows (scratch slot / scratch page, duplicated) are excluded f
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -1232,14 +1233,89 @@ def test_mla_gluon_refusals():
             KN.mla_decode_triton(q, bad, table, lens, scale=0.1, kv_lora_rank=512, gluon=True)
 
 
+@here
+@pytest.mark.parametrize("H", [32, 96, 128])
+@pytest.mark.parametrize("programs,min_blocks", [(7, 1), (132, 4), (3, 2)])
+def test_mla_persist_plan_and_reduce(H, programs, min_blocks):
+    """The persistent Gluon walk's parts that run without a Hopper GPU: the prep kernel's query rows and plan, the
+    walk the plan describes (:func:`persist_segments`: every block of every (row, head block) exactly once, no
+    program past its share, distinct slots), and the reduce over slots written as the walk writes them, against
+    the fp32 reference (a row without tokens gives zeros)."""
+    from openk3.infer.mla_gluon import MLA_GLUON_CONFIG, persist_segments
+
+    gen = torch.Generator().manual_seed(seed_of("persist", H, programs, min_blocks))
+    lengths = [700, 1, 0, 64, 65, 3000, 128, 63, 2048]
+    B, ps, bn, ph = len(lengths), 16, 64, 64
+    maxp = -(-max(lengths) // ps)
+    kv = torch.randn(B * maxp + 1, ps, 576, generator=gen).bfloat16().to(DEV)
+    table = torch.randperm(B * maxp, generator=gen).view(B, maxp).int().to(DEV)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    q = torch.randn(B, H, 576, generator=gen).to(DEV)
+    scale = 192**-0.5
+    cfg = {**MLA_GLUON_CONFIG, "min_blocks": min_blocks}
+    qb, plan = KN.mla_persist_prep(q, lens, torch.bfloat16, programs, cfg)
+    nhb = -(-H // ph)
+    # the query rows: per task its head block, rounded to bf16, zeros past H
+    want_q = torch.zeros(B, nhb * ph, 576)
+    want_q[:, :H] = q.cpu().bfloat16().float()
+    assert torch.equal(qb.cpu().float(), want_q.view(-1, 576))
+    # the plan, derived independently
+    units = [-(-n // bn) * nhb for n in lengths]
+    total = sum(units)
+    w = max(-(-total // programs), min_blocks)
+    starts = [sum(units[:r]) for r in range(B)]
+    got = plan.cpu().tolist()
+    assert got[:2] == [w, total] and got[2 : 3 + B] == starts + [total]
+    segs = persist_segments(plan.cpu(), lens.cpu(), H, ph, bn)
+    cover = {}
+    for c, slot, r, hb, start, end in segs:
+        assert start % bn == 0 and 0 <= start < end <= lengths[r]
+        cover.setdefault((r, hb), []).append((start, end, c, slot))
+    per_prog = {}
+    for c, _, _r, _, start, end in segs:
+        per_prog[c] = per_prog.get(c, 0) + -(-(end - start) // bn)
+    assert max(per_prog.values()) <= w and max(per_prog) < programs
+    assert len({s[1] for s in segs}) == len(segs) and max(s[1] for s in segs) < B * nhb + programs
+    for r, n in enumerate(lengths):
+        for hb in range(nhb):
+            spans = sorted(cover.get((r, hb), []))
+            assert [a for a, *_ in spans] == [0] + [e for _, e, *_ in spans[:-1]] if n else spans == []
+            if n:
+                assert spans[-1][1] == n
+    # the slots as the walk writes them (normalised partials, log2 sum-exp), then the reduce
+    slots = B * nhb + programs
+    part = torch.full((slots, ph, 512), float("nan"))
+    lse = torch.full((slots, ph), float("nan"))
+    rows = kv.cpu().float()[table.cpu().long()].view(B, -1, 576)
+    for _c, slot, r, hb, start, end in segs:
+        heads = slice(hb * ph, min(H, hb * ph + ph))
+        nh = heads.stop - heads.start
+        s_ = q.cpu()[r, heads].bfloat16().float() @ rows[r, start:end].T * scale
+        part[slot, :nh] = torch.softmax(s_, -1) @ rows[r, start:end, :512]
+        lse[slot, :nh] = torch.logsumexp(s_, -1) / math.log(2.0)
+    out = torch.empty(B, H, 512, device=DEV)
+    KN._mla_reduce_kernel[(H, B)](
+        part.to(DEV), lse.to(DEV), plan, out, H, out.stride(0), out.stride(1), 1, B, 1, DC=512, BLOCK_N=bn, BS=8,
+        PDL=False, BAL=2, BP=1, PH=ph, num_warps=4,
+    )  # fmt: skip
+    # (the walk rounds the query to the cache dtype: so does the reference here, leaving the combine's arithmetic)
+    ref = mla_decode_reference(q.bfloat16().float(), kv, table, lens, scale=scale, kv_lora_rank=512)
+    live = lens > 0
+    check(f"persistent reduce H={H} G={programs} min={min_blocks}", out[live], ref[live], 1e-5)
+    assert torch.equal(out[~live].cpu(), torch.zeros_like(out[~live].cpu()))
+    with pytest.raises(ValueError, match="min_blocks"):
+        KN.mla_persist_prep(q, lens, torch.bfloat16, programs, {**cfg, "min_blocks": 0})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("H", [64, 96])
 @pytest.mark.parametrize("page_size", [8, 16, 64, 128])
 def test_mla_gluon_gpu(dtype, H, page_size):
-    """The warp-specialised Gluon split walk against the fp32 reference: ragged rows (one token, block and page
-    boundaries, a shared prefix, padded rows), several splits, one split, every cache row no token owns NaN, and the
-    post step folded into the reduce."""
+    """The warp-specialised Gluon kernel against the fp32 reference, its persistent walk (the default; shares of
+    1, 4 and 64 blocks, so that segments start and end mid-row and one program walks many rows) and its split walk:
+    ragged rows (one token, block and page boundaries, a shared prefix, padded rows), several splits, one split,
+    every cache row no token owns NaN, and the post step folded into the reduce."""
     if not _gluon_here():
         pytest.skip("needs Triton's Gluon and a Hopper GPU")
     seed = seed_of("gluon", str(dtype), H, page_size)
@@ -1248,10 +1324,14 @@ def test_mla_gluon_gpu(dtype, H, page_size):
     for k, kw in enumerate(
         (
             {},
+            dict(poison=True, gluon_config={"min_blocks": 1}),
+            dict(gluon_config={"min_blocks": 64}),
+            dict(post=(128, torch.bfloat16, True), gluon_config={"min_blocks": 2}),
+            dict(gluon_config={"persistent": False}),
             dict(num_splits=1),
             dict(num_splits=3),
             dict(num_splits=5, poison=True),
-            dict(post=(128, torch.bfloat16, True)),
+            dict(post=(128, torch.bfloat16, True), gluon_config={"persistent": False}),
             # 32-token blocks in a ring of four
             dict(gluon_config={"block_n": 32, "stages": 4}),
             dict(num_splits=3, poison=True, gluon_config={"block_n": 32, "stages": 4}),
@@ -1260,6 +1340,8 @@ def test_mla_gluon_gpu(dtype, H, page_size):
         run_mla_case(lengths, H, 512, 64, page_size, dtype, seed + k, tol, n_pad=2, gluon=True, **kw)
         assert KN.MLA_LAST_LAUNCH["kernel"] == "gluon"
         assert KN.MLA_LAST_LAUNCH["block_n"] == kw.get("gluon_config", {}).get("block_n", 64)
+        persist = "num_splits" not in kw and kw.get("gluon_config", {}).get("persistent", True)
+        assert KN.MLA_LAST_LAUNCH["schedule"] == ("persistent" if persist else "per-row")
 
 
 @pytest.mark.gpu

@@ -808,7 +808,7 @@ if HAS_TRITON:
     @triton.jit
     def _mla_reduce_kernel(
         part_ptr, lse_ptr, len_ptr, out_ptr, H, s_ob, s_oh, NS, B, NP, DC: tl.constexpr, BLOCK_N: tl.constexpr,
-        BS: tl.constexpr, PDL: tl.constexpr, BAL: tl.constexpr = False, BP: tl.constexpr = 1,
+        BS: tl.constexpr, PDL: tl.constexpr, BAL: tl.constexpr = False, BP: tl.constexpr = 1, PH: tl.constexpr = 64,
     ):  # fmt: skip
         """Combine the normalised partials of one (row, head) over the splits that hold tokens (the same split
         arithmetic as the split kernel), ``BS`` at a time, online in log2."""
@@ -817,22 +817,88 @@ if HAS_TRITON:
         h = tl.program_id(0)
         b = tl.program_id(1)
         dc = tl.arange(0, DC)
-        cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, B, NP, DC, BLOCK_N, BS, BAL, BP)
+        cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, B, NP, DC, BLOCK_N, BS, BAL, BP, PH)
         tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + dc, cbar)
+
+    @triton.jit
+    def _mla_persist_prep_kernel(
+        q_ptr, len_ptr, plan_ptr, qb_ptr, s_qb, s_qh, H, B, G, WMIN,
+        D: tl.constexpr, PH: tl.constexpr, BLOCK_N: tl.constexpr, BP: tl.constexpr, CB: tl.constexpr,
+        INTERP: tl.constexpr,
+    ):  # fmt: skip
+        """The persistent Gluon walk's preparation, grid ``B * NHB + 1`` (``NHB = cdiv(H, PH)`` head blocks).
+        Program ``t < B * NHB`` writes task ``t``'s query rows ``[PH, D]`` (row ``t // NHB``, head block ``t %
+        NHB``, zeros past ``H``) rounded to the cache dtype. The last program writes the plan (int32): ``W``, ``T``,
+        the rows' first positions (``B`` values, then ``T``) and each of the ``G`` programs' first task. Positions
+        count ``BLOCK_N``-token blocks in (row, head block, block) order, ``T`` in all; program ``c`` walks
+        positions ``[c W, min((c + 1) W, T))`` with ``W = max(cdiv(T, G), WMIN)``."""
+        t = tl.program_id(0)
+        NHB = tl.cdiv(H, PH)
+        if t < B * NHB:
+            r = t // NHB
+            hh = (t - r * NHB) * PH + tl.arange(0, PH)
+            d = tl.arange(0, 64)
+            src = q_ptr + r.to(tl.int64) * s_qb + hh[:, None] * s_qh + d[None, :]
+            dst = qb_ptr + (t.to(tl.int64) * PH + tl.arange(0, PH))[:, None] * D + d[None, :]
+            for j in tl.static_range(D // 64):
+                x = tl.load(src + j * 64, mask=(hh < H)[:, None], other=0.0)
+                if INTERP:
+                    x = _round(x, qb_ptr.dtype.element_ty)
+                tl.store(dst + j * 64, x.to(qb_ptr.dtype.element_ty))
+        else:
+            r = tl.arange(0, BP)
+            lens = tl.load(len_ptr + r, mask=r < B, other=0).to(tl.int32)
+            units = tl.cdiv(lens, BLOCK_N) * NHB
+            incl = tl.cumsum(units, axis=0)
+            excl = incl - units
+            total = tl.sum(units, axis=0)
+            w = tl.maximum(tl.cdiv(total, G), WMIN)
+            tl.store(plan_ptr, w)
+            tl.store(plan_ptr + 1, total)
+            tl.store(plan_ptr + 2 + r, excl, mask=r < B)
+            tl.store(plan_ptr + 2 + B, total)
+            c0 = 0
+            while c0 < G:  # (a while loop: the CPU interpreter takes no runtime value as a range() bound)
+                c = c0 + tl.arange(0, CB)
+                pos = c * w
+                # the row that holds position pos: the first whose positions end past it (rows without tokens
+                # end where they start and are passed over)
+                row = tl.sum((incl[None, :] <= pos[:, None]).to(tl.int32), axis=1)
+                sel = r[None, :] == row[:, None]
+                ex = tl.sum(tl.where(sel, excl[None, :], 0), axis=1)
+                nb = tl.maximum(tl.sum(tl.where(sel, units[None, :], 0), axis=1) // NHB, 1)
+                tl.store(plan_ptr + 3 + B + c, row * NHB + (pos - ex) // nb, mask=c < G)
+                c0 += CB
 
     @triton.jit
     def _mla_combine(
         part_ptr, lse_ptr, len_ptr, b, h, H, NS, B, NP, DC: tl.constexpr, BLOCK_N: tl.constexpr,
-        BS: tl.constexpr, BAL: tl.constexpr, BP: tl.constexpr,
+        BS: tl.constexpr, BAL: tl.constexpr, BP: tl.constexpr, PH: tl.constexpr = 64,
     ):  # fmt: skip
-        """The attention output ``[DC]`` fp32 of row ``b``, head ``h`` from the split kernel's partials."""
-        length = tl.load(len_ptr + b).to(tl.int32)
-        if BAL:
-            chunk = _mla_balance(len_ptr, B, NP, NS, BLOCK_N, BP)[2] * BLOCK_N
+        """The attention output ``[DC]`` fp32 of row ``b``, head ``h`` from the split kernel's partials. ``BAL`` 2:
+        the persistent Gluon walk's ``[slots, PH, DC]`` partials, ``len_ptr`` its plan
+        (:func:`_mla_persist_prep_kernel`): the segments of task ``t`` (row ``b``, head block ``h // PH``) are the
+        programs ``c0 ..`` whose shares hold its blocks, in slots ``t + c``. A row without tokens gives zeros."""
+        step = 1
+        if BAL == 2:
+            w = tl.load(len_ptr)
+            rs = tl.load(len_ptr + 2 + b)
+            nhb = tl.cdiv(H, PH)
+            nb = (tl.load(len_ptr + 3 + b) - rs) // nhb
+            hb = h // PH
+            ts = rs + hb * nb
+            c0 = ts // w
+            used = tl.where(nb > 0, (ts + nb - 1) // w - c0 + 1, 0)
+            base = (b.to(tl.int64) * nhb + hb + c0) * PH + (h - hb * PH)
+            step = PH
         else:
-            chunk = tl.cdiv(tl.cdiv(length, NS), BLOCK_N) * BLOCK_N
-        used = tl.cdiv(length, chunk)
-        base = (b.to(tl.int64) * H + h) * NS
+            length = tl.load(len_ptr + b).to(tl.int32)
+            if BAL:
+                chunk = _mla_balance(len_ptr, B, NP, NS, BLOCK_N, BP)[2] * BLOCK_N
+            else:
+                chunk = tl.cdiv(tl.cdiv(length, NS), BLOCK_N) * BLOCK_N
+            used = tl.cdiv(length, chunk)
+            base = (b.to(tl.int64) * H + h) * NS
         dc = tl.arange(0, DC)
         bs = tl.arange(0, BS)
         mx = float("-inf")
@@ -842,16 +908,18 @@ if HAS_TRITON:
         while s0 < used:  # (a while loop: the CPU interpreter cannot take a runtime value as range() bound)
             s = s0 + bs
             sm = s < used
-            lse = tl.load(lse_ptr + base + s, mask=sm, other=float("-inf"))
+            lse = tl.load(lse_ptr + base + s * step, mask=sm, other=float("-inf"))
             m_new = tl.maximum(mx, tl.max(lse, axis=0))  # finite from the first chunk on: split 0 has a token
             alpha = tl.exp2(mx - m_new)
             w = tl.exp2(lse - m_new)
-            part = tl.load(part_ptr + (base + s)[:, None] * DC + dc[None, :], mask=sm[:, None], other=0.0)
+            part = tl.load(
+                part_ptr + (base + s * step)[:, None] * DC + dc[None, :], mask=sm[:, None], other=0.0
+            )
             acc = acc * alpha + tl.sum(w[:, None] * part, axis=0)
             den = den * alpha + tl.sum(w, axis=0)
             mx = m_new
             s0 += BS
-        return acc / den
+        return acc / tl.where(den > 0.0, den, 1.0)
 
     @triton.jit
     def _mla_absorb_row(
@@ -984,7 +1052,7 @@ if HAS_TRITON:
         part_ptr, lse_ptr, len_ptr, wuv_ptr, gate_ptr, o_ptr, H, NS, B, NP, s_wh, s_wv, s_gb, s_ob,
         DC: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, DV: tl.constexpr, VB: tl.constexpr,
         VC: tl.constexpr, STAGES: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr, WHOLE: tl.constexpr = False,
-        BAL: tl.constexpr = False, BP: tl.constexpr = 1,
+        BAL: tl.constexpr = False, BP: tl.constexpr = 1, PH: tl.constexpr = 64,
     ):  # fmt: skip
         """The reduce with the post step folded in: program ``(vs, h, b)`` combines the partials of (row ``b``, head
         ``h``) and writes output values ``[vs * VB, (vs + 1) * VB)`` of that head (:func:`_mla_post_rows`).
@@ -1002,7 +1070,7 @@ if HAS_TRITON:
             )
         pdl_wait(PDL)
         pdl_trigger(PDL)
-        cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, B, NP, DC, BLOCK_N, BS, BAL, BP)
+        cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, B, NP, DC, BLOCK_N, BS, BAL, BP, PH)
         if WHOLE:
             _mla_post_out(w, cbar, gate_ptr, o_ptr, b, h, v, vm, s_gb, s_ob, DV, GATE)
         else:
@@ -1428,7 +1496,10 @@ def mla_decode_triton(
         PAGE=page_size, MODE=mode, DC=DC, DR=DR, BLOCK_H=bh, BLOCK_N=bn, F32=kv_cache.dtype == torch.float32,
         TRANS=tr, PREFETCH=pf, STAGES=st, INTERP=INTERPRET, PDL=pdl_on(q),
     )  # fmt: skip
-    ns = num_splits
+    # the Gluon walk's persistent schedule: one program per SM, each an equal share of the batch's blocks (a
+    # split count asked for by name keeps the split form)
+    persist = use_g and bool(gcfg["persistent"]) and not gcfg["pingpong"] and not num_splits
+    ns = _sm_count(q.device) if persist else num_splits
     if not ns:  # decided once per shape and configuration (this is on the decode step's host path)
         max_context = block_table.shape[1] * page_size
         min_chunk = _min_chunk(B, cfg, min_chunk)
@@ -1451,24 +1522,34 @@ def mla_decode_triton(
     MLA_LAST_LAUNCH.update(
         splits=ns, block_h=bh, block_n=bn, num_warps=nw, num_stages=st, prefetch=pf, pdl=consts["PDL"],
         min_chunk=min_chunk, post=None if post is None else "reduce" if ns > 1 else "kernel", balance=bal,
-        kernel="gluon" if use_g else "triton",
+        kernel="gluon" if use_g else "triton", schedule="persistent" if persist else "balanced" if bal else "per-row",
     )  # fmt: skip
-    if ns > 1:
+    pdl = consts["PDL"]
+    bkw = dict(BAL=bal, BP=triton.next_power_of_2(B) if bal else 1)
+    lens_arg = lengths  # what the reduce reads the split arithmetic from
+    if persist:
+        from openk3.infer.mla_gluon import mla_persist_gluon
+
+        qb, plan = mla_persist_prep(q, lengths, kv_cache.dtype, ns, gcfg)
+        slots = B * triton.cdiv(H, bh) + ns
+        part = torch.empty(slots, bh, DC, dtype=torch.float32, device=q.device)
+        lse = torch.empty(slots, bh, dtype=torch.float32, device=q.device)
+        mla_persist_gluon(qb, kv_cache, block_table, lengths, plan, part, lse, H, scale, gcfg)
+        lens_arg, bkw = plan, dict(BAL=2, BP=1, PH=bh)
+    elif ns > 1:
         part = torch.empty(B, H, nsp, DC, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, H, nsp, dtype=torch.float32, device=q.device)
         args = (*args[:5], part, lse, *args[7:])
-    pdl = consts["PDL"]
-    bkw = dict(BAL=bal, BP=triton.next_power_of_2(B) if bal else 1)
     # balanced: one flat axis of ns * B programs plus one per row (the rows' split counts round up)
     grid = (triton.cdiv(H, bh), ns * B + B, 1) if bal else (triton.cdiv(H, bh), ns, B)
-    if use_g:
+    if use_g and not persist:
         from openk3.infer.mla_gluon import mla_split_gluon
 
         # (no programmatic dependent launch: the kernel after it waits for its completion)
         mla_split_gluon(
             q, kv_cache, block_table, lengths, args[5], args[6] if ns > 1 else None, ns, scale, gcfg
         )
-    else:
+    elif not use_g:
         _mla_split_kernel[grid](
             *args, nsp, B, ns * B, DIRECT=ns == 1, **consts, **bkw, num_warps=nw, **pdl_launch(pdl)
         )
@@ -1479,7 +1560,7 @@ def mla_decode_triton(
             # W_UV held from before the wait where the streamed form would take more than one step
             whole = pc["VC"] < pc["VB"] and pc["VB"] * DC <= MLA_GLUE_CONFIG["post_whole_elems"]
             _mla_reduce_post_kernel[(pc["VS"], H, B)](
-                part, lse, lengths, w_uv, g, o, H, nsp, B, ns * B, w_uv.stride(0), w_uv.stride(1), g.stride(0),
+                part, lse, lens_arg, w_uv, g, o, H, nsp, B, ns * B, w_uv.stride(0), w_uv.stride(1), g.stride(0),
                 o.stride(0), DC=DC, BLOCK_N=bn, BS=8, DV=pc["DV"], VB=pc["VB"], VC=pc["VC"], STAGES=pc["STAGES"],
                 GATE=gate is not None, PDL=pdl, WHOLE=whole, **bkw, num_warps=pc["num_warps"], **pdl_launch(pdl),
             )  # fmt: skip
@@ -1488,10 +1569,31 @@ def mla_decode_triton(
         return o
     if ns > 1:
         _mla_reduce_kernel[(H, B)](
-            part, lse, lengths, out, H, out.stride(0), out.stride(1), nsp, B, ns * B, DC=DC, BLOCK_N=bn, BS=8,
+            part, lse, lens_arg, out, H, out.stride(0), out.stride(1), nsp, B, ns * B, DC=DC, BLOCK_N=bn, BS=8,
             PDL=pdl, **bkw, num_warps=4, **pdl_launch(pdl),
         )  # fmt: skip
     return out
+
+
+def mla_persist_prep(
+    q: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype, programs: int, gcfg: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The persistent Gluon walk's inputs in one launch (:func:`_mla_persist_prep_kernel`): the query rows per task
+    ``[B * NHB * block_h, 576]`` in the cache ``dtype`` (zeros past the heads) and the int32 plan for ``programs``
+    programs, each an equal share (at least ``gcfg["min_blocks"]`` blocks) of the batch's ``gcfg["block_n"]``-token
+    blocks."""
+    B, H, D = q.shape
+    ph, bn, wmin = int(gcfg["block_h"]), int(gcfg["block_n"]), int(gcfg["min_blocks"])
+    if wmin < 1 or programs < 1:
+        raise ValueError(f"mla_persist_prep: min_blocks and programs must be >= 1, got {wmin}, {programs}")
+    nt = B * triton.cdiv(H, ph)
+    qb = torch.empty(nt * ph, D, dtype=dtype, device=q.device)
+    plan = torch.empty(3 + B + programs, dtype=torch.int32, device=q.device)
+    _mla_persist_prep_kernel[(nt + 1,)](
+        q, lengths, plan, qb, q.stride(0), q.stride(1), H, B, programs, wmin, D=D, PH=ph, BLOCK_N=bn,
+        BP=triton.next_power_of_2(max(B, 2)), CB=32, INTERP=INTERPRET, num_warps=4,
+    )  # fmt: skip
+    return qb, plan
 
 
 def _post_setup(B, H, DC, w_uv, gate, out_dtype, v_splits, device, who):

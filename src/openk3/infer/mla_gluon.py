@@ -50,10 +50,19 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     HAS_GLUON = True
+    # the shared-memory layout of every 64-wide slice the kernels copy in (query and cache)
+    _SWIZZLE = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 except Exception:  # pragma: no cover - Triton without Gluon
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "MLA_GLUON_CONFIG", "gluon_supported", "mla_split_gluon"]
+__all__ = [
+    "HAS_GLUON",
+    "MLA_GLUON_CONFIG",
+    "gluon_supported",
+    "mla_persist_gluon",
+    "mla_split_gluon",
+    "persist_segments",
+]
 
 # Launch parameters: heads per program (the MMAs' M side), tokens per block, ring depth, the registers per thread of
 # the second group and of the loader (the score group gets what is left of the kernel's register file; the kernel
@@ -67,18 +76,28 @@ MLA_GLUON_CONFIG = {
     "maxnreg": 168,
     # the two warp groups take alternate blocks' scores (_mla_g_pp) instead of one group scoring every block
     "pingpong": False,
+    # one program per SM walks an equal share of the batch's blocks across rows and head blocks
+    # (mla_persist_gluon); off: the split walk, one program per (head block, split, row)
+    "persistent": True,
+    # the least blocks per program of the persistent walk (fewer programs take part when the batch is short)
+    "min_blocks": 4,
+    # the persistent walk's loader registers (its segment bookkeeping spills one value at 24)
+    "persist_load_regs": 32,
 }
 
 if HAS_GLUON:
 
     @gluon.jit
-    def _mla_g_loader(
-        kv_desc, bt_ptr, kv_s, kv_ready, kv_free, start, end, nblk, oob_row,
+    def _mla_g_load_seg(
+        kv_desc, bt_ptr, kv_s, kv_ready, kv_free, start, end, nblk, i0, oob_row,
         PAGE: gl.constexpr, BOX: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
+        """The loader's copies for one segment: ``nblk`` blocks of the row whose block table is ``bt_ptr``, tokens
+        ``start .. end``; ``i0`` blocks of the walk came before it (the ring's stages and phases run on across
+        segments)."""
         for i in range(nblk):
-            st = i % STAGES
-            ph = (i // STAGES) & 1
+            st = (i0 + i) % STAGES
+            ph = ((i0 + i) // STAGES) & 1
             mbarrier.wait(kv_free.index(st), ph ^ 1)
             mbarrier.expect(kv_ready.index(st), NKC * BLOCK_N * 64 * kv_desc.dtype.primitive_bitwidth // 8)
             n0 = start + i * BLOCK_N
@@ -103,62 +122,50 @@ if HAS_GLUON:
         return o0, o1, o2, o3
 
     @gluon.jit
-    def _mla_g_store4(
-        out_ptr, o0, o1, o2, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0: gl.constexpr,
-        DIRECT: gl.constexpr, BLOCK_H: gl.constexpr, o_l: gl.constexpr,
-    ):  # fmt: skip
-        """A warp group's four output tiles, columns ``64 J0 ..`` (:func:`_mla_g_store`)."""
-        _mla_g_store(out_ptr, o0, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 0, DIRECT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o1, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 1, DIRECT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o2, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 2, DIRECT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 3, DIRECT, BLOCK_H, o_l)
-
-    @gluon.jit
-    def _mla_g_pv(
-        kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, fin, out_ptr, lse_ptr, b, hb, sp, start, end, nblk,
-        H, s_ob, s_oh, NS,
-        DIRECT: gl.constexpr, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr,
-    ):  # fmt: skip
-        """The second warp group: output columns 256-511."""
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
-        )
-        o4 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
-        o5 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
-        o6 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
-        o7 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
-        for i in range(nblk):
-            st = i % STAGES
-            ph = (i // STAGES) & 1
-            mbarrier.wait(kv_ready.index(st), ph)
-            mbarrier.wait(p_ready, i & 1)
-            alpha = a_s.load(gl.SliceLayout(1, o_l))
-            o4, o5, o6, o7 = _mla_g_pv4(p_s, kv_s, st * NKC + 4, alpha, o4, o5, o6, o7)
-            o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o4, o5, o6, o7))
-            mbarrier.arrive(p_free)
-            mbarrier.arrive(kv_free.index(st))
-        mbarrier.wait(fin, 0)
-        inv = a_s.load(gl.SliceLayout(1, o_l))
-        _mla_g_store4(
-            out_ptr, o4, o5, o6, o7, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 4, DIRECT, BLOCK_H, o_l
-        )
-
-    @gluon.jit
     def _mla_g_store(
-        out_ptr, o, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J: gl.constexpr, DIRECT: gl.constexpr,
+        out_ptr, o, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J: gl.constexpr, OUT: gl.constexpr,
         BLOCK_H: gl.constexpr, o_l: gl.constexpr,
     ):  # fmt: skip
-        """Columns ``64 J .. 64 J + 63`` of the program's normalised output: the output row (one split) or the
-        ``[B, H, NS, 512]`` partials (nothing for a split past the row's length)."""
-        hh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+        """Columns ``64 J .. 64 J + 63`` of the program's normalised output. ``OUT`` 0: the ``[B, H, NS, 512]``
+        partials of split ``sp`` (nothing for a split past the row's length); 1: the output row ``[B, H, 512]``
+        (one split); 2: slot ``sp`` of the persistent walk's ``[slots, BLOCK_H, 512]`` partials."""
+        hl = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+        hh = hb * BLOCK_H + hl
         dd = J * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, o_l))
         hm = hh < H
-        if DIRECT:
+        if OUT == 1:
             row = b.to(gl.int64) * s_ob + hh.to(gl.int64) * s_oh
+        elif OUT == 2:
+            row = (sp.to(gl.int64) * BLOCK_H + hl) * 512
         else:
             row = ((b.to(gl.int64) * H + hh) * NS + sp) * 512
             hm = hm & (start < end)
         gl.store(out_ptr + row[:, None] + dd[None, :], o * inv[:, None], mask=hm[:, None])
+
+    @gluon.jit
+    def _mla_g_store4(
+        out_ptr, o0, o1, o2, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0: gl.constexpr,
+        OUT: gl.constexpr, BLOCK_H: gl.constexpr, o_l: gl.constexpr,
+    ):  # fmt: skip
+        """A warp group's four output tiles, columns ``64 J0 ..`` (:func:`_mla_g_store`)."""
+        _mla_g_store(out_ptr, o0, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 0, OUT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o1, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 1, OUT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o2, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 2, OUT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 3, OUT, BLOCK_H, o_l)
+
+    @gluon.jit
+    def _mla_g_store_lse(
+        lse_ptr, m, l, b, hb, sp, start, end, H, NS, OUT: gl.constexpr, BLOCK_H: gl.constexpr, row_l: gl.constexpr
+    ):  # fmt: skip
+        """The log2 sum-exp of the program's heads beside its partials (``OUT`` 0: ``[B, H, NS]``, 2: ``[slots,
+        BLOCK_H]``; one split writes none)."""
+        hl = gl.arange(0, BLOCK_H, layout=row_l)
+        hh = hb * BLOCK_H + hl
+        lse = m + gl.log2(gl.where(l > 0.0, l, 1.0))
+        if OUT == 2:
+            gl.store(lse_ptr + sp.to(gl.int64) * BLOCK_H + hl, lse, mask=hh < H)
+        elif OUT == 0:
+            gl.store(lse_ptr + (b.to(gl.int64) * H + hh) * NS + sp, lse, mask=(hh < H) & (start < end))
 
     @gluon.jit
     def _mla_g_zero_tail(kv_s, base, keep_rows, BLOCK_N: gl.constexpr):
@@ -172,12 +179,44 @@ if HAS_GLUON:
             buf.store(gl.where(keep[:, None], x, gl.zeros_like(x)))
 
     @gluon.jit
-    def _mla_g_score(
-        q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, fin, out_ptr, lse_ptr, b, hb, sp, start, end,
-        nblk, H, s_ob, s_oh, NS, scale_log2,
-        DIRECT: gl.constexpr, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _mla_g_pv_seg(
+        kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, nblk, i0, k0,
+        BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
-        """The score warp group: scores, online softmax, output columns 0-255."""
+        """The second warp group over one segment of ``nblk`` blocks: output columns 256-511 and, from the last
+        hand-over, ``1 / l``. ``i0``: the walk's blocks before the segment, ``k0``: the hand-overs before it (one
+        per block and one per segment)."""
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+        )
+        o4 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o5 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o6 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o7 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        for i in range(nblk):
+            st = (i0 + i) % STAGES
+            mbarrier.wait(kv_ready.index(st), ((i0 + i) // STAGES) & 1)
+            mbarrier.wait(p_ready, (k0 + i) & 1)
+            alpha = a_s.load(gl.SliceLayout(1, o_l))
+            o4, o5, o6, o7 = _mla_g_pv4(p_s, kv_s, st * NKC + 4, alpha, o4, o5, o6, o7)
+            o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o4, o5, o6, o7))
+            mbarrier.arrive(p_free)
+            mbarrier.arrive(kv_free.index(st))
+        mbarrier.wait(p_ready, (k0 + nblk) & 1)
+        inv = a_s.load(gl.SliceLayout(1, o_l))
+        mbarrier.arrive(p_free)
+        return o4, o5, o6, o7, inv
+
+    @gluon.jit
+    def _mla_g_score_seg(
+        q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, q_free, start, end, nblk, i0, k0, scale_log2,
+        ARRIVE_Q: gl.constexpr, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        """The score warp group over one segment (tokens ``start .. end``, ``nblk`` blocks): scores, online softmax,
+        output columns 0-255; hands the probabilities and factors of every block, then ``1 / l``, to the second
+        group. Returns the four output tiles, ``1 / l`` and the softmax state ``(m, l)``. ``ARRIVE_Q``: arrive on
+        ``q_free`` once the last block's score products are done with the query buffer."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -193,16 +232,18 @@ if HAS_GLUON:
         o2 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
         o3 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
         for i in range(nblk):
-            st = i % STAGES
-            ph = (i // STAGES) & 1
-            mbarrier.wait(kv_ready.index(st), ph)
+            st = (i0 + i) % STAGES
+            mbarrier.wait(kv_ready.index(st), ((i0 + i) // STAGES) & 1)
             s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
             for j in gl.static_range(NKC):
                 s = warpgroup_mma(q_s.index(j), kv_s.index(st * NKC + j).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s,))
-            tok = start + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
-            s = gl.where((tok < end)[None, :], s * scale_log2, float("-inf"))
+            if ARRIVE_Q:
+                if i == nblk - 1:  # the query buffer may take the next segment's rows
+                    mbarrier.arrive(q_free)
             n0 = start + i * BLOCK_N
+            tok = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_l))
+            s = gl.where((tok < end)[None, :], s * scale_log2, float("-inf"))
             if n0 + BLOCK_N > end:
                 # the last block: rows past the length (the rest of the row's last page, or zeros) leave the
                 # value product, so that whatever those cache rows hold cannot reach the output
@@ -213,8 +254,8 @@ if HAS_GLUON:
             l = l * alpha + gl.sum(p, axis=1)
             m = m_new
             pb = p.to(kv_dtype)
-            # the second group has read the previous block's probabilities and factors
-            mbarrier.wait(p_free, (i & 1) ^ 1)
+            # the second group has read the previous hand-over
+            mbarrier.wait(p_free, ((k0 + i) & 1) ^ 1)
             p_s.store(pb)
             a_s.store(alpha)
             fence_async_shared()
@@ -224,21 +265,59 @@ if HAS_GLUON:
             o0, o1, o2, o3 = _mla_g_pv4(pa, kv_s, st * NKC, al, o0, o1, o2, o3)
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
             mbarrier.arrive(kv_free.index(st))
-        nonempty = l > 0.0
-        inv = 1.0 / gl.where(nonempty, l, 1.0)
-        # the factors' buffer takes 1 / l once the second group is past its last block
-        mbarrier.wait(p_free, (nblk & 1) ^ 1)
+        inv = 1.0 / gl.where(l > 0.0, l, 1.0)
+        # the factors' buffer takes 1 / l once the second group is past the segment's last block
+        mbarrier.wait(p_free, ((k0 + nblk) & 1) ^ 1)
         a_s.store(inv)
-        mbarrier.arrive(fin)
-        inv_o = gl.convert_layout(inv, gl.SliceLayout(1, o_l))
-        _mla_g_store4(
-            out_ptr, o0, o1, o2, o3, inv_o, b, hb, sp, start, end, H, s_ob, s_oh, NS, 0, DIRECT, BLOCK_H, o_l
+        mbarrier.arrive(p_ready)
+        return o0, o1, o2, o3, gl.convert_layout(inv, gl.SliceLayout(1, o_l)), m, l
+
+    @gluon.jit
+    def _mla_g_loader(
+        kv_desc, bt_ptr, kv_s, kv_ready, kv_free, start, end, nblk, oob_row,
+        PAGE: gl.constexpr, BOX: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        """The split walk's loader warp: its one segment."""
+        _mla_g_load_seg(kv_desc, bt_ptr, kv_s, kv_ready, kv_free, start, end, nblk, 0, oob_row, PAGE, BOX, NKC,
+                        STAGES, BLOCK_N)  # fmt: skip
+
+    @gluon.jit
+    def _mla_g_pv(
+        kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, out_ptr, b, hb, sp, start, end, nblk, H, s_ob, s_oh,
+        NS, OUT: gl.constexpr, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """The split walk's second warp group: output columns 256-511."""
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
         )
-        if not DIRECT:
-            hh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
-            row = (b.to(gl.int64) * H + hh) * NS + sp
-            lse = m + gl.log2(gl.where(nonempty, l, 1.0))
-            gl.store(lse_ptr + row, lse, mask=(hh < H) & (start < end))
+        o4, o5, o6, o7, inv = _mla_g_pv_seg(
+            kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, nblk, 0, 0, BLOCK_H, NKC, STAGES
+        )
+        _mla_g_store4(
+            out_ptr, o4, o5, o6, o7, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 4, OUT, BLOCK_H, o_l
+        )
+
+    @gluon.jit
+    def _mla_g_score(
+        q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, out_ptr, lse_ptr, b, hb, sp, start, end,
+        nblk, H, s_ob, s_oh, NS, scale_log2,
+        OUT: gl.constexpr, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        """The split walk's score warp group: scores, online softmax, output columns 0-255."""
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+        )
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o0, o1, o2, o3, inv, m, l = _mla_g_score_seg(
+            q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, p_free, start, end, nblk, 0, 0, scale_log2,
+            False, BLOCK_H, NKC, STAGES, BLOCK_N,
+        )  # fmt: skip
+        _mla_g_store4(
+            out_ptr, o0, o1, o2, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 0, OUT, BLOCK_H, o_l
+        )
+        _mla_g_store_lse(lse_ptr, m, l, b, hb, sp, start, end, H, NS, OUT, BLOCK_H, gl.SliceLayout(1, s_l))
 
     @gluon.jit
     def _mla_g_pv_other(o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, pt, J0: gl.constexpr, NKC: gl.constexpr,
@@ -254,7 +333,7 @@ if HAS_GLUON:
     def _mla_g_pp(
         q_s, kv_s, p_s, a_s, ml_s, kv_ready, kv_free, p_ready, ml_ready, out_ptr, lse_ptr, b, hb, sp, start, end,
         nblk, H, s_ob, s_oh, NS, scale_log2,
-        PAR: gl.constexpr, DIRECT: gl.constexpr, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr,
+        PAR: gl.constexpr, OUT: gl.constexpr, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr,
         BLOCK_N: gl.constexpr,
     ):  # fmt: skip
         """Ping-pong form (``PINGPONG``): warp group ``PAR`` scores the blocks ``PAR, PAR + 2, ...`` and keeps output
@@ -333,32 +412,132 @@ if HAS_GLUON:
         nonempty = (l > 0.0) & (nblk > 0)
         inv = 1.0 / gl.where(nonempty, l, 1.0)
         _mla_g_store4(
-            out_ptr, o0, o1, o2, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0, DIRECT, BLOCK_H, o_l
+            out_ptr, o0, o1, o2, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0, OUT, BLOCK_H, o_l
         )
-        if not DIRECT and PAR == 0:
-            hh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_o)
-            row = (b.to(gl.int64) * H + hh) * NS + sp
-            lse = m + gl.log2(gl.where(nonempty, l, 1.0))
-            gl.store(lse_ptr + row, lse, mask=(hh < H) & (start < end))
+        if PAR == 0:
+            _mla_g_store_lse(lse_ptr, m, l, b, hb, sp, start, end, H, NS, OUT, BLOCK_H, row_o)
 
     @gluon.jit
-    def _mla_split_gluon_kernel(
-        q_ptr, kv_desc, bt_ptr, len_ptr, out_ptr, lse_ptr,
-        s_qb, s_qh, s_btb, s_ob, s_oh, H, scale_log2, NS, oob_row,
-        PAGE: gl.constexpr, BOX: gl.constexpr, DIRECT: gl.constexpr, BLOCK_H: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PV_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
-        PINGPONG: gl.constexpr = False,
+    def _mla_gp_walk(plan_ptr, B):
+        """The persistent walk of this program: its first and end positions (blocks of the flattened (row, head
+        block, block) order) and the task (``row * NHB + head block``) that holds its first position."""
+        c = gl.program_id(0)
+        w = gl.load(plan_ptr)
+        pos = c * w
+        return pos, gl.minimum(pos + w, gl.load(plan_ptr + 1)), gl.load(plan_ptr + 3 + B + c)
+
+    @gluon.jit
+    def _mla_gp_seg(plan_ptr, len_ptr, t, pos, end_pos, NHB, BLOCK_N: gl.constexpr):
+        """The segment of task ``t`` that the walk takes from position ``pos``: (row, head block, first token, end
+        token, blocks, the position after it). An empty row's tasks give no blocks."""
+        r = t // NHB
+        hb = t - r * NHB
+        rs = gl.load(plan_ptr + 2 + r)
+        nb = (gl.load(plan_ptr + 3 + r) - rs) // NHB
+        ts = rs + hb * nb
+        blk0 = pos - ts
+        blk1 = gl.minimum(end_pos - ts, nb)
+        length = gl.load(len_ptr + r).to(gl.int32)
+        nblk = gl.maximum(blk1 - blk0, 0)
+        return r, hb, blk0 * BLOCK_N, gl.minimum(blk1 * BLOCK_N, length), nblk, ts + gl.maximum(blk1, blk0)
+
+    @gluon.jit
+    def _mla_gp_loader(
+        kv_desc, q_desc, bt_ptr, len_ptr, plan_ptr, kv_s, q_s, kv_ready, kv_free, q_ready, q_free, B, NHB, s_btb,
+        oob_row, PAGE: gl.constexpr, BOX: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr,
     ):  # fmt: skip
-        NKC: gl.constexpr = 9  # 576 = 9 x 64: 512 latent values (also the value), 64 rope values
-        hb = gl.program_id(0)
-        sp = gl.program_id(1)
-        b = gl.program_id(2)
-        length = gl.load(len_ptr + b).to(gl.int32)
-        chunk = gl.cdiv(gl.cdiv(length, NS), BLOCK_N) * BLOCK_N
-        start = sp * chunk
-        end = gl.minimum(start + chunk, length)
-        nblk = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
-        kv_dtype: gl.constexpr = kv_desc.dtype
+        """The persistent walk's loader warp: per segment the task's bf16 query rows (once the score group is done
+        with the previous ones), then its blocks."""
+        pos, end_pos, t = _mla_gp_walk(plan_ptr, B)
+        i = 0
+        n = 0
+        while pos < end_pos:
+            r, hb, start, end, nblk, pos = _mla_gp_seg(plan_ptr, len_ptr, t, pos, end_pos, NHB, BLOCK_N)
+            if nblk > 0:
+                mbarrier.wait(q_free, (n & 1) ^ 1)
+                mbarrier.expect(q_ready, NKC * BLOCK_H * 64 * q_desc.dtype.primitive_bitwidth // 8)
+                for j in gl.static_range(NKC):
+                    tma.async_copy_global_to_shared(q_desc, [t * BLOCK_H, j * 64], q_ready, q_s.index(j))
+                _mla_g_load_seg(
+                    kv_desc, bt_ptr + r.to(gl.int64) * s_btb, kv_s, kv_ready, kv_free, start, end, nblk, i,
+                    oob_row, PAGE, BOX, NKC, STAGES, BLOCK_N,
+                )  # fmt: skip
+                i += nblk
+                n += 1
+            t += 1
+
+    @gluon.jit
+    def _mla_gp_score(
+        q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, q_ready, q_free, len_ptr, plan_ptr, part_ptr,
+        lse_ptr, B, NHB, H, scale_log2,
+        BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        """The persistent walk's score warp group: per segment the scores, softmax and output columns 0-255 into
+        the segment's slot (``task + program``) with the log2 sum-exp."""
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+        )
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        c = gl.program_id(0)
+        pos, end_pos, t = _mla_gp_walk(plan_ptr, B)
+        i = 0
+        k = 0
+        n = 0
+        while pos < end_pos:
+            r, hb, start, end, nblk, pos = _mla_gp_seg(plan_ptr, len_ptr, t, pos, end_pos, NHB, BLOCK_N)
+            if nblk > 0:
+                mbarrier.wait(q_ready, n & 1)
+                o0, o1, o2, o3, inv, m, l = _mla_g_score_seg(
+                    q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, q_free, start, end, nblk, i, k,
+                    scale_log2, True, BLOCK_H, NKC, STAGES, BLOCK_N,
+                )  # fmt: skip
+                _mla_g_store4(
+                    part_ptr, o0, o1, o2, o3, inv, r, hb, t + c, start, end, H, 0, 0, 1, 0, 2, BLOCK_H, o_l
+                )
+                _mla_g_store_lse(
+                    lse_ptr, m, l, r, hb, t + c, start, end, H, 1, 2, BLOCK_H, gl.SliceLayout(1, s_l)
+                )
+                i += nblk
+                k += nblk + 1
+                n += 1
+            t += 1
+
+    @gluon.jit
+    def _mla_gp_pv(
+        kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, len_ptr, plan_ptr, part_ptr, B, NHB, H,
+        BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        """The persistent walk's second warp group: per segment output columns 256-511 into the segment's slot."""
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+        )
+        c = gl.program_id(0)
+        pos, end_pos, t = _mla_gp_walk(plan_ptr, B)
+        i = 0
+        k = 0
+        while pos < end_pos:
+            r, hb, start, end, nblk, pos = _mla_gp_seg(plan_ptr, len_ptr, t, pos, end_pos, NHB, BLOCK_N)
+            if nblk > 0:
+                o4, o5, o6, o7, inv = _mla_g_pv_seg(
+                    kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, nblk, i, k, BLOCK_H, NKC, STAGES
+                )
+                _mla_g_store4(
+                    part_ptr, o4, o5, o6, o7, inv, r, hb, t + c, start, end, H, 0, 0, 1, 4, 2, BLOCK_H, o_l
+                )
+                i += nblk
+                k += nblk + 1
+            t += 1
+
+    @gluon.jit
+    def _mla_g_buffers(
+        kv_dtype: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr
+    ):
+        """Shared memory of both walks: the query (nine 64-wide slices), the ring of ``STAGES`` blocks, the
+        probabilities and the per-head factors, and the ring's and hand-over's mbarriers (initialised)."""
+        NKC: gl.constexpr = 9
         sw: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         q_s = gl.allocate_shared_memory(kv_dtype, [NKC, BLOCK_H, 64], sw)
         kv_s = gl.allocate_shared_memory(kv_dtype, [STAGES * NKC, BLOCK_N, 64], sw)
@@ -374,13 +553,71 @@ if HAS_GLUON:
         kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for k in gl.static_range(STAGES):
             mbarrier.init(kv_ready.index(k), count=1)
             mbarrier.init(kv_free.index(k), count=2)
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=1)
-        mbarrier.init(fin, count=1)
+        return q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free
+
+    @gluon.jit
+    def _mla_persist_gluon_kernel(
+        q_desc, kv_desc, bt_ptr, len_ptr, plan_ptr, part_ptr, lse_ptr, s_btb, H, B, scale_log2, oob_row,
+        PAGE: gl.constexpr, BOX: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        PV_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+    ):  # fmt: skip
+        NKC: gl.constexpr = 9
+        NHB = gl.cdiv(H, BLOCK_H)
+        q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free = _mla_g_buffers(
+            kv_desc.dtype, BLOCK_H, BLOCK_N, STAGES
+        )
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_free, count=1)
+        gl.warp_specialize(
+            [
+                (
+                    _mla_gp_score,
+                    (q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, q_ready, q_free, len_ptr, plan_ptr,
+                     part_ptr, lse_ptr, B, NHB, H, scale_log2, BLOCK_H, NKC, STAGES, BLOCK_N),
+                ),
+                (
+                    _mla_gp_pv,
+                    (kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, len_ptr, plan_ptr, part_ptr, B, NHB, H,
+                     BLOCK_H, NKC, STAGES, BLOCK_N),
+                ),
+                (
+                    _mla_gp_loader,
+                    (kv_desc, q_desc, bt_ptr, len_ptr, plan_ptr, kv_s, q_s, kv_ready, kv_free, q_ready, q_free, B,
+                     NHB, s_btb, oob_row, PAGE, BOX, NKC, STAGES, BLOCK_N, BLOCK_H),
+                ),
+            ],
+            [4, 1],
+            [PV_REGS, LOAD_REGS],
+        )  # fmt: skip
+
+    @gluon.jit
+    def _mla_split_gluon_kernel(
+        q_ptr, kv_desc, bt_ptr, len_ptr, out_ptr, lse_ptr,
+        s_qb, s_qh, s_btb, s_ob, s_oh, H, scale_log2, NS, oob_row,
+        PAGE: gl.constexpr, BOX: gl.constexpr, OUT: gl.constexpr, BLOCK_H: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PV_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+        PINGPONG: gl.constexpr = False,
+    ):  # fmt: skip
+        NKC: gl.constexpr = 9  # 576 = 9 x 64: 512 latent values (also the value), 64 rope values
+        hb = gl.program_id(0)
+        sp = gl.program_id(1)
+        b = gl.program_id(2)
+        length = gl.load(len_ptr + b).to(gl.int32)
+        chunk = gl.cdiv(gl.cdiv(length, NS), BLOCK_N) * BLOCK_N
+        start = sp * chunk
+        end = gl.minimum(start + chunk, length)
+        nblk = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+        kv_dtype: gl.constexpr = kv_desc.dtype
+        q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free = _mla_g_buffers(
+            kv_dtype, BLOCK_H, BLOCK_N, STAGES
+        )
         # the query rows of this program's heads (zeros past H), rounded to the cache dtype
         ql: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
         hh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ql))
@@ -395,17 +632,19 @@ if HAS_GLUON:
             ml_s = gl.allocate_shared_memory(
                 gl.float32, [2, BLOCK_H], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
             )
+            ml_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(ml_ready, count=1)
             gl.warp_specialize(
                 [
                     (
                         _mla_g_pp,
-                        (q_s, kv_s, p_s, a_s, ml_s, kv_ready, kv_free, p_ready, fin, out_ptr, lse_ptr, b, hb, sp,
-                         start, end, nblk, H, s_ob, s_oh, NS, scale_log2, 0, DIRECT, BLOCK_H, NKC, STAGES, BLOCK_N),
+                        (q_s, kv_s, p_s, a_s, ml_s, kv_ready, kv_free, p_ready, ml_ready, out_ptr, lse_ptr, b, hb,
+                         sp, start, end, nblk, H, s_ob, s_oh, NS, scale_log2, 0, OUT, BLOCK_H, NKC, STAGES, BLOCK_N),
                     ),
                     (
                         _mla_g_pp,
-                        (q_s, kv_s, p_s, a_s, ml_s, kv_ready, kv_free, p_ready, fin, out_ptr, lse_ptr, b, hb, sp,
-                         start, end, nblk, H, s_ob, s_oh, NS, scale_log2, 1, DIRECT, BLOCK_H, NKC, STAGES, BLOCK_N),
+                        (q_s, kv_s, p_s, a_s, ml_s, kv_ready, kv_free, p_ready, ml_ready, out_ptr, lse_ptr, b, hb,
+                         sp, start, end, nblk, H, s_ob, s_oh, NS, scale_log2, 1, OUT, BLOCK_H, NKC, STAGES, BLOCK_N),
                     ),
                     (
                         _mla_g_loader,
@@ -421,13 +660,13 @@ if HAS_GLUON:
                 [
                     (
                         _mla_g_score,
-                        (q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, fin, out_ptr, lse_ptr, b, hb, sp,
-                         start, end, nblk, H, s_ob, s_oh, NS, scale_log2, DIRECT, BLOCK_H, NKC, STAGES, BLOCK_N),
+                        (q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, out_ptr, lse_ptr, b, hb, sp,
+                         start, end, nblk, H, s_ob, s_oh, NS, scale_log2, OUT, BLOCK_H, NKC, STAGES, BLOCK_N),
                     ),
                     (
                         _mla_g_pv,
-                        (kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, fin, out_ptr, lse_ptr, b, hb, sp, start,
-                         end, nblk, H, s_ob, s_oh, NS, DIRECT, BLOCK_H, NKC, STAGES),
+                        (kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, out_ptr, b, hb, sp, start, end, nblk,
+                         H, s_ob, s_oh, NS, OUT, BLOCK_H, NKC, STAGES),
                     ),
                     (
                         _mla_g_loader,
@@ -472,26 +711,94 @@ def mla_split_gluon(
     """The split walk: ``out`` is ``[B, H, 512]`` fp32 with one split, else the ``[B, H, num_splits, 512]``
     partials with ``lse [B, H, num_splits]`` (log2 sum-exp), as :func:`openk3.infer.kernels.mla_decode_triton`'s
     split kernel writes them; every split covers whole ``cfg["block_n"]``-token blocks."""
-    cfg = {**MLA_GLUON_CONFIG, **(cfg or {})}
-    ok, why = gluon_supported(q, kv_cache, 512)
-    if not ok:
-        raise ValueError(f"mla_split_gluon: {why}")
+    cfg, block_table, desc, box, oob = _setup(q, kv_cache, block_table, cfg, "mla_split_gluon")
     B, H, _ = q.shape
-    if block_table.dtype != torch.int32:  # (the loader's page arithmetic and TMA coordinates are 32-bit)
-        block_table = block_table.to(torch.int32)
     page = kv_cache.shape[1]
-    box = min(page, cfg["block_n"])
-    flat = kv_cache.view(-1, 576)
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [box, 64], layout)
     direct = num_splits == 1
     grid = (triton.cdiv(H, cfg["block_h"]), num_splits, B)
     _mla_split_gluon_kernel[grid](
         q, desc, block_table, lengths, out, out if lse is None else lse,
         q.stride(0), q.stride(1), block_table.stride(0),
         out.stride(0) if direct else 0, out.stride(1) if direct else 0,
-        H, float(scale) * math.log2(math.e), num_splits, flat.shape[0],
-        PAGE=page, BOX=box, DIRECT=direct, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
+        H, float(scale) * math.log2(math.e), num_splits, oob,
+        PAGE=page, BOX=box, OUT=int(direct), BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
         PV_REGS=cfg["pv_regs"], LOAD_REGS=cfg["load_regs"], PINGPONG=bool(cfg["pingpong"]), num_warps=4,
         maxnreg=cfg["maxnreg"],
     )  # fmt: skip
+
+
+def _setup(q, kv_cache, block_table, cfg, who):
+    """Checks and the cache's TMA descriptor: (config, int32 block table, descriptor, box rows, the first row past
+    the cache)."""
+    cfg = {**MLA_GLUON_CONFIG, **(cfg or {})}
+    ok, why = gluon_supported(q, kv_cache, 512)
+    if not ok:
+        raise ValueError(f"{who}: {why}")
+    if block_table.dtype != torch.int32:  # (the loader's page arithmetic and TMA coordinates are 32-bit)
+        block_table = block_table.to(torch.int32)
+    box = min(kv_cache.shape[1], cfg["block_n"])
+    flat = kv_cache.view(-1, 576)
+    desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [box, 64], _SWIZZLE)
+    return cfg, block_table, desc, box, flat.shape[0]
+
+
+def mla_persist_gluon(
+    qb: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    plan: torch.Tensor,
+    part: torch.Tensor,
+    lse: torch.Tensor,
+    heads: int,
+    scale: float,
+    cfg: dict | None = None,
+) -> None:
+    """The persistent walk (grid: the plan's programs, one per SM): program ``c`` takes positions ``[c W, (c + 1)
+    W)`` of the batch's blocks in (row, head block, block) order and writes each segment it walks (one task's
+    blocks inside its share) to slot ``task + c`` of ``part [slots, block_h, 512]`` / ``lse [slots, block_h]``
+    (:func:`persist_segments` spells out the walk). ``qb [tasks * block_h, 576]`` and ``plan`` come from
+    :func:`openk3.infer.kernels.mla_persist_prep`; the reduce of :mod:`openk3.infer.kernels` combines the slots."""
+    B = lengths.shape[0]
+    cfg, block_table, desc, box, oob = _setup(
+        qb.view(-1, 1, 576), kv_cache, block_table, cfg, "mla_persist_gluon"
+    )
+    bh = cfg["block_h"]
+    programs = plan.shape[0] - 3 - B
+    if (
+        qb.dtype != kv_cache.dtype
+        or qb.shape != (B * triton.cdiv(heads, bh) * bh, 576)
+        or not qb.is_contiguous()
+    ):
+        raise ValueError(f"mla_persist_gluon: qb {tuple(qb.shape)} {qb.dtype} is not the prepared query rows")
+    q_desc = TensorDescriptor(qb, list(qb.shape), list(qb.stride()), [bh, 64], _SWIZZLE)
+    _mla_persist_gluon_kernel[(programs,)](
+        q_desc, desc, block_table, lengths, plan, part, lse, block_table.stride(0), heads, B,
+        float(scale) * math.log2(math.e), oob,
+        PAGE=kv_cache.shape[1], BOX=box, BLOCK_H=bh, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
+        PV_REGS=cfg["pv_regs"], LOAD_REGS=cfg["persist_load_regs"], num_warps=4, maxnreg=cfg["maxnreg"],
+    )  # fmt: skip
+
+
+def persist_segments(plan, lengths, heads: int, block_h: int = 64, block_n: int = 64) -> list[tuple]:
+    """The persistent walk in plain Python (what each program of :func:`mla_persist_gluon` does, for tests and
+    diagnostics): ``(program, slot, row, head block, first token, end token)`` for every segment with blocks."""
+    plan = [int(x) for x in plan.tolist()]
+    lengths = [int(x) for x in lengths.tolist()]
+    B = len(lengths)
+    nhb = -(-heads // block_h)
+    w, total = plan[0], plan[1]
+    segs = []
+    for c in range(len(plan) - 3 - B):
+        pos, end_pos, t = c * w, min(c * w + w, total), plan[3 + B + c]
+        while pos < end_pos:
+            r, hb = divmod(t, nhb)
+            rs = plan[2 + r]
+            nb = (plan[3 + r] - rs) // nhb
+            ts = rs + hb * nb
+            blk0, blk1 = pos - ts, min(end_pos - ts, nb)
+            if blk1 > blk0:
+                segs.append((c, t + c, r, hb, blk0 * block_n, min(blk1 * block_n, lengths[r])))
+            pos = ts + max(blk1, blk0)
+            t += 1
+    return segs
