@@ -1199,6 +1199,10 @@ def test_mla_decode_gpu(dtype, H, page_size):
 VARIANT_PP32 = {"pingpong": True, "block_n": 32, "stages": 4, "pv_regs": 240}
 
 
+# the persistent Gluon walk at any row count
+ALL_ROWS = {"persist_min_rows": 1}
+
+
 def _gluon_here() -> bool:
     from openk3.infer.mla_gluon import HAS_GLUON
 
@@ -1235,15 +1239,15 @@ def test_mla_gluon_refusals():
 
 @here
 @pytest.mark.parametrize("H", [32, 96, 128])
-@pytest.mark.parametrize("programs,min_blocks", [(7, 1), (132, 4), (3, 2)])
-def test_mla_persist_plan_and_reduce(H, programs, min_blocks):
+@pytest.mark.parametrize("groups,min_blocks", [(7, 1), (66, 4), (3, 2)])
+def test_mla_persist_plan_and_reduce(H, groups, min_blocks):
     """The persistent Gluon walk's parts that run without a Hopper GPU: the prep kernel's query rows and plan, the
-    walk the plan describes (:func:`persist_segments`: every block of every (row, head block) exactly once, no
-    program past its share, distinct slots), and the reduce over slots written as the walk writes them, against
-    the fp32 reference (a row without tokens gives zeros)."""
+    walk the plan describes (:func:`persist_segments`: every block of every (row, head block) exactly once, each
+    group within its share, the head blocks of a segment in one group, distinct slots), and the reduce over slots
+    written as the walk writes them, against the fp32 reference (a row without tokens gives zeros)."""
     from openk3.infer.mla_gluon import MLA_GLUON_CONFIG, persist_segments
 
-    gen = torch.Generator().manual_seed(seed_of("persist", H, programs, min_blocks))
+    gen = torch.Generator().manual_seed(seed_of("persist", H, groups, min_blocks))
     lengths = [700, 1, 0, 64, 65, 3000, 128, 63, 2048]
     B, ps, bn, ph = len(lengths), 16, 64, 64
     maxp = -(-max(lengths) // ps)
@@ -1253,37 +1257,37 @@ def test_mla_persist_plan_and_reduce(H, programs, min_blocks):
     q = torch.randn(B, H, 576, generator=gen).to(DEV)
     scale = 192**-0.5
     cfg = {**MLA_GLUON_CONFIG, "min_blocks": min_blocks}
-    qb, plan = KN.mla_persist_prep(q, lens, torch.bfloat16, programs, cfg)
+    qb, plan = KN.mla_persist_prep(q, lens, torch.bfloat16, groups, cfg)
     nhb = -(-H // ph)
-    # the query rows: per task its head block, rounded to bf16, zeros past H
+    # the query rows: per (row, head block), rounded to bf16, zeros past H
     want_q = torch.zeros(B, nhb * ph, 576)
     want_q[:, :H] = q.cpu().bfloat16().float()
     assert torch.equal(qb.cpu().float(), want_q.view(-1, 576))
     # the plan, derived independently
-    units = [-(-n // bn) * nhb for n in lengths]
-    total = sum(units)
-    w = max(-(-total // programs), min_blocks)
-    starts = [sum(units[:r]) for r in range(B)]
+    blocks = [-(-n // bn) for n in lengths]
+    total = sum(blocks)
+    w = max(-(-total // groups), min_blocks)
+    starts = [sum(blocks[:r]) for r in range(B)]
     got = plan.cpu().tolist()
     assert got[:2] == [w, total] and got[2 : 3 + B] == starts + [total]
     segs = persist_segments(plan.cpu(), lens.cpu(), H, ph, bn)
-    cover = {}
-    for c, slot, r, hb, start, end in segs:
-        assert start % bn == 0 and 0 <= start < end <= lengths[r]
-        cover.setdefault((r, hb), []).append((start, end, c, slot))
-    per_prog = {}
-    for c, _, _r, _, start, end in segs:
+    cover, per_prog = {}, {}
+    for c, _slot, r, hb, start, end in segs:
+        assert start % bn == 0 and 0 <= start < end <= lengths[r] and c % nhb == hb
+        cover.setdefault((r, hb), []).append((start, end, c // nhb))
         per_prog[c] = per_prog.get(c, 0) + -(-(end - start) // bn)
-    assert max(per_prog.values()) <= w and max(per_prog) < programs
-    assert len({s[1] for s in segs}) == len(segs) and max(s[1] for s in segs) < B * nhb + programs
+    assert max(per_prog.values()) <= w and max(per_prog) < groups * nhb
+    assert len({s[1] for s in segs}) == len(segs) and max(s[1] for s in segs) < (B + groups) * nhb
     for r, n in enumerate(lengths):
         for hb in range(nhb):
             spans = sorted(cover.get((r, hb), []))
-            assert [a for a, *_ in spans] == [0] + [e for _, e, *_ in spans[:-1]] if n else spans == []
-            if n:
-                assert spans[-1][1] == n
+            if n == 0:
+                assert spans == []
+                continue
+            assert [a for a, _, _ in spans] == [0] + [e for _, e, _ in spans[:-1]] and spans[-1][1] == n
+            assert spans == sorted(cover[(r, 0)])  # every head block of a row in the same groups
     # the slots as the walk writes them (normalised partials, log2 sum-exp), then the reduce
-    slots = B * nhb + programs
+    slots = (B + groups) * nhb
     part = torch.full((slots, ph, 512), float("nan"))
     lse = torch.full((slots, ph), float("nan"))
     rows = kv.cpu().float()[table.cpu().long()].view(B, -1, 576)
@@ -1301,10 +1305,10 @@ def test_mla_persist_plan_and_reduce(H, programs, min_blocks):
     # (the walk rounds the query to the cache dtype: so does the reference here, leaving the combine's arithmetic)
     ref = mla_decode_reference(q.bfloat16().float(), kv, table, lens, scale=scale, kv_lora_rank=512)
     live = lens > 0
-    check(f"persistent reduce H={H} G={programs} min={min_blocks}", out[live], ref[live], 1e-5)
+    check(f"persistent reduce H={H} G={groups} min={min_blocks}", out[live], ref[live], 1e-5)
     assert torch.equal(out[~live].cpu(), torch.zeros_like(out[~live].cpu()))
     with pytest.raises(ValueError, match="min_blocks"):
-        KN.mla_persist_prep(q, lens, torch.bfloat16, programs, {**cfg, "min_blocks": 0})
+        KN.mla_persist_prep(q, lens, torch.bfloat16, groups, {**cfg, "min_blocks": 0})
 
 
 @pytest.mark.gpu
@@ -1318,15 +1322,19 @@ def test_mla_gluon_gpu(dtype, H, page_size):
     every cache row no token owns NaN, and the post step folded into the reduce."""
     if not _gluon_here():
         pytest.skip("needs Triton's Gluon and a Hopper GPU")
+    from openk3.infer.mla_gluon import MLA_GLUON_CONFIG
+
     seed = seed_of("gluon", str(dtype), H, page_size)
     lengths = [1, 2047, 3000, 64, 777, 16, 128, 63]
     tol = MLA_TOL[torch.bfloat16]
     for k, kw in enumerate(
         (
-            {},
-            dict(poison=True, gluon_config={"min_blocks": 1}),
-            dict(gluon_config={"min_blocks": 64}),
-            dict(post=(128, torch.bfloat16, True), gluon_config={"min_blocks": 2}),
+            dict(gluon_config=ALL_ROWS),
+            dict(poison=True, gluon_config={**ALL_ROWS, "min_blocks": 1}),
+            dict(gluon_config={**ALL_ROWS, "min_blocks": 64}),
+            dict(post=(128, torch.bfloat16, True), gluon_config={**ALL_ROWS, "min_blocks": 2}),
+            dict(gluon_config={**ALL_ROWS, "block_n": 32, "stages": 4}),
+            {},  # (10 rows: the split walk by default)
             dict(gluon_config={"persistent": False}),
             dict(num_splits=1),
             dict(num_splits=3),
@@ -1340,7 +1348,8 @@ def test_mla_gluon_gpu(dtype, H, page_size):
         run_mla_case(lengths, H, 512, 64, page_size, dtype, seed + k, tol, n_pad=2, gluon=True, **kw)
         assert KN.MLA_LAST_LAUNCH["kernel"] == "gluon"
         assert KN.MLA_LAST_LAUNCH["block_n"] == kw.get("gluon_config", {}).get("block_n", 64)
-        persist = "num_splits" not in kw and kw.get("gluon_config", {}).get("persistent", True)
+        gc = {**MLA_GLUON_CONFIG, **kw.get("gluon_config", {})}
+        persist = "num_splits" not in kw and gc["persistent"] and len(lengths) + 2 >= gc["persist_min_rows"]
         assert KN.MLA_LAST_LAUNCH["schedule"] == ("persistent" if persist else "per-row")
 
 

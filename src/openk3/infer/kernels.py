@@ -828,10 +828,11 @@ if HAS_TRITON:
     ):  # fmt: skip
         """The persistent Gluon walk's preparation, grid ``B * NHB + 1`` (``NHB = cdiv(H, PH)`` head blocks).
         Program ``t < B * NHB`` writes task ``t``'s query rows ``[PH, D]`` (row ``t // NHB``, head block ``t %
-        NHB``, zeros past ``H``) rounded to the cache dtype. The last program writes the plan (int32): ``W``, ``T``,
-        the rows' first positions (``B`` values, then ``T``) and each of the ``G`` programs' first task. Positions
-        count ``BLOCK_N``-token blocks in (row, head block, block) order, ``T`` in all; program ``c`` walks
-        positions ``[c W, min((c + 1) W, T))`` with ``W = max(cdiv(T, G), WMIN)``."""
+        NHB``, zeros past ``H``) rounded to the cache dtype. The last program writes the plan (int32) for ``G``
+        groups of ``NHB`` programs: ``W``, ``T``, the rows' first positions (``B`` values, then ``T``) and each
+        group's first row. Positions count the rows' ``BLOCK_N``-token blocks one row after the other, ``T`` in
+        all; group ``g`` walks positions ``[g W, min((g + 1) W, T))`` with ``W = max(cdiv(T, G), WMIN)``, each of
+        its programs for one head block."""
         t = tl.program_id(0)
         NHB = tl.cdiv(H, PH)
         if t < B * NHB:
@@ -846,29 +847,24 @@ if HAS_TRITON:
                     x = _round(x, qb_ptr.dtype.element_ty)
                 tl.store(dst + j * 64, x.to(qb_ptr.dtype.element_ty))
         else:
-            r = tl.arange(0, BP)
-            lens = tl.load(len_ptr + r, mask=r < B, other=0).to(tl.int32)
-            units = tl.cdiv(lens, BLOCK_N) * NHB
-            incl = tl.cumsum(units, axis=0)
-            excl = incl - units
-            total = tl.sum(units, axis=0)
+            rows = tl.arange(0, BP)
+            lens = tl.load(len_ptr + rows, mask=rows < B, other=0).to(tl.int32)
+            blocks = tl.cdiv(lens, BLOCK_N)
+            incl = tl.cumsum(blocks, axis=0)
+            total = tl.sum(blocks, axis=0)
             w = tl.maximum(tl.cdiv(total, G), WMIN)
             tl.store(plan_ptr, w)
             tl.store(plan_ptr + 1, total)
-            tl.store(plan_ptr + 2 + r, excl, mask=r < B)
+            tl.store(plan_ptr + 2 + rows, incl - blocks, mask=rows < B)
             tl.store(plan_ptr + 2 + B, total)
-            c0 = 0
-            while c0 < G:  # (a while loop: the CPU interpreter takes no runtime value as a range() bound)
-                c = c0 + tl.arange(0, CB)
-                pos = c * w
-                # the row that holds position pos: the first whose positions end past it (rows without tokens
-                # end where they start and are passed over)
-                row = tl.sum((incl[None, :] <= pos[:, None]).to(tl.int32), axis=1)
-                sel = r[None, :] == row[:, None]
-                ex = tl.sum(tl.where(sel, excl[None, :], 0), axis=1)
-                nb = tl.maximum(tl.sum(tl.where(sel, units[None, :], 0), axis=1) // NHB, 1)
-                tl.store(plan_ptr + 3 + B + c, row * NHB + (pos - ex) // nb, mask=c < G)
-                c0 += CB
+            g0 = 0
+            while g0 < G:  # (a while loop: the CPU interpreter takes no runtime value as a range() bound)
+                g = g0 + tl.arange(0, CB)
+                # the row that holds position g * w: the first whose blocks end past it (rows without tokens end
+                # where they start and are passed over)
+                row = tl.sum((incl[None, :] <= (g * w)[:, None]).to(tl.int32), axis=1)
+                tl.store(plan_ptr + 3 + B + g, row, mask=g < G)
+                g0 += CB
 
     @triton.jit
     def _mla_combine(
@@ -877,20 +873,20 @@ if HAS_TRITON:
     ):  # fmt: skip
         """The attention output ``[DC]`` fp32 of row ``b``, head ``h`` from the split kernel's partials. ``BAL`` 2:
         the persistent Gluon walk's ``[slots, PH, DC]`` partials, ``len_ptr`` its plan
-        (:func:`_mla_persist_prep_kernel`): the segments of task ``t`` (row ``b``, head block ``h // PH``) are the
-        programs ``c0 ..`` whose shares hold its blocks, in slots ``t + c``. A row without tokens gives zeros."""
+        (:func:`_mla_persist_prep_kernel`): the groups ``g0 ..`` whose shares hold row ``b``'s blocks wrote its
+        segments for head block ``hb = h // PH`` into slots ``(b + g) NHB + hb``. A row without tokens gives
+        zeros."""
         step = 1
         if BAL == 2:
-            w = tl.load(len_ptr)
+            share = tl.load(len_ptr)
             rs = tl.load(len_ptr + 2 + b)
+            nb = tl.load(len_ptr + 3 + b) - rs
             nhb = tl.cdiv(H, PH)
-            nb = (tl.load(len_ptr + 3 + b) - rs) // nhb
             hb = h // PH
-            ts = rs + hb * nb
-            c0 = ts // w
-            used = tl.where(nb > 0, (ts + nb - 1) // w - c0 + 1, 0)
-            base = (b.to(tl.int64) * nhb + hb + c0) * PH + (h - hb * PH)
-            step = PH
+            g0 = rs // share
+            used = tl.where(nb > 0, (rs + nb - 1) // share - g0 + 1, 0)
+            base = ((b.to(tl.int64) + g0) * nhb + hb) * PH + (h - hb * PH)
+            step = nhb * PH
         else:
             length = tl.load(len_ptr + b).to(tl.int32)
             if BAL:
@@ -1496,10 +1492,12 @@ def mla_decode_triton(
         PAGE=page_size, MODE=mode, DC=DC, DR=DR, BLOCK_H=bh, BLOCK_N=bn, F32=kv_cache.dtype == torch.float32,
         TRANS=tr, PREFETCH=pf, STAGES=st, INTERP=INTERPRET, PDL=pdl_on(q),
     )  # fmt: skip
-    # the Gluon walk's persistent schedule: one program per SM, each an equal share of the batch's blocks (a
-    # split count asked for by name keeps the split form)
+    # the Gluon walk's persistent schedule: groups of one program per head block, as many groups as the SMs hold,
+    # each group an equal share of the batch's blocks (a split count asked for by name keeps the split form)
     persist = use_g and bool(gcfg["persistent"]) and not gcfg["pingpong"] and not num_splits
-    ns = _sm_count(q.device) if persist else num_splits
+    persist = persist and B >= gcfg["persist_min_rows"]
+    nhb = triton.cdiv(H, bh)
+    ns = max(1, _sm_count(q.device) // nhb) if persist else num_splits
     if not ns:  # decided once per shape and configuration (this is on the decode step's host path)
         max_context = block_table.shape[1] * page_size
         min_chunk = _min_chunk(B, cfg, min_chunk)
@@ -1531,7 +1529,7 @@ def mla_decode_triton(
         from openk3.infer.mla_gluon import mla_persist_gluon
 
         qb, plan = mla_persist_prep(q, lengths, kv_cache.dtype, ns, gcfg)
-        slots = B * triton.cdiv(H, bh) + ns
+        slots = (B + ns) * nhb
         part = torch.empty(slots, bh, DC, dtype=torch.float32, device=q.device)
         lse = torch.empty(slots, bh, dtype=torch.float32, device=q.device)
         mla_persist_gluon(qb, kv_cache, block_table, lengths, plan, part, lse, H, scale, gcfg)
@@ -1576,21 +1574,21 @@ def mla_decode_triton(
 
 
 def mla_persist_prep(
-    q: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype, programs: int, gcfg: dict
+    q: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype, groups: int, gcfg: dict
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The persistent Gluon walk's inputs in one launch (:func:`_mla_persist_prep_kernel`): the query rows per task
-    ``[B * NHB * block_h, 576]`` in the cache ``dtype`` (zeros past the heads) and the int32 plan for ``programs``
-    programs, each an equal share (at least ``gcfg["min_blocks"]`` blocks) of the batch's ``gcfg["block_n"]``-token
-    blocks."""
+    ``[B * NHB * block_h, 576]`` in the cache ``dtype`` (zeros past the heads) and the int32 plan for ``groups``
+    groups of programs (one program per head block), each group an equal share (at least ``gcfg["min_blocks"]``
+    blocks) of the batch's ``gcfg["block_n"]``-token blocks."""
     B, H, D = q.shape
     ph, bn, wmin = int(gcfg["block_h"]), int(gcfg["block_n"]), int(gcfg["min_blocks"])
-    if wmin < 1 or programs < 1:
-        raise ValueError(f"mla_persist_prep: min_blocks and programs must be >= 1, got {wmin}, {programs}")
+    if wmin < 1 or groups < 1:
+        raise ValueError(f"mla_persist_prep: min_blocks and groups must be >= 1, got {wmin}, {groups}")
     nt = B * triton.cdiv(H, ph)
     qb = torch.empty(nt * ph, D, dtype=dtype, device=q.device)
-    plan = torch.empty(3 + B + programs, dtype=torch.int32, device=q.device)
+    plan = torch.empty(3 + B + groups, dtype=torch.int32, device=q.device)
     _mla_persist_prep_kernel[(nt + 1,)](
-        q, lengths, plan, qb, q.stride(0), q.stride(1), H, B, programs, wmin, D=D, PH=ph, BLOCK_N=bn,
+        q, lengths, plan, qb, q.stride(0), q.stride(1), H, B, groups, wmin, D=D, PH=ph, BLOCK_N=bn,
         BP=triton.next_power_of_2(max(B, 2)), CB=32, INTERP=INTERPRET, num_warps=4,
     )  # fmt: skip
     return qb, plan

@@ -79,8 +79,10 @@ MLA_GLUON_CONFIG = {
     # one program per SM walks an equal share of the batch's blocks across rows and head blocks
     # (mla_persist_gluon); off: the split walk, one program per (head block, split, row)
     "persistent": True,
-    # the least blocks per program of the persistent walk (fewer programs take part when the batch is short)
+    # the least blocks per group of the persistent walk (fewer groups take part when the batch is short)
     "min_blocks": 4,
+    # the persistent walk from this many rows (fewer: the split walk)
+    "persist_min_rows": 16,
     # the persistent walk's loader registers (its segment bookkeeping spills one value at 24)
     "persist_load_regs": 32,
 }
@@ -418,28 +420,25 @@ if HAS_GLUON:
             _mla_g_store_lse(lse_ptr, m, l, b, hb, sp, start, end, H, NS, OUT, BLOCK_H, row_o)
 
     @gluon.jit
-    def _mla_gp_walk(plan_ptr, B):
-        """The persistent walk of this program: its first and end positions (blocks of the flattened (row, head
-        block, block) order) and the task (``row * NHB + head block``) that holds its first position."""
+    def _mla_gp_walk(plan_ptr, B, NHB):
+        """This program's part of the persistent walk: its group ``g``, its head block, the group's first and end
+        positions (blocks of the rows one after the other) and the row that holds the first."""
         c = gl.program_id(0)
+        g = c // NHB
         w = gl.load(plan_ptr)
-        pos = c * w
-        return pos, gl.minimum(pos + w, gl.load(plan_ptr + 1)), gl.load(plan_ptr + 3 + B + c)
+        pos = g * w
+        return g, c - g * NHB, pos, gl.minimum(pos + w, gl.load(plan_ptr + 1)), gl.load(plan_ptr + 3 + B + g)
 
     @gluon.jit
-    def _mla_gp_seg(plan_ptr, len_ptr, t, pos, end_pos, NHB, BLOCK_N: gl.constexpr):
-        """The segment of task ``t`` that the walk takes from position ``pos``: (row, head block, first token, end
-        token, blocks, the position after it). An empty row's tasks give no blocks."""
-        r = t // NHB
-        hb = t - r * NHB
+    def _mla_gp_seg(plan_ptr, len_ptr, r, pos, end_pos, BLOCK_N: gl.constexpr):
+        """The segment of row ``r`` that the walk takes from position ``pos``: (first token, end token, blocks, the
+        position after it). A row without tokens gives no blocks."""
         rs = gl.load(plan_ptr + 2 + r)
-        nb = (gl.load(plan_ptr + 3 + r) - rs) // NHB
-        ts = rs + hb * nb
-        blk0 = pos - ts
-        blk1 = gl.minimum(end_pos - ts, nb)
+        blk0 = pos - rs
+        blk1 = gl.minimum(end_pos - rs, gl.load(plan_ptr + 3 + r) - rs)
         length = gl.load(len_ptr + r).to(gl.int32)
         nblk = gl.maximum(blk1 - blk0, 0)
-        return r, hb, blk0 * BLOCK_N, gl.minimum(blk1 * BLOCK_N, length), nblk, ts + gl.maximum(blk1, blk0)
+        return blk0 * BLOCK_N, gl.minimum(blk1 * BLOCK_N, length), nblk, rs + gl.maximum(blk1, blk0)
 
     @gluon.jit
     def _mla_gp_loader(
@@ -447,25 +446,26 @@ if HAS_GLUON:
         oob_row, PAGE: gl.constexpr, BOX: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr,
         BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr,
     ):  # fmt: skip
-        """The persistent walk's loader warp: per segment the task's bf16 query rows (once the score group is done
-        with the previous ones), then its blocks."""
-        pos, end_pos, t = _mla_gp_walk(plan_ptr, B)
+        """The persistent walk's loader warp: per segment the query rows of the program's head block of the row
+        (once the score group is done with the previous ones), then the segment's blocks."""
+        g, hb, pos, end_pos, r = _mla_gp_walk(plan_ptr, B, NHB)
         i = 0
         n = 0
         while pos < end_pos:
-            r, hb, start, end, nblk, pos = _mla_gp_seg(plan_ptr, len_ptr, t, pos, end_pos, NHB, BLOCK_N)
+            start, end, nblk, pos = _mla_gp_seg(plan_ptr, len_ptr, r, pos, end_pos, BLOCK_N)
             if nblk > 0:
                 mbarrier.wait(q_free, (n & 1) ^ 1)
                 mbarrier.expect(q_ready, NKC * BLOCK_H * 64 * q_desc.dtype.primitive_bitwidth // 8)
+                qrow = (r * NHB + hb) * BLOCK_H
                 for j in gl.static_range(NKC):
-                    tma.async_copy_global_to_shared(q_desc, [t * BLOCK_H, j * 64], q_ready, q_s.index(j))
+                    tma.async_copy_global_to_shared(q_desc, [qrow, j * 64], q_ready, q_s.index(j))
                 _mla_g_load_seg(
                     kv_desc, bt_ptr + r.to(gl.int64) * s_btb, kv_s, kv_ready, kv_free, start, end, nblk, i,
                     oob_row, PAGE, BOX, NKC, STAGES, BLOCK_N,
                 )  # fmt: skip
                 i += nblk
                 n += 1
-            t += 1
+            r += 1
 
     @gluon.jit
     def _mla_gp_score(
@@ -474,36 +474,35 @@ if HAS_GLUON:
         BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
         """The persistent walk's score warp group: per segment the scores, softmax and output columns 0-255 into
-        the segment's slot (``task + program``) with the log2 sum-exp."""
+        the segment's slot (``(row + group) NHB + head block``) with the log2 sum-exp."""
         o_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
         )
         s_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
-        c = gl.program_id(0)
-        pos, end_pos, t = _mla_gp_walk(plan_ptr, B)
+        g, hb, pos, end_pos, r = _mla_gp_walk(plan_ptr, B, NHB)
         i = 0
         k = 0
         n = 0
         while pos < end_pos:
-            r, hb, start, end, nblk, pos = _mla_gp_seg(plan_ptr, len_ptr, t, pos, end_pos, NHB, BLOCK_N)
+            start, end, nblk, pos = _mla_gp_seg(plan_ptr, len_ptr, r, pos, end_pos, BLOCK_N)
             if nblk > 0:
+                slot = (r + g) * NHB + hb
                 mbarrier.wait(q_ready, n & 1)
                 o0, o1, o2, o3, inv, m, l = _mla_g_score_seg(
                     q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, q_free, start, end, nblk, i, k,
                     scale_log2, True, BLOCK_H, NKC, STAGES, BLOCK_N,
                 )  # fmt: skip
-                _mla_g_store4(
-                    part_ptr, o0, o1, o2, o3, inv, r, hb, t + c, start, end, H, 0, 0, 1, 0, 2, BLOCK_H, o_l
-                )
+                _mla_g_store4(part_ptr, o0, o1, o2, o3, inv, r, hb, slot, start, end, H, 0, 0, 1, 0, 2, BLOCK_H,
+                              o_l)  # fmt: skip
                 _mla_g_store_lse(
-                    lse_ptr, m, l, r, hb, t + c, start, end, H, 1, 2, BLOCK_H, gl.SliceLayout(1, s_l)
+                    lse_ptr, m, l, r, hb, slot, start, end, H, 1, 2, BLOCK_H, gl.SliceLayout(1, s_l)
                 )
                 i += nblk
                 k += nblk + 1
                 n += 1
-            t += 1
+            r += 1
 
     @gluon.jit
     def _mla_gp_pv(
@@ -514,22 +513,21 @@ if HAS_GLUON:
         o_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
         )
-        c = gl.program_id(0)
-        pos, end_pos, t = _mla_gp_walk(plan_ptr, B)
+        g, hb, pos, end_pos, r = _mla_gp_walk(plan_ptr, B, NHB)
         i = 0
         k = 0
         while pos < end_pos:
-            r, hb, start, end, nblk, pos = _mla_gp_seg(plan_ptr, len_ptr, t, pos, end_pos, NHB, BLOCK_N)
+            start, end, nblk, pos = _mla_gp_seg(plan_ptr, len_ptr, r, pos, end_pos, BLOCK_N)
             if nblk > 0:
                 o4, o5, o6, o7, inv = _mla_g_pv_seg(
                     kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, nblk, i, k, BLOCK_H, NKC, STAGES
                 )
-                _mla_g_store4(
-                    part_ptr, o4, o5, o6, o7, inv, r, hb, t + c, start, end, H, 0, 0, 1, 4, 2, BLOCK_H, o_l
-                )
+                slot = (r + g) * NHB + hb
+                _mla_g_store4(part_ptr, o4, o5, o6, o7, inv, r, hb, slot, start, end, H, 0, 0, 1, 4, 2, BLOCK_H,
+                              o_l)  # fmt: skip
                 i += nblk
                 k += nblk + 1
-            t += 1
+            r += 1
 
     @gluon.jit
     def _mla_g_buffers(
@@ -754,17 +752,19 @@ def mla_persist_gluon(
     scale: float,
     cfg: dict | None = None,
 ) -> None:
-    """The persistent walk (grid: the plan's programs, one per SM): program ``c`` takes positions ``[c W, (c + 1)
-    W)`` of the batch's blocks in (row, head block, block) order and writes each segment it walks (one task's
-    blocks inside its share) to slot ``task + c`` of ``part [slots, block_h, 512]`` / ``lse [slots, block_h]``
-    (:func:`persist_segments` spells out the walk). ``qb [tasks * block_h, 576]`` and ``plan`` come from
-    :func:`openk3.infer.kernels.mla_persist_prep`; the reduce of :mod:`openk3.infer.kernels` combines the slots."""
+    """The persistent walk (grid: the plan's groups of one program per head block, as many groups as the SMs
+    hold): group ``g`` takes positions ``[g W, (g + 1) W)`` of the batch's blocks (the rows one after the other),
+    its programs (launched side by side, so that they read the same pages at about the same time) one head block
+    each, and writes each segment (a row's blocks inside the share) to slot ``(row + g) NHB + head block`` of
+    ``part [slots, block_h, 512]`` / ``lse [slots, block_h]`` (:func:`persist_segments` spells out the walk).
+    ``qb [B * NHB * block_h, 576]`` and ``plan`` come from :func:`openk3.infer.kernels.mla_persist_prep`; the
+    reduce of :mod:`openk3.infer.kernels` combines the slots."""
     B = lengths.shape[0]
     cfg, block_table, desc, box, oob = _setup(
         qb.view(-1, 1, 576), kv_cache, block_table, cfg, "mla_persist_gluon"
     )
     bh = cfg["block_h"]
-    programs = plan.shape[0] - 3 - B
+    programs = (plan.shape[0] - 3 - B) * triton.cdiv(heads, bh)
     if (
         qb.dtype != kv_cache.dtype
         or qb.shape != (B * triton.cdiv(heads, bh) * bh, 576)
@@ -789,16 +789,14 @@ def persist_segments(plan, lengths, heads: int, block_h: int = 64, block_n: int 
     nhb = -(-heads // block_h)
     w, total = plan[0], plan[1]
     segs = []
-    for c in range(len(plan) - 3 - B):
-        pos, end_pos, t = c * w, min(c * w + w, total), plan[3 + B + c]
+    for g in range(len(plan) - 3 - B):
+        pos, end_pos, r = g * w, min(g * w + w, total), plan[3 + B + g]
         while pos < end_pos:
-            r, hb = divmod(t, nhb)
             rs = plan[2 + r]
-            nb = (plan[3 + r] - rs) // nhb
-            ts = rs + hb * nb
-            blk0, blk1 = pos - ts, min(end_pos - ts, nb)
+            blk0, blk1 = pos - rs, min(end_pos - rs, plan[3 + r] - rs)
             if blk1 > blk0:
-                segs.append((c, t + c, r, hb, blk0 * block_n, min(blk1 * block_n, lengths[r])))
-            pos = ts + max(blk1, blk0)
-            t += 1
+                first, end = blk0 * block_n, min(blk1 * block_n, lengths[r])
+                segs += [(g * nhb + hb, (r + g) * nhb + hb, r, hb, first, end) for hb in range(nhb)]
+            pos = rs + max(blk1, blk0)
+            r += 1
     return segs
