@@ -1382,9 +1382,10 @@ def test_mla_gluon_gpu_pingpong(H, page_size, tile):
 
 
 @pytest.mark.gpu
-def test_mla_gluon_gpu_graph():
-    """The Gluon walk captured in a CUDA graph (with the reduce), replayed on new queries, lengths and cache rows,
-    agrees with the Triton kernel and the reference."""
+@pytest.mark.parametrize("walk", ["split", "persistent"])
+def test_mla_gluon_gpu_graph(walk):
+    """The Gluon walk (split or persistent) captured in a CUDA graph (with the reduce; the persistent walk's plan
+    too), replayed on new queries, lengths and cache rows, agrees with the Triton kernel and the reference."""
     if not _gluon_here():
         pytest.skip("needs Triton's Gluon and a Hopper GPU")
     gen = torch.Generator().manual_seed(23)
@@ -1395,9 +1396,13 @@ def test_mla_gluon_gpu_graph():
     q = torch.randn(B, H, 576, generator=gen).to(DEV)
 
     def step():
-        return KN.mla_decode_triton(q, kv, table, lens, scale=192**-0.5, kv_lora_rank=512, gluon=True)
+        gc = {"persistent": walk == "persistent", **ALL_ROWS}
+        return KN.mla_decode_triton(
+            q, kv, table, lens, scale=192**-0.5, kv_lora_rank=512, gluon=True, gluon_config=gc
+        )
 
     step()
+    assert KN.MLA_LAST_LAUNCH["schedule"] == ("persistent" if walk == "persistent" else "per-row")
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

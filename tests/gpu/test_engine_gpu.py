@@ -691,13 +691,14 @@ def test_engine_graph_priority():
     assert E.GRAPH_PRIORITY < 0 and err < 1e-3, err
 
 
+@pytest.mark.parametrize("walk", ["split", "persistent"])
 @pytest.mark.parametrize("fuse_glue", [True, False], ids=["glue", "noglue"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_engine_gluon_mla_decode(graphs, fuse_glue, monkeypatch):
+def test_engine_gluon_mla_decode(graphs, fuse_glue, walk, monkeypatch):
     """bf16 engine whose MLA layers have K3's latent (512 + 64 values) and 32 heads, with the warp-specialised Gluon
-    split walk (``MLA_CONFIG["gluon"]``, from two rows up; the batch shrinks through the graph buckets down to one
-    row, which takes the Triton kernel): decode logits no further from the fp32 reference than a bf16 full forward
-    is, as for the default step."""
+    kernel (``MLA_CONFIG["gluon"]``, from two rows up; the batch shrinks through the graph buckets down to one row,
+    which takes the Triton kernel), its split walk or its persistent walk (here from two rows up): decode logits no
+    further from the fp32 reference than a bf16 full forward is, as for the default step."""
     from openk3.infer import kernels as KN
     from openk3.infer import mla_gluon as MG
     from openk3.infer.engine import Engine
@@ -708,11 +709,13 @@ def test_engine_gluon_mla_decode(graphs, fuse_glue, monkeypatch):
     monkeypatch.setitem(KN.MLA_CONFIG, "gluon", True)
     monkeypatch.setitem(KN.MLA_CONFIG, "gluon_min_heads", 32)
     monkeypatch.setitem(KN.MLA_CONFIG, "gluon_min_rows", 2)
+    # rows per call of the walk under test (the persistent walk's query rows are [rows * head blocks * 64, 576])
+    monkeypatch.setitem(MG.MLA_GLUON_CONFIG, "persist_min_rows", 2 if walk == "persistent" else 1 << 30)
     calls = []
-    real = MG.mla_split_gluon
-    monkeypatch.setattr(
-        MG, "mla_split_gluon", lambda q, *a, **k: (calls.append(q.shape[0]), real(q, *a, **k))
-    )
+    name = "mla_persist_gluon" if walk == "persistent" else "mla_split_gluon"
+    real = getattr(MG, name)
+    rows = (lambda q, *a: q.shape[0] // 64) if walk == "persistent" else (lambda q, *a: q.shape[0])
+    monkeypatch.setattr(MG, name, lambda q, *a, **k: (calls.append(rows(q, *a)), real(q, *a, **k)))
     over = dict(kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=32, num_key_value_heads=32)
     model = _model("small", pin_routing=True, **over)
     eng = Engine(
