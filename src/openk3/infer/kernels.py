@@ -817,12 +817,33 @@ if HAS_TRITON:
         h = tl.program_id(0)
         b = tl.program_id(1)
         dc = tl.arange(0, DC)
-        cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, B, NP, DC, BLOCK_N, BS, BAL, BP, PH)
-        tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + dc, cbar)
+        # (the persistent walk wrote a row that one group walked whole into the output itself)
+        if BAL != 2 or _mla_persist_slots(len_ptr, b, h, H, PH)[0] != 1:
+            cbar = _mla_combine(
+                part_ptr,
+                lse_ptr,
+                len_ptr,
+                out_ptr,
+                s_ob,
+                s_oh,
+                b,
+                h,
+                H,
+                NS,
+                B,
+                NP,
+                DC,
+                BLOCK_N,
+                BS,
+                BAL,
+                BP,
+                PH,
+            )
+            tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + dc, cbar)
 
     @triton.jit
     def _mla_persist_prep_kernel(
-        q_ptr, len_ptr, plan_ptr, qb_ptr, s_qb, s_qh, H, B, G, WMIN,
+        q_ptr, len_ptr, plan_ptr, qb_ptr, s_qb, s_qh, H, B, G, WMIN, ALIGN,
         D: tl.constexpr, PH: tl.constexpr, BLOCK_N: tl.constexpr, BP: tl.constexpr, CB: tl.constexpr,
         INTERP: tl.constexpr,
     ):  # fmt: skip
@@ -831,8 +852,9 @@ if HAS_TRITON:
         NHB``, zeros past ``H``) rounded to the cache dtype. The last program writes the plan (int32) for ``G``
         groups of ``NHB`` programs: ``W``, ``T``, the rows' first positions (``B`` values, then ``T``) and each
         group's first row. Positions count the rows' ``BLOCK_N``-token blocks one row after the other, ``T`` in
-        all; group ``g`` walks positions ``[g W, min((g + 1) W, T))`` with ``W = max(cdiv(T, G), WMIN)``, each of
-        its programs for one head block."""
+        all; group ``g`` walks positions ``[g W, min((g + 1) W, T))`` with ``W = max(cdiv(T, G), WMIN)``, or the
+        longest row's ``M`` blocks cut in ``k = M // W`` shares where ``k >= 1`` and ``cdiv(M, k)`` is at most
+        ``ALIGN`` percent more; each program of a group takes one head block."""
         t = tl.program_id(0)
         NHB = tl.cdiv(H, PH)
         if t < B * NHB:
@@ -853,6 +875,11 @@ if HAS_TRITON:
             incl = tl.cumsum(blocks, axis=0)
             total = tl.sum(blocks, axis=0)
             w = tl.maximum(tl.cdiv(total, G), WMIN)
+            # the longest row cut in k equal shares, where that share is at most ALIGN % longer: rows of one
+            # length then split at the same blocks, and a row inside one share is written whole
+            most = tl.max(blocks, axis=0)
+            wa = tl.cdiv(most, tl.maximum(most // w, 1))
+            w = tl.where((wa >= w) & (wa * 100 <= w * (100 + ALIGN)), wa, w)
             tl.store(plan_ptr, w)
             tl.store(plan_ptr + 1, total)
             tl.store(plan_ptr + 2 + rows, incl - blocks, mask=rows < B)
@@ -867,26 +894,36 @@ if HAS_TRITON:
                 g0 += CB
 
     @triton.jit
+    def _mla_persist_slots(plan_ptr, b, h, H, PH: tl.constexpr):
+        """Where the persistent Gluon walk (plan: :func:`_mla_persist_prep_kernel`) left row ``b``, head ``h``:
+        (segments, first partial row, stride between them). The groups ``g0 ..`` whose shares hold the row's
+        blocks wrote its segments for head block ``hb = h // PH`` into slots ``(b + g) NHB + hb`` of the ``[slots,
+        PH, DC]`` partials; one segment is the whole row, which the walk wrote into the output itself; a row
+        without tokens has none."""
+        share = tl.load(plan_ptr)
+        rs = tl.load(plan_ptr + 2 + b)
+        nb = tl.load(plan_ptr + 3 + b) - rs
+        nhb = tl.cdiv(H, PH)
+        hb = h // PH
+        g0 = rs // share
+        used = tl.where(nb > 0, (rs + nb - 1) // share - g0 + 1, 0)
+        return used, ((b.to(tl.int64) + g0) * nhb + hb) * PH + (h - hb * PH), nhb * PH
+
+    @triton.jit
     def _mla_combine(
-        part_ptr, lse_ptr, len_ptr, b, h, H, NS, B, NP, DC: tl.constexpr, BLOCK_N: tl.constexpr,
-        BS: tl.constexpr, BAL: tl.constexpr, BP: tl.constexpr, PH: tl.constexpr = 64,
+        part_ptr, lse_ptr, len_ptr, cb_ptr, s_cb, s_ch, b, h, H, NS, B, NP, DC: tl.constexpr,
+        BLOCK_N: tl.constexpr, BS: tl.constexpr, BAL: tl.constexpr, BP: tl.constexpr, PH: tl.constexpr = 64,
     ):  # fmt: skip
         """The attention output ``[DC]`` fp32 of row ``b``, head ``h`` from the split kernel's partials. ``BAL`` 2:
-        the persistent Gluon walk's ``[slots, PH, DC]`` partials, ``len_ptr`` its plan
-        (:func:`_mla_persist_prep_kernel`): the groups ``g0 ..`` whose shares hold row ``b``'s blocks wrote its
-        segments for head block ``hb = h // PH`` into slots ``(b + g) NHB + hb``. A row without tokens gives
-        zeros."""
+        the persistent Gluon walk's partials, ``len_ptr`` its plan (:func:`_mla_persist_slots`); a row it walked
+        whole is read from ``cb_ptr`` (strides ``s_cb``, ``s_ch``), a row without tokens gives zeros."""
         step = 1
+        dc = tl.arange(0, DC)
+        whole = False
         if BAL == 2:
-            share = tl.load(len_ptr)
-            rs = tl.load(len_ptr + 2 + b)
-            nb = tl.load(len_ptr + 3 + b) - rs
-            nhb = tl.cdiv(H, PH)
-            hb = h // PH
-            g0 = rs // share
-            used = tl.where(nb > 0, (rs + nb - 1) // share - g0 + 1, 0)
-            base = ((b.to(tl.int64) + g0) * nhb + hb) * PH + (h - hb * PH)
-            step = nhb * PH
+            used, base, step = _mla_persist_slots(len_ptr, b, h, H, PH)
+            whole = used == 1
+            used = tl.where(whole, 0, used)
         else:
             length = tl.load(len_ptr + b).to(tl.int32)
             if BAL:
@@ -895,7 +932,6 @@ if HAS_TRITON:
                 chunk = tl.cdiv(tl.cdiv(length, NS), BLOCK_N) * BLOCK_N
             used = tl.cdiv(length, chunk)
             base = (b.to(tl.int64) * H + h) * NS
-        dc = tl.arange(0, DC)
         bs = tl.arange(0, BS)
         mx = float("-inf")
         den = 0.0
@@ -915,7 +951,12 @@ if HAS_TRITON:
             den = den * alpha + tl.sum(w, axis=0)
             mx = m_new
             s0 += BS
-        return acc / tl.where(den > 0.0, den, 1.0)
+        acc = acc / tl.where(den > 0.0, den, 1.0)
+        if BAL == 2:
+            acc = tl.where(
+                whole, tl.load(cb_ptr + b.to(tl.int64) * s_cb + h * s_ch + dc, mask=whole & (dc < DC)), acc
+            )
+        return acc
 
     @triton.jit
     def _mla_absorb_row(
@@ -1045,7 +1086,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _mla_reduce_post_kernel(
-        part_ptr, lse_ptr, len_ptr, wuv_ptr, gate_ptr, o_ptr, H, NS, B, NP, s_wh, s_wv, s_gb, s_ob,
+        part_ptr, lse_ptr, len_ptr, wuv_ptr, gate_ptr, o_ptr, cb_ptr, H, NS, B, NP, s_wh, s_wv, s_gb, s_ob, s_cb, s_ch,
         DC: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, DV: tl.constexpr, VB: tl.constexpr,
         VC: tl.constexpr, STAGES: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr, WHOLE: tl.constexpr = False,
         BAL: tl.constexpr = False, BP: tl.constexpr = 1, PH: tl.constexpr = 64,
@@ -1066,7 +1107,9 @@ if HAS_TRITON:
             )
         pdl_wait(PDL)
         pdl_trigger(PDL)
-        cbar = _mla_combine(part_ptr, lse_ptr, len_ptr, b, h, H, NS, B, NP, DC, BLOCK_N, BS, BAL, BP, PH)
+        cbar = _mla_combine(
+            part_ptr, lse_ptr, len_ptr, cb_ptr, s_cb, s_ch, b, h, H, NS, B, NP, DC, BLOCK_N, BS, BAL, BP, PH
+        )
         if WHOLE:
             _mla_post_out(w, cbar, gate_ptr, o_ptr, b, h, v, vm, s_gb, s_ob, DV, GATE)
         else:
@@ -1519,12 +1562,13 @@ def mla_decode_triton(
     nsp = max(ns, int(cfg["balance_spread"]) * ns) if bal else ns
     MLA_LAST_LAUNCH.update(
         splits=ns, block_h=bh, block_n=bn, num_warps=nw, num_stages=st, prefetch=pf, pdl=consts["PDL"],
-        min_chunk=min_chunk, post=None if post is None else "reduce" if ns > 1 else "kernel", balance=bal,
+        min_chunk=min_chunk, post=None if post is None else "reduce" if ns > 1 or persist else "kernel", balance=bal,
         kernel="gluon" if use_g else "triton", schedule="persistent" if persist else "balanced" if bal else "per-row",
     )  # fmt: skip
     pdl = consts["PDL"]
     bkw = dict(BAL=bal, BP=triton.next_power_of_2(B) if bal else 1)
     lens_arg = lengths  # what the reduce reads the split arithmetic from
+    part = lse = None  # (one split: the walk writes the output)
     if persist:
         from openk3.infer.mla_gluon import mla_persist_gluon
 
@@ -1532,7 +1576,7 @@ def mla_decode_triton(
         slots = (B + ns) * nhb
         part = torch.empty(slots, bh, DC, dtype=torch.float32, device=q.device)
         lse = torch.empty(slots, bh, dtype=torch.float32, device=q.device)
-        mla_persist_gluon(qb, kv_cache, block_table, lengths, plan, part, lse, H, scale, gcfg)
+        mla_persist_gluon(qb, kv_cache, block_table, lengths, plan, part, lse, out, scale, gcfg)
         lens_arg, bkw = plan, dict(BAL=2, BP=1, PH=bh)
     elif ns > 1:
         part = torch.empty(B, H, nsp, DC, dtype=torch.float32, device=q.device)
@@ -1551,23 +1595,32 @@ def mla_decode_triton(
         _mla_split_kernel[grid](
             *args, nsp, B, ns * B, DIRECT=ns == 1, **consts, **bkw, num_warps=nw, **pdl_launch(pdl)
         )
+    return _mla_finish(part, lse, lens_arg, out, w_uv, post, nsp, ns * B, bn, pdl, bkw)
+
+
+def _mla_finish(part, lse, lens_arg, out, w_uv, post, nsp, np_, bn, pdl, bkw):
+    """The steps after the split walk: the reduce of the partials ``part`` / ``lse`` (None: one split, the walk
+    wrote ``out`` itself), with the post step folded in where ``post`` (:func:`_post_setup`) is given, or the post
+    step on the walk's output. ``lens_arg``: the lengths, or the persistent walk's plan (``bkw["BAL"]`` 2)."""
+    B, H, DC = out.shape
     if post is not None:
         o, gate, pc = post
         g = gate if gate is not None else o
-        if ns > 1:  # the reduce applies the post step
+        if part is not None:  # the reduce applies the post step
             # W_UV held from before the wait where the streamed form would take more than one step
             whole = pc["VC"] < pc["VB"] and pc["VB"] * DC <= MLA_GLUE_CONFIG["post_whole_elems"]
             _mla_reduce_post_kernel[(pc["VS"], H, B)](
-                part, lse, lens_arg, w_uv, g, o, H, nsp, B, ns * B, w_uv.stride(0), w_uv.stride(1), g.stride(0),
-                o.stride(0), DC=DC, BLOCK_N=bn, BS=8, DV=pc["DV"], VB=pc["VB"], VC=pc["VC"], STAGES=pc["STAGES"],
-                GATE=gate is not None, PDL=pdl, WHOLE=whole, **bkw, num_warps=pc["num_warps"], **pdl_launch(pdl),
+                part, lse, lens_arg, w_uv, g, o, out, H, nsp, B, np_, w_uv.stride(0), w_uv.stride(1), g.stride(0),
+                o.stride(0), out.stride(0), out.stride(1), DC=DC, BLOCK_N=bn, BS=8, DV=pc["DV"], VB=pc["VB"],
+                VC=pc["VC"], STAGES=pc["STAGES"], GATE=gate is not None, PDL=pdl, WHOLE=whole, **bkw,
+                num_warps=pc["num_warps"], **pdl_launch(pdl),
             )  # fmt: skip
         else:  # the walk wrote the attention output: the post step reads it
             _launch_post(out, w_uv, gate, o, pc, pdl)
         return o
-    if ns > 1:
+    if part is not None:
         _mla_reduce_kernel[(H, B)](
-            part, lse, lens_arg, out, H, out.stride(0), out.stride(1), nsp, B, ns * B, DC=DC, BLOCK_N=bn, BS=8,
+            part, lse, lens_arg, out, H, out.stride(0), out.stride(1), nsp, B, np_, DC=DC, BLOCK_N=bn, BS=8,
             PDL=pdl, **bkw, num_warps=4, **pdl_launch(pdl),
         )  # fmt: skip
     return out
@@ -1588,7 +1641,7 @@ def mla_persist_prep(
     qb = torch.empty(nt * ph, D, dtype=dtype, device=q.device)
     plan = torch.empty(3 + B + groups, dtype=torch.int32, device=q.device)
     _mla_persist_prep_kernel[(nt + 1,)](
-        q, lengths, plan, qb, q.stride(0), q.stride(1), H, B, groups, wmin, D=D, PH=ph, BLOCK_N=bn,
+        q, lengths, plan, qb, q.stride(0), q.stride(1), H, B, groups, wmin, int(gcfg["align"]), D=D, PH=ph, BLOCK_N=bn,
         BP=triton.next_power_of_2(max(B, 2)), CB=32, INTERP=INTERPRET, num_warps=4,
     )  # fmt: skip
     return qb, plan

@@ -83,8 +83,11 @@ MLA_GLUON_CONFIG = {
     "min_blocks": 4,
     # the persistent walk from this many rows (fewer: the split walk)
     "persist_min_rows": 16,
-    # the persistent walk's loader registers (its segment bookkeeping spills one value at 24)
-    "persist_load_regs": 32,
+    # the share is the longest row cut in equal parts where that is at most this many percent longer
+    "align": 10,
+    # the persistent walk's loader registers (at 24 its segment bookkeeping spills; at 32 the score group gets 240
+    # registers and spills)
+    "persist_load_regs": 40,
 }
 
 if HAS_GLUON:
@@ -431,14 +434,16 @@ if HAS_GLUON:
 
     @gluon.jit
     def _mla_gp_seg(plan_ptr, len_ptr, r, pos, end_pos, BLOCK_N: gl.constexpr):
-        """The segment of row ``r`` that the walk takes from position ``pos``: (first token, end token, blocks, the
-        position after it). A row without tokens gives no blocks."""
+        """The segment of row ``r`` that the walk takes from position ``pos``: (first token, end token, blocks,
+        whether it is the whole row, the position after it). A row without tokens gives no blocks."""
         rs = gl.load(plan_ptr + 2 + r)
+        nb = gl.load(plan_ptr + 3 + r) - rs
         blk0 = pos - rs
-        blk1 = gl.minimum(end_pos - rs, gl.load(plan_ptr + 3 + r) - rs)
+        blk1 = gl.minimum(end_pos - rs, nb)
         length = gl.load(len_ptr + r).to(gl.int32)
         nblk = gl.maximum(blk1 - blk0, 0)
-        return blk0 * BLOCK_N, gl.minimum(blk1 * BLOCK_N, length), nblk, rs + gl.maximum(blk1, blk0)
+        whole = (blk0 == 0) & (blk1 == nb)
+        return blk0 * BLOCK_N, gl.minimum(blk1 * BLOCK_N, length), nblk, whole, rs + gl.maximum(blk1, blk0)
 
     @gluon.jit
     def _mla_gp_loader(
@@ -452,7 +457,7 @@ if HAS_GLUON:
         i = 0
         n = 0
         while pos < end_pos:
-            start, end, nblk, pos = _mla_gp_seg(plan_ptr, len_ptr, r, pos, end_pos, BLOCK_N)
+            start, end, nblk, whole, pos = _mla_gp_seg(plan_ptr, len_ptr, r, pos, end_pos, BLOCK_N)
             if nblk > 0:
                 mbarrier.wait(q_free, (n & 1) ^ 1)
                 mbarrier.expect(q_ready, NKC * BLOCK_H * 64 * q_desc.dtype.primitive_bitwidth // 8)
@@ -470,7 +475,7 @@ if HAS_GLUON:
     @gluon.jit
     def _mla_gp_score(
         q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, q_ready, q_free, len_ptr, plan_ptr, part_ptr,
-        lse_ptr, B, NHB, H, scale_log2,
+        lse_ptr, out_ptr, s_ob, s_oh, B, NHB, H, scale_log2,
         BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
         """The persistent walk's score warp group: per segment the scores, softmax and output columns 0-255 into
@@ -486,7 +491,7 @@ if HAS_GLUON:
         k = 0
         n = 0
         while pos < end_pos:
-            start, end, nblk, pos = _mla_gp_seg(plan_ptr, len_ptr, r, pos, end_pos, BLOCK_N)
+            start, end, nblk, whole, pos = _mla_gp_seg(plan_ptr, len_ptr, r, pos, end_pos, BLOCK_N)
             if nblk > 0:
                 slot = (r + g) * NHB + hb
                 mbarrier.wait(q_ready, n & 1)
@@ -494,11 +499,14 @@ if HAS_GLUON:
                     q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, q_free, start, end, nblk, i, k,
                     scale_log2, True, BLOCK_H, NKC, STAGES, BLOCK_N,
                 )  # fmt: skip
-                _mla_g_store4(part_ptr, o0, o1, o2, o3, inv, r, hb, slot, start, end, H, 0, 0, 1, 0, 2, BLOCK_H,
-                              o_l)  # fmt: skip
-                _mla_g_store_lse(
-                    lse_ptr, m, l, r, hb, slot, start, end, H, 1, 2, BLOCK_H, gl.SliceLayout(1, s_l)
-                )
+                if whole:  # the row's output itself (the reduce passes it over)
+                    _mla_g_store4(out_ptr, o0, o1, o2, o3, inv, r, hb, slot, start, end, H, s_ob, s_oh, 1, 0, 1,
+                                  BLOCK_H, o_l)  # fmt: skip
+                else:
+                    _mla_g_store4(part_ptr, o0, o1, o2, o3, inv, r, hb, slot, start, end, H, 0, 0, 1, 0, 2,
+                                  BLOCK_H, o_l)  # fmt: skip
+                    _mla_g_store_lse(lse_ptr, m, l, r, hb, slot, start, end, H, 1, 2, BLOCK_H,
+                                     gl.SliceLayout(1, s_l))  # fmt: skip
                 i += nblk
                 k += nblk + 1
                 n += 1
@@ -506,8 +514,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _mla_gp_pv(
-        kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, len_ptr, plan_ptr, part_ptr, B, NHB, H,
-        BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+        kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, len_ptr, plan_ptr, part_ptr, out_ptr, s_ob, s_oh, B,
+        NHB, H, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
         """The persistent walk's second warp group: per segment output columns 256-511 into the segment's slot."""
         o_l: gl.constexpr = gl.NVMMADistributedLayout(
@@ -517,14 +525,18 @@ if HAS_GLUON:
         i = 0
         k = 0
         while pos < end_pos:
-            start, end, nblk, pos = _mla_gp_seg(plan_ptr, len_ptr, r, pos, end_pos, BLOCK_N)
+            start, end, nblk, whole, pos = _mla_gp_seg(plan_ptr, len_ptr, r, pos, end_pos, BLOCK_N)
             if nblk > 0:
                 o4, o5, o6, o7, inv = _mla_g_pv_seg(
                     kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, nblk, i, k, BLOCK_H, NKC, STAGES
                 )
                 slot = (r + g) * NHB + hb
-                _mla_g_store4(part_ptr, o4, o5, o6, o7, inv, r, hb, slot, start, end, H, 0, 0, 1, 4, 2, BLOCK_H,
-                              o_l)  # fmt: skip
+                if whole:
+                    _mla_g_store4(out_ptr, o4, o5, o6, o7, inv, r, hb, slot, start, end, H, s_ob, s_oh, 1, 4, 1,
+                                  BLOCK_H, o_l)  # fmt: skip
+                else:
+                    _mla_g_store4(part_ptr, o4, o5, o6, o7, inv, r, hb, slot, start, end, H, 0, 0, 1, 4, 2,
+                                  BLOCK_H, o_l)  # fmt: skip
                 i += nblk
                 k += nblk + 1
             r += 1
@@ -560,7 +572,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _mla_persist_gluon_kernel(
-        q_desc, kv_desc, bt_ptr, len_ptr, plan_ptr, part_ptr, lse_ptr, s_btb, H, B, scale_log2, oob_row,
+        q_desc, kv_desc, bt_ptr, len_ptr, plan_ptr, part_ptr, lse_ptr, out_ptr, s_btb, s_ob, s_oh, H, B,
+        scale_log2, oob_row,
         PAGE: gl.constexpr, BOX: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         PV_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
     ):  # fmt: skip
@@ -578,12 +591,12 @@ if HAS_GLUON:
                 (
                     _mla_gp_score,
                     (q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, q_ready, q_free, len_ptr, plan_ptr,
-                     part_ptr, lse_ptr, B, NHB, H, scale_log2, BLOCK_H, NKC, STAGES, BLOCK_N),
+                     part_ptr, lse_ptr, out_ptr, s_ob, s_oh, B, NHB, H, scale_log2, BLOCK_H, NKC, STAGES, BLOCK_N),
                 ),
                 (
                     _mla_gp_pv,
-                    (kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, len_ptr, plan_ptr, part_ptr, B, NHB, H,
-                     BLOCK_H, NKC, STAGES, BLOCK_N),
+                    (kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, len_ptr, plan_ptr, part_ptr, out_ptr, s_ob,
+                     s_oh, B, NHB, H, BLOCK_H, NKC, STAGES, BLOCK_N),
                 ),
                 (
                     _mla_gp_loader,
@@ -748,7 +761,7 @@ def mla_persist_gluon(
     plan: torch.Tensor,
     part: torch.Tensor,
     lse: torch.Tensor,
-    heads: int,
+    out: torch.Tensor,
     scale: float,
     cfg: dict | None = None,
 ) -> None:
@@ -756,7 +769,8 @@ def mla_persist_gluon(
     hold): group ``g`` takes positions ``[g W, (g + 1) W)`` of the batch's blocks (the rows one after the other),
     its programs (launched side by side, so that they read the same pages at about the same time) one head block
     each, and writes each segment (a row's blocks inside the share) to slot ``(row + g) NHB + head block`` of
-    ``part [slots, block_h, 512]`` / ``lse [slots, block_h]`` (:func:`persist_segments` spells out the walk).
+    ``part [slots, block_h, 512]`` / ``lse [slots, block_h]``, or, where one group walks the whole row, to the
+    row's output ``out [B, H, 512]`` (:func:`persist_segments` spells out the walk).
     ``qb [B * NHB * block_h, 576]`` and ``plan`` come from :func:`openk3.infer.kernels.mla_persist_prep`; the
     reduce of :mod:`openk3.infer.kernels` combines the slots."""
     B = lengths.shape[0]
@@ -764,6 +778,7 @@ def mla_persist_gluon(
         qb.view(-1, 1, 576), kv_cache, block_table, cfg, "mla_persist_gluon"
     )
     bh = cfg["block_h"]
+    heads = out.shape[1]
     programs = (plan.shape[0] - 3 - B) * triton.cdiv(heads, bh)
     if (
         qb.dtype != kv_cache.dtype
@@ -773,8 +788,8 @@ def mla_persist_gluon(
         raise ValueError(f"mla_persist_gluon: qb {tuple(qb.shape)} {qb.dtype} is not the prepared query rows")
     q_desc = TensorDescriptor(qb, list(qb.shape), list(qb.stride()), [bh, 64], _SWIZZLE)
     _mla_persist_gluon_kernel[(programs,)](
-        q_desc, desc, block_table, lengths, plan, part, lse, block_table.stride(0), heads, B,
-        float(scale) * math.log2(math.e), oob,
+        q_desc, desc, block_table, lengths, plan, part, lse, out, block_table.stride(0), out.stride(0),
+        out.stride(1), heads, B, float(scale) * math.log2(math.e), oob,
         PAGE=kv_cache.shape[1], BOX=box, BLOCK_H=bh, BLOCK_N=cfg["block_n"], STAGES=cfg["stages"],
         PV_REGS=cfg["pv_regs"], LOAD_REGS=cfg["persist_load_regs"], num_warps=4, maxnreg=cfg["maxnreg"],
     )  # fmt: skip
@@ -782,7 +797,8 @@ def mla_persist_gluon(
 
 def persist_segments(plan, lengths, heads: int, block_h: int = 64, block_n: int = 64) -> list[tuple]:
     """The persistent walk in plain Python (what each program of :func:`mla_persist_gluon` does, for tests and
-    diagnostics): ``(program, slot, row, head block, first token, end token)`` for every segment with blocks."""
+    diagnostics): ``(program, slot, row, head block, first token, end token)`` for every segment with blocks; a
+    segment that is the whole row (written to the output, not to its slot) has slot -1."""
     plan = [int(x) for x in plan.tolist()]
     lengths = [int(x) for x in lengths.tolist()]
     B = len(lengths)
@@ -796,7 +812,11 @@ def persist_segments(plan, lengths, heads: int, block_h: int = 64, block_n: int 
             blk0, blk1 = pos - rs, min(end_pos - rs, plan[3 + r] - rs)
             if blk1 > blk0:
                 first, end = blk0 * block_n, min(blk1 * block_n, lengths[r])
-                segs += [(g * nhb + hb, (r + g) * nhb + hb, r, hb, first, end) for hb in range(nhb)]
+                whole = blk0 == 0 and blk1 == plan[3 + r] - rs
+                segs += [
+                    (g * nhb + hb, -1 if whole else (r + g) * nhb + hb, r, hb, first, end)
+                    for hb in range(nhb)
+                ]
             pos = rs + max(blk1, blk0)
             r += 1
     return segs
