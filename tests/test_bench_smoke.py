@@ -82,8 +82,9 @@ def test_bench_serve_cpu(tmp_path):
 
 def test_diag_mla_compile_cpu(tmp_path, monkeypatch):
     """The sm_90 compile diagnostic of the MLA split kernels runs here (no GPU) and reports both split forms of the
-    Triton kernel and both output forms of the warp-specialised Gluon kernel; the Gluon kernel compiles to warpgroup
-    MMAs fed by TMA, with per-partition register budgets, no spills, in one SM's shared memory."""
+    Triton kernel and the warp-specialised Gluon kernel's split walk (both output forms) and persistent walk; the
+    Gluon kernel compiles to warpgroup MMAs fed by TMA, with per-partition register budgets, no spills, in one SM's
+    shared memory."""
     pytest.importorskip("triton")
     from openk3.infer.mla_gluon import HAS_GLUON
 
@@ -95,7 +96,7 @@ def test_diag_mla_compile_cpu(tmp_path, monkeypatch):
     rows = json.loads(out.read_text())
     want = [("few", "per-row"), ("few", "balanced, 16 rows")]
     if HAS_GLUON:
-        want += [("gluon", "partials"), ("gluon", "one split")]
+        want += [("gluon", "partials"), ("gluon", "one split"), ("gluon", "persistent")]
     assert [(x["config"], x["form"]) for x in rows] == want
     for x in rows:
         assert 0 < x["regs"] <= 255 and x["shared"] > 0 and x["sass_instrs"] > 0
@@ -105,4 +106,4 @@ def test_diag_mla_compile_cpu(tmp_path, monkeypatch):
         assert x["shared"] <= 227 * 1024  # Hopper's per-block limit
         assert x["hgmma"] > 0 and x["tma_loads"] > 0
         # the loader warp's small budget and the product groups' large ones
-        assert min(x["setmaxnreg"]) <= 32 and max(x["setmaxnreg"]) >= 200
+        assert min(x["setmaxnreg"]) <= 40 and max(x["setmaxnreg"]) >= 200

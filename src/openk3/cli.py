@@ -216,10 +216,16 @@ def _mla_walk(kernels_ok: bool, why: str) -> dict:
         return {"chosen": "triton", "why": "the Gluon MLA kernel is for Hopper (sm_90)"}
     if not cfg["gluon"]:
         return {"chosen": "triton", "why": "the Gluon MLA kernel is off (MLA_CONFIG['gluon'])"}
+    gcfg = mla_gluon.MLA_GLUON_CONFIG
+    walk = (
+        f"its persistent walk (one group of programs per SM) from {gcfg['persist_min_rows']} rows"
+        if gcfg["persistent"]
+        else "its split walk"
+    )
     return {
         "chosen": "gluon",
         "why": f"warp-specialised Gluon kernel from {cfg['gluon_min_heads']} heads and {cfg['gluon_min_rows']} "
-        "rows with a bf16 / fp16 cache; the Triton split kernel otherwise",
+        f"rows with a bf16 / fp16 cache, {walk}; the Triton split kernel otherwise",
     }
 
 

@@ -16,9 +16,20 @@ fraction of the time (bench/NOTES.md v20). This kernel splits that chain over th
 * the second warp group accumulates output columns 256-511 from the same probabilities (P from shared memory).
 
 Both groups release a buffer when their products over it have completed, so the loader refills it while the next
-block is scored. One program takes 64 heads of one row and one contiguous share of its context (the split of
-:func:`openk3.infer.kernels.mla_num_splits`, whole 64-token blocks); it writes the normalised partial and its log2
-sum-exp in the layout of the Triton split kernel, so the same reduce (and reduce + post) kernels combine the splits.
+block is scored. Two walks share these roles:
+
+* the split walk (:func:`mla_split_gluon`): one program takes 64 heads of one row and one contiguous share of its
+  context (the split of :func:`openk3.infer.kernels.mla_num_splits`, whole 64-token blocks) and writes the
+  normalised partial and its log2 sum-exp in the layout of the Triton split kernel, so the same reduce (and reduce +
+  post) kernels combine the splits. With rows of different lengths the programs of short rows finish early while
+  the long rows' programs still run;
+* the persistent walk (:func:`mla_persist_gluon`, the default from ``MLA_GLUON_CONFIG["persist_min_rows"]`` rows):
+  as many groups as the SMs hold, one program per 64-head block in each group, launched side by side so that they
+  read the same pages at about the same time (L2 reuse). Group ``g`` walks an equal share of the batch's blocks, the
+  rows one after the other, as segments (a row's blocks inside the share); the loader also copies each segment's
+  query rows by TMA (prepared in the cache dtype by :func:`openk3.infer.kernels.mla_persist_prep`, with the plan).
+  A segment that is a whole row is written to the output; the others go to slots that the reduce combines, so every
+  SM finishes at about the same time whatever the rows' lengths.
 Same roundings as the Triton kernel: the fp32 query is rounded to the cache dtype, products accumulate in fp32, the
 probabilities are rounded to the cache dtype before the value product.
 
