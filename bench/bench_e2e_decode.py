@@ -133,6 +133,8 @@ KERNEL_VARIANTS = {
     # the MLA split walk by the warp-specialised Gluon kernel (openk3.infer.mla_gluon) or by the Triton kernel
     "mla_gluon": _setting(_KN, "MLA_CONFIG", True, key="gluon"),
     "mla_triton": _setting(_KN, "MLA_CONFIG", False, key="gluon"),
+    # the Gluon kernel's split walk instead of its persistent walk (the default from 16 rows, v30)
+    "mla_gluon_split": _setting("openk3.infer.mla_gluon", "MLA_GLUON_CONFIG", False, key="persistent"),
 }
 
 

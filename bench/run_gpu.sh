@@ -47,12 +47,14 @@
 # lengths (per-row, balanced, FlashInfer when installed) -> peer_ragged.json, peer_uniform.json; v27e2e: the
 # 48B-shape engine with each split form, 64 rows of ragged prompts (4k-8k tokens) -> e2e_v27_ragged.json and
 # uniform prompts of 4,096 tokens at batch 1 / 16 / 64 -> e2e_v27.json; gluon: the GPU tests of the warp-specialised
-# Gluon MLA split kernel (tests_gluon.log, the ping-pong forms included), then bench/diag_mla_peer.py with the
-# Triton kernel, the Gluon kernel and its ping-pong form with 32-token blocks (when the tests passed) and FlashInfer
+# Gluon MLA kernel (tests_gluon.log: its persistent and split walks, the ping-pong forms included), then
+# bench/diag_mla_peer.py with the Triton kernel, the Gluon kernel's persistent walk, its split walk and its ping-pong
+# form with 32-token blocks (when the tests passed) and FlashInfer
 # at 96, 64 and 32 heads (ragged, and uniform at 64 x 96 x 8k) ->
 # peer_gluon.json, peer_gluon_uniform.json; gluon_e2e (H200: the 48B shape does not fit 80 GB): the engine GPU
 # tests with the Gluon walk, then the 48B-shape engine with the Triton and the Gluon MLA walk at batch 16 / 64,
-# 4,096-token prompts (twice each) -> e2e_gluon.json, and 64 ragged 4k-8k prompts -> e2e_gluon_ragged.json.
+# 4,096-token prompts (twice each) -> e2e_gluon.json, and 64 ragged 4k-8k prompts (the Triton kernel, the Gluon
+# split walk, the Gluon persistent walk) -> e2e_gluon_ragged.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -253,7 +255,7 @@ if has gluon; then
   echo "gluon tests: exit $rc ($(tail -1 "$OUT_DIR/tests_gluon.log"))"
   grep -m5 "Error\|assert\|FAILED" "$OUT_DIR/tests_gluon.log"
   V=ours
-  [ $rc -eq 0 ] && V=ours,gluon,gluon_pp32
+  [ $rc -eq 0 ] && V=ours,gluon,gluon_split,gluon_pp32
   timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants $V \
     --shapes 64x96x8192,16x96x16384,256x96x4096,4x96x16384,2x96x4096,64x64x8192,64x32x8192,8x32x4096,1x32x1040 \
     --out "$OUT_DIR/peer_gluon.json" 2>&1 | grep "^| \|copy\|rror\|gluon\|flashinfer"
@@ -269,7 +271,7 @@ if has gluon_e2e; then
     --wall-timing --kernel-variants mla_triton,mla_gluon,mla_triton,mla_gluon --out "$OUT_DIR/e2e_gluon.json" \
     2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 64 --context 8192 --ragged 0.5 \
-    --wall-timing --kernel-variants mla_triton,mla_gluon --out "$OUT_DIR/e2e_gluon_ragged.json" \
+    --wall-timing --kernel-variants mla_triton,mla_gluon_split,mla_gluon --out "$OUT_DIR/e2e_gluon_ragged.json" \
     2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
 if has mla_peer; then
