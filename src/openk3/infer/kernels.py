@@ -820,25 +820,8 @@ if HAS_TRITON:
         # (the persistent walk wrote a row that one group walked whole into the output itself)
         if BAL != 2 or _mla_persist_slots(len_ptr, b, h, H, PH)[0] != 1:
             cbar = _mla_combine(
-                part_ptr,
-                lse_ptr,
-                len_ptr,
-                out_ptr,
-                s_ob,
-                s_oh,
-                b,
-                h,
-                H,
-                NS,
-                B,
-                NP,
-                DC,
-                BLOCK_N,
-                BS,
-                BAL,
-                BP,
-                PH,
-            )
+                part_ptr, lse_ptr, len_ptr, out_ptr, s_ob, s_oh, b, h, H, NS, B, NP, DC, BLOCK_N, BS, BAL, BP, PH
+            )  # fmt: skip
             tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + dc, cbar)
 
     @triton.jit
