@@ -1,7 +1,9 @@
 """Diagnostic: the absorbed MLA decode kernel beside FlashInfer's paged MLA decode (its Hopper ``fa3`` form, a
 warp-specialised kernel of the FlashMLA kind) on the same paged latent cache, checked against each other and against
 the PyTorch reference, timed as replays of a CUDA graph holding 20 calls (host work and FlashInfer's host-side plan
-excluded), beside the HBM roofline (latent bytes over the measured copy bandwidth).
+excluded), beside the HBM roofline (latent bytes over the measured copy bandwidth) and the MMA floor (the
+products' FLOP -- 576 + 512 multiply-adds per token and head, the heads padded to 64-row tiles as Hopper's warpgroup
+MMAs run them -- over a dense bf16 matmul's measured rate): with many heads the second is the higher.
 
     python3 bench/diag_mla_peer.py [--shapes 1x32x1040,64x16x8192,64x96x8192] [--page-size 16] [--uniform]
                                    [--variants ours,bal,w8,gluon] [--out PATH]
@@ -75,7 +77,7 @@ def main() -> None:
     from openk3.infer.decode import mla_decode_reference
     from openk3.infer.kernels import MLA_LAST_LAUNCH, mla_decode_triton
     from openk3.infer.mla_peer import FlashInferDecodeStep, flashinfer_available
-    from run_all import copy_rate
+    from run_all import copy_rate, matmul_rate
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x32x1040,64x16x8192,64x96x8192,16x96x16384,256x96x4096")
@@ -104,6 +106,8 @@ def main() -> None:
     print(f"flashinfer: {'yes' if ok else 'no (' + why + ')'}")
     bw = copy_rate()[0] / 1e12  # bytes read + written per second
     print(f"copy bandwidth {bw:.2f} TB/s")
+    mm = matmul_rate()[0] / 1e12  # dense bf16 FLOP per second
+    print(f"bf16 matmul {mm:.0f} TFLOP/s")
     ps = a.page_size
     scale = 192**-0.5
     rows = []
@@ -120,10 +124,13 @@ def main() -> None:
             lengths.fill_(L)
         q = torch.randn(B, H, DC + DR, device="cuda")
         latent_bytes = int(lengths.sum()) * (DC + DR) * 2
+        # FLOP of the two products, per token and head 2 x (576 + 512), heads padded to 64-row MMA tiles
+        mma_flop = int(lengths.sum()) * -(-H // 64) * 64 * 2 * (DC + DR + DC)
         row = {
             "shape": spec,
             "latent_MB": latent_bytes / 1e6,
             "roofline_us": latent_bytes / (bw * 1e12) * 1e6,
+            "mma_floor_us": mma_flop / (mm * 1e12) * 1e6,
         }
         fns = {
             v: functools.partial(
@@ -179,21 +186,24 @@ def main() -> None:
     kind = "uniform" if a.uniform else "ragged, L max"
     cols = [v for v in variants if any(f"{v}_us" in r for r in rows)]
     print(
-        f"| B x H x L ({kind}) | latent MB | roofline us | "
+        f"| B x H x L ({kind}) | latent MB | roofline us | MMA floor us | "
         + " | ".join(f"{LABELS[v]} us (TB/s)" for v in cols)
         + " | FlashInfer fa3 us (TB/s) | rel err "
         + " / ".join(cols)
         + " / fa3 |"
     )
-    print("| --- | --- | --- | " + "--- | " * len(cols) + "--- | --- |")
+    print("| --- | --- | --- | --- | " + "--- | " * len(cols) + "--- | --- |")
     for r in rows:
         p = f"{r['peer_us']:.1f} ({r['peer_TBps']:.2f})" if "peer_us" in r else "--"
         e = " / ".join(f"{r.get(k + '_rel_err', float('nan')):.1e}" for k in [*cols, "peer"])
         t = " | ".join(f"{r[v + '_us']:.1f} ({r[v + '_TBps']:.2f})" if v + "_us" in r else "--" for v in cols)
-        print(f"| {r['shape']} | {r['latent_MB']:.1f} | {r['roofline_us']:.1f} | {t} | {p} | {e} |")
+        print(
+            f"| {r['shape']} | {r['latent_MB']:.1f} | {r['roofline_us']:.1f} | {r['mma_floor_us']:.1f} | {t} | {p} "
+            f"| {e} |"
+        )
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"copy_TBps": bw, "uniform": a.uniform, "rows": rows}, f, indent=1)
+        json.dump({"copy_TBps": bw, "matmul_TFLOPs": mm, "uniform": a.uniform, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

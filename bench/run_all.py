@@ -139,13 +139,19 @@ def copy_rate(nbytes: int = 1 << 31) -> tuple[float, float]:
     return 2 * nbytes / t, t
 
 
+def matmul_rate(n: int = 8192) -> tuple[float, float]:
+    """(FLOP per second, seconds per product) of one dense bf16 ``n x n x n`` matmul of random values."""
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = timeit(lambda: x @ y, rep=20)
+    x = y = None
+    free()
+    return 2 * n**3 / t, t
+
+
 def sec_ceil():
     CEIL["bw"], t_c = copy_rate()  # 2 GiB per buffer
-    N = 8192
-    x = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(N, N, device="cuda", dtype=torch.bfloat16)
-    t = timeit(lambda: x @ y, rep=20)
-    CEIL["mm"] = 2 * N**3 / t
+    CEIL["mm"], t = matmul_rate()
     CEIL["measured"] = True
     row(
         "ceil",
@@ -155,8 +161,6 @@ def sec_ceil():
         note=f"{CEIL['bw'] / 1e12:.2f} TB/s",
     )
     row("ceil", "bf16 matmul 8192^3 (random)", "8192x8192x8192", t, note=f"{CEIL['mm'] / 1e12:.0f} TFLOP/s")
-    x = y = None
-    free()
 
 
 class _KDALayer(torch.nn.Module):
