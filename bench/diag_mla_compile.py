@@ -7,7 +7,8 @@ the ``cuobjdump`` that ships with Triton), so that a form's code generation can 
 Each configuration is an ``MLA_CONFIG`` regime ("many": more than 16 heads, "few": 16 or fewer); the balanced
 form is compiled for each row count in ``--rows`` (its ``BP``, the rows padded to a power of two, is a compile-time
 constant). "gluon": the warp-specialised Gluon split kernel (:mod:`openk3.infer.mla_gluon`), writing partials and
-writing the output (one split); it also reports its warpgroup MMAs, TMA loads and per-partition register budgets. bf16 latent cache, pages of 16 tokens, partials written (several splits). Run without
+writing the output (one split), and its persistent walk with that walk's Triton preparation and reduce kernels; it
+also reports the Gluon kernels' warpgroup MMAs, TMA loads and per-partition register budgets. bf16 latent cache, pages of 16 tokens, partials written (several splits). Run without
 ``TRITON_INTERPRET`` in the environment.
 """
 
@@ -88,6 +89,33 @@ def _gluon_rows(page: int) -> list[dict]:
     return rows
 
 
+def _persist_triton_rows() -> list[dict]:
+    """sm_90 compiles of the persistent Gluon walk's Triton kernels: its preparation (query rows and plan) and the
+    reduce of its slots, plain and with the post step folded in (the CPU interpreter does not type-check a kernel
+    the way the compiler does: these compiles do)."""
+    import openk3.infer.kernels as KN
+    from diag_kda_compile import compile_one, signature
+
+    plans = {"len_ptr": "*i32", "plan_ptr": "*i32"}
+    prep = KN._mla_persist_prep_kernel
+    reduce_, post = KN._mla_reduce_kernel, KN._mla_reduce_post_kernel
+    common = dict(DC=512, BLOCK_N=64, BS=8, PDL=False, BAL=2, BP=1, PH=64)
+    jobs = (
+        ("persistent prep", prep, {**plans, "qb_ptr": "*bf16"}, ("H", "B", "G", "WMIN", "ALIGN"),
+         dict(D=576, PH=64, BLOCK_N=64, BP=64, CB=32, INTERP=False)),
+        ("persistent reduce", reduce_, plans, ("H", "NS", "B", "NP"), common),
+        ("persistent reduce + post", post, {**plans, "wuv_ptr": "*bf16", "gate_ptr": "*bf16", "o_ptr": "*bf16"},
+         ("H", "NS", "B", "NP"), dict(common, DV=128, VB=64, VC=32, STAGES=2, GATE=True, WHOLE=False)),
+    )  # fmt: skip
+    rows = []
+    for label, fn, ptrs, ints, consts in jobs:
+        sig = signature(fn, ptrs=ptrs, other_ptrs="*fp32", ints=ints)
+        r = compile_one(fn, consts, 4, sig=sig)
+        r.update(config="gluon", form=label)
+        rows.append(r)
+    return rows
+
+
 def main():
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("diag_mla_compile.py compiles kernels: run it without TRITON_INTERPRET=1")
@@ -109,7 +137,7 @@ def main():
         if name not in ("many", "few", "gluon"):
             sys.exit(f"--configs: unknown regime {name!r} (many, few, gluon)")
         if name == "gluon":
-            for r in _gluon_rows(args.page):
+            for r in _gluon_rows(args.page) + _persist_triton_rows():
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             continue
