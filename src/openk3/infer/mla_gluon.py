@@ -336,14 +336,17 @@ if HAS_GLUON:
         _mla_g_store_lse(lse_ptr, m, l, b, hb, sp, start, end, H, NS, OUT, BLOCK_H, gl.SliceLayout(1, s_l))
 
     @gluon.jit
-    def _mla_g_pv_other(o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, pt, J0: gl.constexpr, NKC: gl.constexpr,
-                        STAGES: gl.constexpr, row_o: gl.constexpr):  # fmt: skip
-        """Ping-pong form: issue the products that fold the other group's block ``pt`` (its probabilities and
-        rescale factor from shared memory) into this group's four output tiles (the caller waits for them and
-        releases the buffer)."""
+    def _mla_g_pv_other(o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, kv_free, pt, J0: gl.constexpr,
+                        NKC: gl.constexpr, STAGES: gl.constexpr, row_o: gl.constexpr):  # fmt: skip
+        """Ping-pong form: fold the other group's block ``pt`` (its probabilities and rescale factor from shared
+        memory) into this group's four output tiles, wait for those products (MMA groups complete in order: also
+        for any issued before them) and release the block's buffer."""
         mbarrier.wait(p_ready, pt & 1)
         al = a_s.load(row_o)
-        return _mla_g_pv4(p_s, kv_s, (pt % STAGES) * NKC + J0, al, o0, o1, o2, o3)
+        o0, o1, o2, o3 = _mla_g_pv4(p_s, kv_s, (pt % STAGES) * NKC + J0, al, o0, o1, o2, o3)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        mbarrier.arrive(kv_free.index(pt % STAGES))
+        return o0, o1, o2, o3
 
     @gluon.jit
     def _mla_g_pp(
@@ -382,12 +385,10 @@ if HAS_GLUON:
             m_prev = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
             l_prev = gl.zeros([BLOCK_H], gl.float32, row_s)
             if j > 0:  # the other group's block j - 1, in order, while the scores run
+                # (its wait also covers the scores issued before)
                 o0, o1, o2, o3 = _mla_g_pv_other(
-                    o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, j - 1, J0, NKC, STAGES, row_o
+                    o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, kv_free, j - 1, J0, NKC, STAGES, row_o
                 )
-                # (MMA groups complete in order: this also waits for the scores issued before)
-                o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-                mbarrier.arrive(kv_free.index((j - 1) % STAGES))
                 mbarrier.wait(ml_ready, (j - 1) & 1)
                 m_prev = ml_s.index(0).load(row_s)
                 l_prev = ml_s.index(1).load(row_s)
@@ -417,10 +418,8 @@ if HAS_GLUON:
         if nblk > 0:
             if (nblk - 1) % 2 != PAR:  # the other group's last block comes after this group's last
                 o0, o1, o2, o3 = _mla_g_pv_other(
-                    o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, nblk - 1, J0, NKC, STAGES, row_o
+                    o0, o1, o2, o3, kv_s, p_s, a_s, p_ready, kv_free, nblk - 1, J0, NKC, STAGES, row_o
                 )
-                o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
-                mbarrier.arrive(kv_free.index((nblk - 1) % STAGES))
             # the state after the last block (no group writes it again)
             mbarrier.wait(ml_ready, (nblk - 1) & 1)
         m = ml_s.index(0).load(row_o)
