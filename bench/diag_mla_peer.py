@@ -46,6 +46,8 @@ VARIANTS = {
     "gluon": dict(gluon=True),
     # the Gluon split walk (one program per head block, split and row) instead of the persistent walk
     "gluon_split": dict(gluon=True, gluon_config={"persistent": False}),
+    # the persistent walk at any row count (by default it starts at MLA_GLUON_CONFIG["persist_min_rows"] rows)
+    "gluon_persist": dict(gluon=True, gluon_config={"persist_min_rows": 1}),
     # 32-token blocks, a ring of four
     "gluon_n32": dict(gluon=True, gluon_config={"block_n": 32, "stages": 4}),
     # the two warp groups scoring alternate blocks
@@ -61,6 +63,7 @@ LABELS = {
     "w8": "ours, 8 warps",
     "gluon": "ours, Gluon",
     "gluon_split": "ours, Gluon split walk",
+    "gluon_persist": "ours, Gluon persistent (any rows)",
     "gluon_n32": "ours, Gluon N32 x4",
     "gluon_pp": "ours, Gluon ping-pong",
     "gluon_pp32": "ours, Gluon ping-pong N32 x4",

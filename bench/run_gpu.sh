@@ -274,6 +274,27 @@ if has gluon_e2e; then
     --wall-timing --kernel-variants mla_triton,mla_gluon_split,mla_gluon --out "$OUT_DIR/e2e_gluon_ragged.json" \
     2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
+if has v31; then
+  # the Gluon kernel's GPU tests (16 to 96 heads), then its walks beside the Triton kernel and FlashInfer at 16, 32
+  # and 96 heads, the persistent walk below its default row threshold too (gluon_persist)
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/test_decode_kernels.py -m gpu -k "gluon" \
+    >"$OUT_DIR/tests_gluon.log" 2>&1
+  rc=$?
+  echo "gluon tests: exit $rc ($(tail -1 "$OUT_DIR/tests_gluon.log"))"
+  grep -m5 "Error\|assert\|FAILED" "$OUT_DIR/tests_gluon.log"
+  V=ours
+  [ $rc -eq 0 ] && V=ours,gluon,gluon_split,gluon_persist
+  timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants $V \
+    --shapes 64x16x8192,256x16x4096,16x16x16384,8x16x4096,64x32x8192,8x32x4096,64x96x8192,16x96x16384,2x96x4096 \
+    --out "$OUT_DIR/peer_v31.json" 2>&1 | grep "^| \|copy\|matmul\|rror\|gluon\|flashinfer"
+  timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants $V --uniform --shapes 64x16x8192,64x32x8192,64x96x8192 \
+    --out "$OUT_DIR/peer_v31_uniform.json" 2>&1 | grep "^| \|rror"
+fi
+if has b1; then
+  # batch 1 of both presets, wall timing at context 1,040 (the 48B shape needs the H200)
+  timeout "$T_E2E" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1 --context 1040 \
+    --wall-timing --out "$OUT_DIR/e2e_b1.json" 2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
+fi
 if has mla_peer; then
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_mla_peer_gpu.py >"$OUT_DIR/tests_mla_peer.log" 2>&1
   echo "mla_peer tests: exit $? ($(tail -1 "$OUT_DIR/tests_mla_peer.log"))"
