@@ -55,6 +55,10 @@
 # tests with the Gluon walk, then the 48B-shape engine with the Triton and the Gluon MLA walk at batch 16 / 64,
 # 4,096-token prompts (twice each) -> e2e_gluon.json, and 64 ragged 4k-8k prompts (the Triton kernel, the Gluon
 # split walk, the Gluon persistent walk) -> e2e_gluon_ragged.json.
+# v31: the Gluon kernel's GPU tests, then bench/diag_mla_peer.py with the Triton kernel, the Gluon persistent and
+# split walks and the persistent walk at any row count, at 16, 32 and 96 heads (ragged, and uniform at
+# 64 x {16, 32, 96} x 8k) -> peer_v31.json, peer_v31_uniform.json; b1: `medium` and the 48B shape at batch 1,
+# context 1,040 -> e2e_b1.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
