@@ -1341,7 +1341,8 @@ def test_mla_persist_plan_and_reduce(H, lens, groups, min_blocks, align):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
-    "H,page_size", [(h, p) for h in (64, 96) for p in (8, 16, 64, 128)] + [(16, 16), (16, 64), (32, 8), (32, 128)]
+    "H,page_size",
+    [(h, p) for h in (64, 96) for p in (8, 16, 64, 128)] + [(16, 16), (16, 64), (32, 8), (32, 128)],
 )
 def test_mla_gluon_gpu(dtype, H, page_size):
     """The warp-specialised Gluon kernel against the fp32 reference, its persistent walk (the default; shares of

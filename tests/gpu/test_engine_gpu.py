@@ -691,11 +691,20 @@ def test_engine_graph_priority():
     assert E.GRAPH_PRIORITY < 0 and err < 1e-3, err
 
 
-@pytest.mark.parametrize("walk", ["split", "persistent"])
-@pytest.mark.parametrize("fuse_glue", [True, False], ids=["glue", "noglue"])
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_engine_gluon_mla_decode(graphs, fuse_glue, walk, monkeypatch):
-    """bf16 engine whose MLA layers have K3's latent (512 + 64 values) and 32 heads, with the warp-specialised Gluon
+GLUON_ENGINE_CASES = [
+    pytest.param(g, f, w, 32, id=f"{'graphs' if g else 'eager'}-{'glue' if f else 'noglue'}-{w}")
+    for g in (True, False)
+    for f in (True, False)
+    for w in ("split", "persistent")
+] + [
+    pytest.param(True, True, "persistent", 16, id="graphs-glue-persistent-16heads"),
+    pytest.param(False, False, "split", 16, id="eager-noglue-split-16heads"),
+]
+
+
+@pytest.mark.parametrize("graphs,fuse_glue,walk,heads", GLUON_ENGINE_CASES)
+def test_engine_gluon_mla_decode(graphs, fuse_glue, walk, heads, monkeypatch):
+    """bf16 engine whose MLA layers have K3's latent (512 + 64 values) and 32 (or 16) heads, with the warp-specialised Gluon
     kernel (``MLA_CONFIG["gluon"]``, from two rows up; the batch shrinks through the graph buckets down to one row,
     which takes the Triton kernel), its split walk or its persistent walk (here from two rows up): decode logits no
     further from the fp32 reference than a bf16 full forward is, as for the default step."""
@@ -707,7 +716,7 @@ def test_engine_gluon_mla_decode(graphs, fuse_glue, walk, monkeypatch):
     if not (MG.HAS_GLUON and torch.cuda.get_device_capability()[0] == 9):
         pytest.skip("needs Triton's Gluon and a Hopper GPU")
     monkeypatch.setitem(KN.MLA_CONFIG, "gluon", True)
-    monkeypatch.setitem(KN.MLA_CONFIG, "gluon_min_heads", 32)
+    monkeypatch.setitem(KN.MLA_CONFIG, "gluon_min_heads", 16)
     monkeypatch.setitem(KN.MLA_CONFIG, "gluon_min_rows", 2)
     # rows per call of the walk under test (the persistent walk's query rows are [rows * head blocks * 64, 576])
     monkeypatch.setitem(MG.MLA_GLUON_CONFIG, "persist_min_rows", 2 if walk == "persistent" else 1 << 30)
@@ -716,7 +725,7 @@ def test_engine_gluon_mla_decode(graphs, fuse_glue, walk, monkeypatch):
     real = getattr(MG, name)
     rows = (lambda q, *a: q.shape[0] // 64) if walk == "persistent" else (lambda q, *a: q.shape[0])
     monkeypatch.setattr(MG, name, lambda q, *a, **k: (calls.append(rows(q, *a)), real(q, *a, **k)))
-    over = dict(kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=32, num_key_value_heads=32)
+    over = dict(kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=heads, num_key_value_heads=heads)
     model = _model("small", pin_routing=True, **over)
     eng = Engine(
         model, None, page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, use_cuda_graphs=graphs,

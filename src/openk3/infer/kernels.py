@@ -175,11 +175,12 @@ MLA_CONFIG = {
     "balance_spread": 2,
     # the warp-specialised Gluon split kernel (openk3.infer.mla_gluon: a TMA loader warp and two warp groups on
     # the products, 64 heads per program) for at least "gluon_min_heads" heads and "gluon_min_rows" rows, on Hopper
-    # with a bf16 / fp16 cache; the Triton split kernel otherwise. H100, ragged rows (bench/NOTES.md v29): 96 heads
-    # 1.8-2.2x faster than the Triton kernel (and 1-18 % faster than FlashInfer's), 32 heads 1.2-1.3x; one row at
-    # 32 heads and 1,040 tokens 13.0 against 11.5 us, so one row keeps the Triton kernel
+    # with a bf16 / fp16 cache; the Triton split kernel otherwise. H100, ragged rows (bench/NOTES.md v29, v31): 96
+    # heads 1.8-2.2x faster than the Triton kernel (and 1-18 % faster than FlashInfer's), 32 heads 1.2-1.3x, 16 heads
+    # 1.02-1.17x (uniform rows at 16 heads within 2 %); one row at 32 heads and 1,040 tokens 13.0 against 11.5 us,
+    # so one row keeps the Triton kernel
     "gluon": True,
-    "gluon_min_heads": 32,
+    "gluon_min_heads": 16,
     "gluon_min_rows": 2,
 }
 # The MLA glue steps around the split kernel (EngineConfig.fuse_mla_glue): the prep kernel (latent norm + cache

@@ -38,7 +38,7 @@ before the value products, so whatever those cache rows hold (stale or non-finit
 page slots past the end of a split are loaded from outside the cache tensor, which TMA fills with zeros.
 
 :func:`openk3.infer.kernels.mla_decode_triton` takes this walk by default on Hopper from ``MLA_CONFIG
-["gluon_min_heads"]`` heads and ``["gluon_min_rows"]`` rows (measured: bench/NOTES.md v29).
+["gluon_min_heads"]`` heads and ``["gluon_min_rows"]`` rows (measured: bench/NOTES.md v29, v31).
 """
 
 from __future__ import annotations
