@@ -141,27 +141,10 @@ KERNEL_VARIANTS = {
 def build(preset: str, **over):
     """Random-weight model of ``preset`` (config fields ``over`` replaced) on the GPU in bf16 (SPEC §5.3 fp32
     parameters and buffers in fp32), built directly on the device so that large presets need no host copy."""
-    from openk3.config import get_preset
-    from openk3.model import K3ForCausalLM
+    from openk3.infer.engine import random_model
 
-    cfg = get_preset(preset).replace(**over)
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if DEV == "cuda" else torch.float32)
-    try:
-        with torch.device(DEV):
-            model = K3ForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    with torch.no_grad():
-        for p in model.parameters():
-            if getattr(p, "_keep_fp32", False):
-                p.data = p.data.float()
-        for b in model.buffers():
-            if b.is_floating_point():
-                b.data = b.data.float()
-    model.requires_grad_(False)
-    return model.eval()
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    return random_model(preset, device=DEV, dtype=dtype, seed=0, **over)
 
 
 def run_preset(

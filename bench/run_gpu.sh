@@ -38,8 +38,8 @@
 # moe_small.SELECT_TOPK (select_max) -> e2e_v23_*.json; v24: the few-token MoE and engine GPU tests with the tl.topk
 # selection on, the 48B batch-1 A/B of the gate/up tiles (up_16x128, up_8x256) -> e2e_v24_tiles.json, the
 # fused selection up to 4 tokens at batch 2 and 4 (fuse_select_4) -> e2e_v24_fuse4.json, and
-# both presets at batch 1 / 16 / 64 -> e2e_v24.json; serve: bench/bench_serve.py (the default model behind `openk3
-# serve`, 64 streamed requests of 512 prompt tokens and 128 new tokens, all at once and at 16 per second; T_SERVE=240)
+# both presets at batch 1 / 16 / 64 -> e2e_v24.json; serve: bench/bench_serve.py (a random-weight `medium`,
+# SERVE_PRESET, behind `openk3 serve`, 64 streamed requests of 512 prompt tokens and 128 new tokens, all at once and at 16 per second; T_SERVE=240)
 # -> serve_burst.json, serve_rate16.json; mla_peer: FlashInfer as the MLA decode step (needs flashinfer-python): its
 # GPU tests, bench/diag_mla_peer.py (ours beside FlashInfer's paged MLA decode, 16 and 96 heads) -> diag_mla_peer.json,
 # and the 48B-shape engine at context 4,096 with each MLA backend -> e2e_mla_peer.json.
@@ -228,10 +228,12 @@ if has v24; then
     --out "$OUT_DIR/e2e_v24.json" 2>&1 | grep "^| \|WARN\|disabled"
 fi
 if has serve; then
-  timeout "${T_SERVE:-240}" python3 bench/bench_serve.py --requests 64 --prompt-len 512 --max-tokens 128 \
-    --out "$OUT_DIR/serve_burst.json" 2>&1 | grep "^| \|throughput\|Error"
-  timeout "${T_SERVE:-240}" python3 bench/bench_serve.py --requests 64 --prompt-len 512 --max-tokens 128 --rate 16 \
-    --out "$OUT_DIR/serve_rate16.json" 2>&1 | grep "^| \|throughput\|Error"
+  # a random-weight model of SERVE_PRESET (default medium) behind the server
+  SP="--preset ${SERVE_PRESET:-medium}"
+  timeout "${T_SERVE:-240}" python3 bench/bench_serve.py --requests 64 --prompt-len 512 --max-tokens 128 $SP \
+    --out "$OUT_DIR/serve_burst.json" 2>&1 | grep "^| \|throughput\|serving\|Error"
+  timeout "${T_SERVE:-240}" python3 bench/bench_serve.py --requests 64 --prompt-len 512 --max-tokens 128 --rate 16 $SP \
+    --out "$OUT_DIR/serve_rate16.json" 2>&1 | grep "^| \|throughput\|serving\|Error"
 fi
 if has v27; then
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/test_decode_kernels.py -m gpu \

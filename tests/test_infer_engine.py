@@ -610,6 +610,57 @@ def test_cli_generate_chat_help_and_errors(tmp_path, monkeypatch, capsys):
     assert "top_p" in capsys.readouterr().err
 
 
+def test_random_model_and_cli_preset(tmp_path, monkeypatch, capsys):
+    """``--preset NAME``: a freshly initialised model of that preset (random weights, built on the device in the
+    dtype asked for, SPEC §5.3's fp32 parameters and buffers kept fp32), served under its own name, even where a
+    trained default run exists; refused beside ``--ckpt`` and for unknown names."""
+    from openk3.cli import build_parser, main
+    from openk3.config import get_preset
+    from openk3.infer.engine import load_for_inference, random_model
+
+    m = random_model(
+        "small", dtype=torch.bfloat16, seed=3, num_hidden_layers=2, kda_layers=[1], full_attn_layers=[2]
+    )
+    assert m.config.num_hidden_layers == 2 and not m.training
+    kept = [n for n, p in m.named_parameters() if getattr(p, "_keep_fp32", False)]
+    assert kept, "the model has parameters SPEC §5.3 keeps in fp32"
+    for n, p in m.named_parameters():
+        assert p.dtype == (torch.float32 if n in kept else torch.bfloat16), n
+        assert not p.requires_grad
+    assert all(b.dtype == torch.float32 for b in m.buffers() if b.is_floating_point())
+    again = random_model(
+        "small", dtype=torch.bfloat16, seed=3, num_hidden_layers=2, kda_layers=[1], full_attn_layers=[2]
+    )
+    other = random_model(
+        "small", dtype=torch.bfloat16, seed=4, num_hidden_layers=2, kda_layers=[1], full_attn_layers=[2]
+    )
+    w = lambda mm: mm.model.embed_tokens.weight  # noqa: E731
+    assert torch.equal(w(m), w(again)) and not torch.equal(w(m), w(other))
+    with pytest.raises(ValueError, match="floating-point"):
+        random_model("tiny", dtype=torch.int32)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
+    # a default run directory exists, yet --preset takes the preset
+    (tmp_path / "runs" / "default" / "final").mkdir(parents=True)
+    (tmp_path / "runs" / "default" / "final" / "config.json").write_text("{}")
+    model, tok, name, source = load_for_inference(preset="small", device="cpu")
+    assert model.config.name == "small" and name == "openk3-small-random" and "random weights" in source
+    assert model.config.vocab_size == get_preset("small").vocab_size >= tok.vocab_size
+    assert next(model.parameters()).dtype == torch.float32
+    with pytest.raises(ValueError, match="not both"):
+        load_for_inference(str(tmp_path / "x"), preset="tiny")
+    common = ["-n", "3", "--temperature", "0", "--max-total-tokens", "256"]
+    assert main(["generate", "--preset", "tiny", "--prompt", "ab", "-q", *common]) == 0
+    assert capsys.readouterr().out.startswith("ab")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--preset", "tiny", "--ckpt", str(tmp_path), "-q", *common])
+    assert "not both" in str(e.value)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--preset", "no-such-preset"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
 def test_cli_max_tokens_is_new_tokens():
     """``--max-tokens`` means new tokens, as the API's ``max_tokens`` (the same as ``-n`` / ``--max-new-tokens``);
     the cache pool's size is ``--max-total-tokens``; ``serve`` takes no ``--max-tokens`` (requests carry theirs)."""

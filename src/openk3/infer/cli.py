@@ -1,7 +1,8 @@
 """``openk3 generate``, ``openk3 chat`` and ``openk3 serve`` (registered into the main CLI by ``register``).
 
 Without ``--ckpt`` the commands use ``runs/default/final`` (``openk3 train``'s default output) when it exists, else
-a freshly initialised ``tiny`` model with a small byte-level tokenizer, so they always run.
+a freshly initialised ``tiny`` model with a small byte-level tokenizer, so they always run; ``--preset NAME`` runs a
+freshly initialised model of that preset instead (random weights, for timing a real model's shape).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import math
 import os
 import sys
 import time
+
+from openk3.config import PRESETS
 
 _DTYPES = {
     "float32": "float32",
@@ -29,6 +32,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="released-format checkpoint directory (default: runs/default/final "
         "if present, else a freshly initialised tiny model)",
+    )
+    g.add_argument(
+        "--preset",
+        metavar="NAME",
+        choices=sorted(PRESETS),
+        help="instead of a checkpoint, a freshly initialised model of this preset with random weights, built on "
+        "the device (e.g. to time the engine or the server at a real model's shape: --preset kimi-linear-48b); "
+        f"one of {', '.join(sorted(PRESETS))}",
     )
     g.add_argument(
         "--tokenizer", metavar="PATH", help="tokenizer file or directory (default: the checkpoint's)"
@@ -238,11 +249,18 @@ def _load(args):
 
     from openk3.infer.engine import Engine, EngineConfig, load_for_inference
 
+    if args.ckpt is not None and getattr(args, "preset", None) is not None:
+        raise SystemExit("--ckpt and --preset: pass a checkpoint or a preset to initialise, not both")
     if args.moe_small_tokens is not None and args.moe_small_tokens < 0:
         raise SystemExit(f"--moe-small-tokens must be >= 0, got {args.moe_small_tokens}")
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     model, tok, name, source = load_for_inference(
-        args.ckpt, device=args.device, dtype=dtype, tokenizer=args.tokenizer, seed=args.seed_init
+        args.ckpt,
+        device=args.device,
+        dtype=dtype,
+        tokenizer=args.tokenizer,
+        seed=args.seed_init,
+        preset=getattr(args, "preset", None),
     )
     from openk3.ops.backend import parse_choices
 

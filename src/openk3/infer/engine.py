@@ -2027,6 +2027,43 @@ def _has_tokenizer(d: Path) -> bool:
     return (d / "tokenizer.json").is_file() or (d / "tiktoken.model").is_file()
 
 
+def random_model(
+    preset: str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    **over,
+):
+    """A freshly initialised (random-weight) model of ``preset`` (config fields ``over`` replaced), in eval mode
+    without gradients, built directly on ``device`` in ``dtype`` so that large presets (the 48B shape: ~98 GB in
+    bf16) need no host copy and no fp32 copy. The parameters and buffers SPEC.md §5.3 keeps in fp32 are fp32."""
+    from openk3.config import get_preset
+    from openk3.model import K3ForCausalLM
+
+    cfg = get_preset(preset, **over)
+    dev = torch.device(device)
+    if not dtype.is_floating_point:
+        raise ValueError(f"random_model: dtype must be a floating-point dtype, got {dtype}")
+    torch.manual_seed(seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with dev:
+            model = K3ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    with torch.no_grad():
+        for p in model.parameters():
+            if getattr(p, "_keep_fp32", False):
+                p.data = p.data.float()
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.data = b.data.float()
+    model.requires_grad_(False)
+    return model.eval()
+
+
 def load_for_inference(
     ckpt: str | os.PathLike | None = None,
     *,
@@ -2034,20 +2071,24 @@ def load_for_inference(
     dtype: torch.dtype | None = None,
     tokenizer: str | os.PathLike | None = None,
     seed: int = 0,
+    preset: str | None = None,
 ):
     """(model, tokenizer, name, source) for the CLI and the server.
 
     ``ckpt`` given: load that released-format checkpoint (tokenizer from ``tokenizer`` or the same directory).
-    Otherwise ``runs/default/final`` (``openk3 train``'s default output) if it exists, else a freshly initialised
-    ``tiny`` model with a small byte-level BPE tokenizer, so the commands always run."""
-    from openk3.config import get_preset
+    ``preset`` given: a freshly initialised model of that preset (random weights: for timing the engine or the
+    server on a model of that shape), with ``tokenizer`` or a small byte-level BPE tokenizer. Neither: ``runs/default/
+    final`` (``openk3 train``'s default output) if it exists, else a freshly initialised ``tiny`` model with a small
+    byte-level BPE tokenizer, so the commands always run."""
     from openk3.model import K3ForCausalLM
     from openk3.train.tokenizer import Tokenizer
 
+    if ckpt is not None and preset is not None:
+        raise ValueError("pass a checkpoint (--ckpt) or a preset to initialise (--preset), not both")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     path = Path(ckpt) if ckpt is not None else None
-    if path is None and (Path(DEFAULT_RUN_DIR) / "config.json").is_file():
+    if path is None and preset is None and (Path(DEFAULT_RUN_DIR) / "config.json").is_file():
         path = Path(DEFAULT_RUN_DIR)
     if path is not None:
         if not path.exists():
@@ -2064,17 +2105,20 @@ def load_for_inference(
         name = path.resolve().name if path.name != "final" else path.resolve().parent.name
         source = f"checkpoint {path}"
     else:
-        torch.manual_seed(seed)
-        model = K3ForCausalLM(get_preset("tiny")).to(device=dev)
-        if dt != torch.float32:
-            model.to_dtype(dt)
+        which = preset if preset is not None else "tiny"
+        model = random_model(which, device=dev, dtype=dt, seed=seed)
+        # the tokenizer need not cover a large preset's vocabulary: the rows past it are never sampled
         tok = (
             Tokenizer.from_file(tokenizer)
             if tokenizer is not None
-            else default_tokenizer(model.config.vocab_size)
+            else default_tokenizer(min(model.config.vocab_size, 4096))
         )
-        name = "openk3-tiny-random"
-        source = "a freshly initialised tiny model (no checkpoint; run `openk3 train` for a trained one)"
+        name = f"openk3-{model.config.name}-random"
+        source = (
+            f"a freshly initialised {model.config.name} model (random weights)"
+            if preset is not None
+            else "a freshly initialised tiny model (no checkpoint; run `openk3 train` for a trained one)"
+        )
     if tok.vocab_size > model.config.vocab_size:
         raise ValueError(
             f"the tokenizer has {tok.vocab_size} tokens but the model only {model.config.vocab_size}; "
