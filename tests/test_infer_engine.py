@@ -616,7 +616,7 @@ def test_random_model_and_cli_preset(tmp_path, monkeypatch, capsys):
     trained default run exists; refused beside ``--ckpt`` and for unknown names."""
     from openk3.cli import build_parser, main
     from openk3.config import get_preset
-    from openk3.infer.engine import load_for_inference, random_model
+    from openk3.infer.engine import free_memory, load_for_inference, random_model
 
     m = random_model(
         "small", dtype=torch.bfloat16, seed=3, num_hidden_layers=2, kda_layers=[1], full_attn_layers=[2]
@@ -638,6 +638,10 @@ def test_random_model_and_cli_preset(tmp_path, monkeypatch, capsys):
     assert torch.equal(w(m), w(again)) and not torch.equal(w(m), w(other))
     with pytest.raises(ValueError, match="floating-point"):
         random_model("tiny", dtype=torch.int32)
+    # a preset larger than the device's free memory is refused before anything is allocated (K3: ~5.6 TB in bf16)
+    assert free_memory(torch.device("cpu")) > 0
+    with pytest.raises(RuntimeError, match=r"preset 'k3' needs \d+\.\d GB of weights in bfloat16, more than"):
+        random_model("k3", dtype=torch.bfloat16)
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))

@@ -2027,6 +2027,33 @@ def _has_tokenizer(d: Path) -> bool:
     return (d / "tokenizer.json").is_file() or (d / "tiktoken.model").is_file()
 
 
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters and floating-point buffers as :func:`random_model` stores them (SPEC.md §5.3's
+    fp32 parameters and the buffers in fp32, the rest in their dtype)."""
+    n = 0
+    for p in model.parameters():
+        n += p.numel() * (4 if getattr(p, "_keep_fp32", False) else p.element_size())
+    for b in model.buffers():
+        n += b.numel() * (4 if b.is_floating_point() else b.element_size())
+    return n
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Free bytes on ``device``: the CUDA allocator's free memory, or the host's available memory (Linux's
+    ``MemAvailable``) for the CPU; None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
 def random_model(
     preset: str,
     *,
@@ -2045,10 +2072,18 @@ def random_model(
     dev = torch.device(device)
     if not dtype.is_floating_point:
         raise ValueError(f"random_model: dtype must be a floating-point dtype, got {dtype}")
-    torch.manual_seed(seed)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
+        with torch.device("meta"):  # the size first, without allocating
+            need = _weight_bytes(K3ForCausalLM(cfg))
+        free = free_memory(dev)
+        if free is not None and need > free:
+            raise RuntimeError(
+                f"preset {cfg.name!r} needs {need / 1e9:.1f} GB of weights in {str(dtype).removeprefix('torch.')}, "
+                f"more than the {free / 1e9:.1f} GB free on {dev}; pick a smaller preset or another device / dtype"
+            )
+        torch.manual_seed(seed)
         with dev:
             model = K3ForCausalLM(cfg)
     finally:
