@@ -2112,9 +2112,9 @@ def load_for_inference(
 
     ``ckpt`` given: load that released-format checkpoint (tokenizer from ``tokenizer`` or the same directory).
     ``preset`` given: a freshly initialised model of that preset (random weights: for timing the engine or the
-    server on a model of that shape), with ``tokenizer`` or a small byte-level BPE tokenizer. Neither: ``runs/default/
-    final`` (``openk3 train``'s default output) if it exists, else a freshly initialised ``tiny`` model with a small
-    byte-level BPE tokenizer, so the commands always run."""
+    server on a model of that shape), with ``tokenizer`` or a small byte-level BPE tokenizer. Neither:
+    ``runs/default/final`` (``openk3 train``'s default output) if it exists, else a freshly initialised ``tiny``
+    model with a small byte-level BPE tokenizer, so the commands always run."""
     from openk3.model import K3ForCausalLM
     from openk3.train.tokenizer import Tokenizer
 

@@ -177,8 +177,9 @@ MLA_CONFIG = {
     # the products, 64 heads per program) for at least "gluon_min_heads" heads and "gluon_min_rows" rows, on Hopper
     # with a bf16 / fp16 cache; the Triton split kernel otherwise. H100, ragged rows (bench/NOTES.md v29, v31): 96
     # heads 1.8-2.2x faster than the Triton kernel (and 1-18 % faster than FlashInfer's), 32 heads 1.2-1.3x, 16 heads
-    # 1.02-1.17x (uniform rows at 16 heads within 2 %); one row at 32 heads and 1,040 tokens 13.0 against 11.5 us,
-    # so one row keeps the Triton kernel
+    # 1.02-1.17x (uniform rows at 16 heads within 2 %); H200 (v31): 16 heads 1.18-1.25x ragged, 1.02x uniform, 32
+    # heads 1.66x ragged; one row at 32 heads and 1,040 tokens 13.0 against 11.5 us, so one row keeps the Triton
+    # kernel
     "gluon": True,
     "gluon_min_heads": 16,
     "gluon_min_rows": 2,
