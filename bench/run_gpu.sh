@@ -252,21 +252,24 @@ if has v27e2e; then
     --wall-timing --kernel-variants mla_per_row,mla_balance --out "$OUT_DIR/e2e_v27.json" \
     2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
-if has gluon; then
-  # the Gluon kernel's GPU tests first, in their own process (a wrong barrier phase would hang, not fail); the
-  # timing runs it only if they passed
+# gluon_round TAG VARIANTS SHAPES UNIFORM_SHAPES: the Gluon kernel's GPU tests in their own process (a wrong
+# barrier phase would hang, not fail), then bench/diag_mla_peer.py with VARIANTS at SHAPES (ragged) and
+# UNIFORM_SHAPES (uniform) -> peer_TAG.json, peer_TAG_uniform.json. The timing runs the Gluon variants unless a test
+# failed (a test run that only ran out of time still lets them run: they have their own time box)
+gluon_round() {
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/test_decode_kernels.py -m gpu -k "gluon" \
     >"$OUT_DIR/tests_gluon.log" 2>&1
-  rc=$?
-  echo "gluon tests: exit $rc ($(tail -1 "$OUT_DIR/tests_gluon.log"))"
-  grep -m5 "Error\|assert\|FAILED" "$OUT_DIR/tests_gluon.log"
-  V=ours
-  [ $rc -eq 0 ] && V=ours,gluon,gluon_split,gluon_pp32
-  timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants $V \
-    --shapes 64x96x8192,16x96x16384,256x96x4096,4x96x16384,2x96x4096,64x64x8192,64x32x8192,8x32x4096,1x32x1040 \
-    --out "$OUT_DIR/peer_gluon.json" 2>&1 | grep "^| \|copy\|rror\|gluon\|flashinfer"
-  timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants $V --uniform --shapes 64x96x8192 \
-    --out "$OUT_DIR/peer_gluon_uniform.json" 2>&1 | grep "^| \|rror"
+  echo "gluon tests: exit $? ($(tail -1 "$OUT_DIR/tests_gluon.log"))"
+  local v=$2
+  if grep -m5 "Error\|assert\|FAILED" "$OUT_DIR/tests_gluon.log"; then v=ours; fi
+  timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants "$v" --shapes "$3" --out "$OUT_DIR/peer_$1.json" \
+    2>&1 | grep "^| \|copy\|matmul\|rror\|gluon\|flashinfer"
+  timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants "$v" --uniform --shapes "$4" \
+    --out "$OUT_DIR/peer_$1_uniform.json" 2>&1 | grep "^| \|rror"
+}
+if has gluon; then
+  gluon_round gluon ours,gluon,gluon_split,gluon_pp32 \
+    64x96x8192,16x96x16384,256x96x4096,4x96x16384,2x96x4096,64x64x8192,64x32x8192,8x32x4096,1x32x1040 64x96x8192
 fi
 if has gluon_e2e; then
   # the 48B shape needs the H200 (its bf16 weights do not fit an 80 GB card)
@@ -281,20 +284,10 @@ if has gluon_e2e; then
     2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
 if has v31; then
-  # the Gluon kernel's GPU tests (16 to 96 heads), then its walks beside the Triton kernel and FlashInfer at 16, 32
-  # and 96 heads, the persistent walk below its default row threshold too (gluon_persist)
-  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/test_decode_kernels.py -m gpu -k "gluon" \
-    >"$OUT_DIR/tests_gluon.log" 2>&1
-  rc=$?
-  echo "gluon tests: exit $rc ($(tail -1 "$OUT_DIR/tests_gluon.log"))"
-  grep -m5 "Error\|assert\|FAILED" "$OUT_DIR/tests_gluon.log"
-  V=ours
-  [ $rc -eq 0 ] && V=ours,gluon,gluon_split,gluon_persist
-  timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants $V \
-    --shapes 64x16x8192,256x16x4096,16x16x16384,8x16x4096,64x32x8192,8x32x4096,64x96x8192,16x96x16384,2x96x4096 \
-    --out "$OUT_DIR/peer_v31.json" 2>&1 | grep "^| \|copy\|matmul\|rror\|gluon\|flashinfer"
-  timeout "$T_DECODE" python3 bench/diag_mla_peer.py --variants $V --uniform --shapes 64x16x8192,64x32x8192,64x96x8192 \
-    --out "$OUT_DIR/peer_v31_uniform.json" 2>&1 | grep "^| \|rror"
+  # 16, 32 and 96 heads, the persistent walk below its default row threshold too (gluon_persist)
+  gluon_round v31 ours,gluon,gluon_split,gluon_persist \
+    64x16x8192,256x16x4096,16x16x16384,8x16x4096,64x32x8192,8x32x4096,64x96x8192,16x96x16384,2x96x4096 \
+    64x16x8192,64x32x8192,64x96x8192
 fi
 if has b1; then
   # batch 1 of both presets, wall timing at context 1,040 (the 48B shape needs the H200)
