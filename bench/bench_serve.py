@@ -57,15 +57,36 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_server(serve_args: list[str]):
-    """``openk3 serve`` in its own process (the load client must not share the server's GIL)."""
+def _stub_forward() -> None:
+    """Every engine of this process decodes with fixed logits instead of the model (``--stub-forward``): the
+    prefill still runs the model, the decode step costs only the engine's host work, sampling and the streams."""
+    import torch
+
+    from openk3.infer.engine import Engine
+
+    fixed = {}
+
+    def stub(self, meta, lengths, table, B, ids_from=None):
+        key = id(self)
+        if key not in fixed:
+            g = torch.Generator().manual_seed(0)
+            V = self.mcfg.vocab_size
+            fixed[key] = torch.randn(self.cfg.max_seqs, V, generator=g).to(self.device)
+        return fixed[key][:B].clone()
+
+    Engine._decode_logits = stub
+
+
+def _start_server(serve_args: list[str], stub: bool = False):
+    """``openk3 serve`` in its own process (the load client must not share the server's GIL); ``stub``: with
+    :func:`_stub_forward` applied in that process."""
     import httpx
 
     port = _free_port()
+    entry = [os.path.abspath(__file__), "--serve-stubbed"] if stub else ["-m", "openk3"]
     cmd = [
         sys.executable,
-        "-m",
-        "openk3",
+        *entry,
         "serve",
         "--port",
         str(port),
@@ -177,6 +198,12 @@ def main(argv=None) -> int:
         default=None,
         help="untimed requests of the same lengths before each timed run (default: --requests on a GPU, 2 on CPU)",
     )
+    ap.add_argument(
+        "--stub-forward",
+        action="store_true",
+        help="decode with fixed logits instead of the model (engine alone and server): what the engine's host "
+        "work, the HTTP side and the streams deliver when the model costs nothing",
+    )
     ap.add_argument("--out", default=None)
     args, rest = ap.parse_known_args(argv)
     if args.requests < 1 or args.prompt_len < 1 or args.max_tokens < 1:
@@ -191,6 +218,8 @@ def main(argv=None) -> int:
     from openk3.infer.sampling import SamplingParams
 
     sargs = build_parser().parse_args(["serve", *rest])
+    if args.stub_forward:
+        _stub_forward()
     engine, name, _source = _load(sargs)
     if engine.graphs_enabled:
         engine.capture_graphs()
@@ -220,7 +249,7 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-    proc, url = _start_server(rest)
+    proc, url = _start_server(rest, stub=args.stub_forward)
     try:
         import httpx
 
@@ -269,7 +298,8 @@ def main(argv=None) -> int:
     tpot = [r["tpot"] for r in res if not math.isnan(r["tpot"])]
     e2e = [r["e2e"] for r in res]
     print(
-        f"\nserving {name} on {dev}: {args.requests} requests, prompt {args.prompt_len} tokens, "
+        f"\nserving {name}{' (decode stubbed: fixed logits)' if args.stub_forward else ''} on {dev}: "
+        f"{args.requests} requests, prompt {args.prompt_len} tokens, "
         f"{args.max_tokens} new tokens each, rate {args.rate:g}/s, max_seqs {max_seqs}\n"
     )
     print("| measure | p50 | p90 | p99 | mean | server's mean (/metrics) |")
@@ -308,6 +338,7 @@ def main(argv=None) -> int:
                 "wall_s": wall,
                 "output_tokens": tokens,
                 "offline": {"seconds": offline_s, "output_tokens": offline_tokens},
+                "stub_forward": args.stub_forward,
                 "server_means_s": server,
             },
             f,
@@ -318,4 +349,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve-stubbed"]:  # the server process of --stub-forward
+        sys.path.insert(0, os.path.join(ROOT, "src"))
+        _stub_forward()
+        from openk3.cli import main as openk3_main
+
+        raise SystemExit(openk3_main(sys.argv[2:]))
     raise SystemExit(main())

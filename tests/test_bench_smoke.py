@@ -80,6 +80,42 @@ def test_bench_serve_cpu(tmp_path):
     assert "throughput:" in r.stdout
 
 
+def test_bench_serve_cpu_stub_forward(tmp_path):
+    """``--stub-forward``: the engine alone and the server (its own process) decode with fixed logits; every request
+    still gets its tokens."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    out = tmp_path / "serve_stub.json"
+    r = _run(
+        [
+            "bench/bench_serve.py", "--requests", "4", "--prompt-len", "8", "--max-tokens", "5",
+            "--warmup-requests", "0", "--stub-forward", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["stub_forward"] is True and data["offline"]["output_tokens"] == 4 * 5
+    assert [q["tokens"] for q in data["requests"]] == [5] * 4
+    assert "(decode stubbed: fixed logits)" in r.stdout
+
+
+def test_bench_engine_host_cpu(tmp_path):
+    out = tmp_path / "engine_host.json"
+    r = _run(
+        [
+            "bench/bench_engine_host.py", "--device", "cpu", "--batches", "1,3", "--vocab", "512", "--steps", "2",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(q["batch"], q["sampling"]) for q in rows] == [
+        (b, s) for b in (1, 3) for s in ("greedy", "t=0.8 top_p=0.95")
+    ]
+    assert all(q["ms"] > 0 for q in rows)
+
+
 def test_diag_mla_compile_cpu(tmp_path, monkeypatch):
     """The sm_90 compile diagnostic of the MLA split kernels runs here (no GPU) and reports both split forms of the
     Triton kernel, the warp-specialised Gluon kernel's split walk (both output forms) and persistent walk, and that
