@@ -780,3 +780,40 @@ def test_coalesce_merges_each_choices_outputs():
     assert zero.new_logprobs is None and zero.prompt_logprobs is None
     assert err.error == "boom" and after.error is None
     assert _coalesce([(0, batch[0][1])])[0][1] is batch[0][1]  # a lone output passes through as it is
+
+
+def test_loop_bridge_batches_wakeups_and_keeps_order():
+    """The engine thread's outputs reach the event loop's queues in order, with one loop wake-up per batch of puts
+    rather than one per put; puts after the loop closed are dropped without an error."""
+    from openk3.infer.server import _LoopBridge
+
+    calls = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        bridge = _LoopBridge(loop)
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(a), real(*a))[1]
+        qa, qb = asyncio.Queue(), asyncio.Queue()
+        n = 2000
+
+        def producer():
+            for k in range(n):
+                bridge.put(qa if k % 3 else qb, k)
+
+        t = threading.Thread(target=producer)
+        t.start()
+        got_a, got_b = [], []
+        while len(got_a) + len(got_b) < n:
+            await asyncio.sleep(0)
+            while not qa.empty():
+                got_a.append(qa.get_nowait())
+            while not qb.empty():
+                got_b.append(qb.get_nowait())
+        t.join()
+        assert got_a == [k for k in range(n) if k % 3] and got_b == [k for k in range(0, n, 3)]
+        return bridge
+
+    bridge = asyncio.run(main())
+    assert 1 <= len(calls) < 2000 // 2, len(calls)  # batched: fewer wake-ups than puts (one per put before)
+    bridge.put(asyncio.Queue(), 1)  # the loop is closed now: dropped, no error

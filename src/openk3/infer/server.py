@@ -27,6 +27,8 @@ import json
 import threading
 import time
 import uuid
+import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,20 +193,57 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 
 # ------------------------------------------------------------------------------------------------ engine bridge
+class _LoopBridge:
+    """Hands items from the engine's thread to queues of one event loop, waking the loop once per batch of items
+    instead of once per item: ``call_soon_threadsafe`` writes to the loop's self-pipe on every call, and with many
+    streams that was one write (and one loop wake-up) per token of every stream. Items keep their order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: deque = deque()
+        self.lock = threading.Lock()
+        self.pending = False  # a drain is scheduled on the loop and has not taken the items yet
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            if self.pending:
+                return
+            self.pending = True
+        with contextlib.suppress(RuntimeError):  # loop already closed
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.items = self.items, deque()
+            self.pending = False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_BRIDGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its _LoopBridge
+
+
+def _bridge(loop: asyncio.AbstractEventLoop) -> _LoopBridge:
+    b = _BRIDGES.get(loop)
+    if b is None:
+        b = _BRIDGES[loop] = _LoopBridge(loop)
+    return b
+
+
 class _Group:
     """Several engine requests of one HTTP request, delivering (index, output) events into an asyncio queue."""
 
     def __init__(self, engine: Engine, n: int = 1, prompt_param: str = "prompt"):
         self.engine, self.n = engine, n  # n: choices per prompt (submitted one after the other)
         self.prompt_param = prompt_param  # the field an error about the prompt names
-        self.loop = asyncio.get_running_loop()
+        self.bridge = _bridge(asyncio.get_running_loop())
         self.queue: asyncio.Queue = asyncio.Queue()
         self.reqs = []
         self.done: set[int] = set()
 
     def _put(self, i: int, out: RequestOutput) -> None:
-        with contextlib.suppress(RuntimeError):  # loop already closed
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
+        self.bridge.put(self.queue, (i, out))
 
     async def submit_all(self, prompts: list, params: SamplingParams) -> None:
         """Submit ``n`` choices of each prompt. Text prompts are tokenized once each, together, in a worker thread:
