@@ -816,4 +816,5 @@ def test_loop_bridge_batches_wakeups_and_keeps_order():
 
     bridge = asyncio.run(main())
     assert 1 <= len(calls) < 2000 // 2, len(calls)  # batched: fewer wake-ups than puts (one per put before)
-    bridge.put(asyncio.Queue(), 1)  # the loop is closed now: dropped, no error
+    bridge.put(asyncio.Queue(), 1)  # the loop is closed now: dropped, no error, nothing kept
+    assert not bridge.items

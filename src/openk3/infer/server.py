@@ -205,13 +205,18 @@ class _LoopBridge:
         self.pending = False  # a drain is scheduled on the loop and has not taken the items yet
 
     def put(self, queue: asyncio.Queue, item) -> None:
+        if self.loop.is_closed():  # nothing will drain: dropped (as call_soon_threadsafe refuses then)
+            return
         with self.lock:
             self.items.append((queue, item))
             if self.pending:
                 return
             self.pending = True
-        with contextlib.suppress(RuntimeError):  # loop already closed
+        try:
             self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop closed meanwhile
+            with self.lock:
+                self.items.clear()
 
     def _drain(self) -> None:
         with self.lock:
