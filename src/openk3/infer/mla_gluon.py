@@ -63,6 +63,10 @@ try:
     HAS_GLUON = True
     # the shared-memory layout of every 64-wide slice the kernels copy in (query and cache)
     _SWIZZLE = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    # the register layout of every 64-column output tile (a warp group's warpgroup-MMA accumulator)
+    _O_L = gl.constexpr(
+        gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    )
 except Exception:  # pragma: no cover - Triton without Gluon
     HAS_GLUON = False
 
@@ -138,16 +142,22 @@ if HAS_GLUON:
         return o0, o1, o2, o3
 
     @gluon.jit
+    def _mla_g_zero4(BLOCK_H: gl.constexpr):
+        """A warp group's four zeroed 64-column output tiles."""
+        z = gl.zeros([BLOCK_H, 64], gl.float32, _O_L)
+        return z, z, z, z
+
+    @gluon.jit
     def _mla_g_store(
         out_ptr, o, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J: gl.constexpr, OUT: gl.constexpr,
-        BLOCK_H: gl.constexpr, o_l: gl.constexpr,
+        BLOCK_H: gl.constexpr,
     ):  # fmt: skip
         """Columns ``64 J .. 64 J + 63`` of the program's normalised output. ``OUT`` 0: the ``[B, H, NS, 512]``
         partials of split ``sp`` (nothing for a split past the row's length); 1: the output row ``[B, H, 512]``
         (one split); 2: slot ``sp`` of the persistent walk's ``[slots, BLOCK_H, 512]`` partials."""
-        hl = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+        hl = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, _O_L))
         hh = hb * BLOCK_H + hl
-        dd = J * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, o_l))
+        dd = J * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, _O_L))
         hm = hh < H
         if OUT == 1:
             row = b.to(gl.int64) * s_ob + hh.to(gl.int64) * s_oh
@@ -161,13 +171,13 @@ if HAS_GLUON:
     @gluon.jit
     def _mla_g_store4(
         out_ptr, o0, o1, o2, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0: gl.constexpr,
-        OUT: gl.constexpr, BLOCK_H: gl.constexpr, o_l: gl.constexpr,
+        OUT: gl.constexpr, BLOCK_H: gl.constexpr,
     ):  # fmt: skip
         """A warp group's four output tiles, columns ``64 J0 ..`` (:func:`_mla_g_store`)."""
-        _mla_g_store(out_ptr, o0, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 0, OUT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o1, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 1, OUT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o2, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 2, OUT, BLOCK_H, o_l)
-        _mla_g_store(out_ptr, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 3, OUT, BLOCK_H, o_l)
+        _mla_g_store(out_ptr, o0, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 0, OUT, BLOCK_H)
+        _mla_g_store(out_ptr, o1, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 1, OUT, BLOCK_H)
+        _mla_g_store(out_ptr, o2, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 2, OUT, BLOCK_H)
+        _mla_g_store(out_ptr, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0 + 3, OUT, BLOCK_H)
 
     @gluon.jit
     def _mla_g_store_lse(
@@ -202,24 +212,18 @@ if HAS_GLUON:
         """The second warp group over one segment of ``nblk`` blocks: output columns 256-511 and, from the last
         hand-over, ``1 / l``. ``i0``: the walk's blocks before the segment, ``k0``: the hand-overs before it (one
         per block and one per segment)."""
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
-        )
-        o4 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
-        o5 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
-        o6 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
-        o7 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o4, o5, o6, o7 = _mla_g_zero4(BLOCK_H)
         for i in range(nblk):
             st = (i0 + i) % STAGES
             mbarrier.wait(kv_ready.index(st), ((i0 + i) // STAGES) & 1)
             mbarrier.wait(p_ready, (k0 + i) & 1)
-            alpha = a_s.load(gl.SliceLayout(1, o_l))
+            alpha = a_s.load(gl.SliceLayout(1, _O_L))
             o4, o5, o6, o7 = _mla_g_pv4(p_s, kv_s, st * NKC + 4, alpha, o4, o5, o6, o7)
             o4, o5, o6, o7 = warpgroup_mma_wait(0, deps=(o4, o5, o6, o7))
             mbarrier.arrive(p_free)
             mbarrier.arrive(kv_free.index(st))
         mbarrier.wait(p_ready, (k0 + nblk) & 1)
-        inv = a_s.load(gl.SliceLayout(1, o_l))
+        inv = a_s.load(gl.SliceLayout(1, _O_L))
         mbarrier.arrive(p_free)
         return o4, o5, o6, o7, inv
 
@@ -236,17 +240,11 @@ if HAS_GLUON:
         s_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
-        )
-        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_O_L, k_width=2)
         kv_dtype: gl.constexpr = kv_s.dtype
         m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
         l = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_l))
-        o0 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
-        o1 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
-        o2 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
-        o3 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o0, o1, o2, o3 = _mla_g_zero4(BLOCK_H)
         for i in range(nblk):
             st = (i0 + i) % STAGES
             mbarrier.wait(kv_ready.index(st), ((i0 + i) // STAGES) & 1)
@@ -277,7 +275,7 @@ if HAS_GLUON:
             fence_async_shared()
             mbarrier.arrive(p_ready)
             pa = gl.convert_layout(pb, p_l)
-            al = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))
+            al = gl.convert_layout(alpha, gl.SliceLayout(1, _O_L))
             o0, o1, o2, o3 = _mla_g_pv4(pa, kv_s, st * NKC, al, o0, o1, o2, o3)
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
             mbarrier.arrive(kv_free.index(st))
@@ -286,7 +284,7 @@ if HAS_GLUON:
         mbarrier.wait(p_free, ((k0 + nblk) & 1) ^ 1)
         a_s.store(inv)
         mbarrier.arrive(p_ready)
-        return o0, o1, o2, o3, gl.convert_layout(inv, gl.SliceLayout(1, o_l)), m, l
+        return o0, o1, o2, o3, gl.convert_layout(inv, gl.SliceLayout(1, _O_L)), m, l
 
     @gluon.jit
     def _mla_g_loader(
@@ -303,15 +301,10 @@ if HAS_GLUON:
         NS, OUT: gl.constexpr, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
         """The split walk's second warp group: output columns 256-511."""
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
-        )
         o4, o5, o6, o7, inv = _mla_g_pv_seg(
             kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, nblk, 0, 0, BLOCK_H, NKC, STAGES
         )
-        _mla_g_store4(
-            out_ptr, o4, o5, o6, o7, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 4, OUT, BLOCK_H, o_l
-        )
+        _mla_g_store4(out_ptr, o4, o5, o6, o7, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 4, OUT, BLOCK_H)
 
     @gluon.jit
     def _mla_g_score(
@@ -320,9 +313,6 @@ if HAS_GLUON:
         OUT: gl.constexpr, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
         """The split walk's score warp group: scores, online softmax, output columns 0-255."""
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
-        )
         s_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -330,9 +320,7 @@ if HAS_GLUON:
             q_s, kv_s, p_s, a_s, kv_ready, kv_free, p_ready, p_free, p_free, start, end, nblk, 0, 0, scale_log2,
             False, BLOCK_H, NKC, STAGES, BLOCK_N,
         )  # fmt: skip
-        _mla_g_store4(
-            out_ptr, o0, o1, o2, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 0, OUT, BLOCK_H, o_l
-        )
+        _mla_g_store4(out_ptr, o0, o1, o2, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, 0, OUT, BLOCK_H)
         _mla_g_store_lse(lse_ptr, m, l, b, hb, sp, start, end, H, NS, OUT, BLOCK_H, gl.SliceLayout(1, s_l))
 
     @gluon.jit
@@ -364,18 +352,12 @@ if HAS_GLUON:
         s_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
-        )
-        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_O_L, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_l)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        row_o: gl.constexpr = gl.SliceLayout(1, _O_L)
         kv_dtype: gl.constexpr = kv_s.dtype
         J0: gl.constexpr = 4 * PAR
-        o0 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
-        o1 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
-        o2 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
-        o3 = gl.zeros([BLOCK_H, 64], gl.float32, o_l)
+        o0, o1, o2, o3 = _mla_g_zero4(BLOCK_H)
         for j in range(PAR, nblk, 2):
             st = j % STAGES
             mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)
@@ -427,7 +409,7 @@ if HAS_GLUON:
         nonempty = (l > 0.0) & (nblk > 0)
         inv = 1.0 / gl.where(nonempty, l, 1.0)
         _mla_g_store4(
-            out_ptr, o0, o1, o2, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0, OUT, BLOCK_H, o_l
+            out_ptr, o0, o1, o2, o3, inv, b, hb, sp, start, end, H, s_ob, s_oh, NS, J0, OUT, BLOCK_H
         )
         if PAR == 0:
             _mla_g_store_lse(lse_ptr, m, l, b, hb, sp, start, end, H, NS, OUT, BLOCK_H, row_o)
@@ -490,9 +472,6 @@ if HAS_GLUON:
     ):  # fmt: skip
         """The persistent walk's score warp group: per segment the scores, softmax and output columns 0-255 into
         the segment's slot (``(row + group) NHB + head block``) with the log2 sum-exp."""
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
-        )
         s_l: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -511,10 +490,10 @@ if HAS_GLUON:
                 )  # fmt: skip
                 if whole:  # the row's output itself (the reduce passes it over)
                     _mla_g_store4(out_ptr, o0, o1, o2, o3, inv, r, hb, slot, start, end, H, s_ob, s_oh, 1, 0, 1,
-                                  BLOCK_H, o_l)  # fmt: skip
+                                  BLOCK_H)  # fmt: skip
                 else:
                     _mla_g_store4(part_ptr, o0, o1, o2, o3, inv, r, hb, slot, start, end, H, 0, 0, 1, 0, 2,
-                                  BLOCK_H, o_l)  # fmt: skip
+                                  BLOCK_H)  # fmt: skip
                     _mla_g_store_lse(lse_ptr, m, l, r, hb, slot, start, end, H, 1, 2, BLOCK_H,
                                      gl.SliceLayout(1, s_l))  # fmt: skip
                 i += nblk
@@ -528,9 +507,6 @@ if HAS_GLUON:
         NHB, H, BLOCK_H: gl.constexpr, NKC: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
         """The persistent walk's second warp group: per segment output columns 256-511 into the segment's slot."""
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
-        )
         g, hb, pos, end_pos, r = _mla_gp_walk(plan_ptr, B, NHB)
         i = 0
         k = 0
@@ -543,10 +519,10 @@ if HAS_GLUON:
                 slot = (r + g) * NHB + hb
                 if whole:
                     _mla_g_store4(out_ptr, o4, o5, o6, o7, inv, r, hb, slot, start, end, H, s_ob, s_oh, 1, 4, 1,
-                                  BLOCK_H, o_l)  # fmt: skip
+                                  BLOCK_H)  # fmt: skip
                 else:
                     _mla_g_store4(part_ptr, o4, o5, o6, o7, inv, r, hb, slot, start, end, H, 0, 0, 1, 4, 2,
-                                  BLOCK_H, o_l)  # fmt: skip
+                                  BLOCK_H)  # fmt: skip
                 i += nblk
                 k += nblk + 1
             r += 1
