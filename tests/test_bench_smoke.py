@@ -61,19 +61,20 @@ def test_bench_e2e_decode_rejects_bad_ragged(bad):
     assert "--ragged must lie in (0, 1]" in r.stderr
 
 
-def test_bench_serve_cpu(tmp_path):
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    pytest.importorskip("httpx")
+def _run_bench_serve(tmp_path, args: list[str]):
+    """bench_serve.py with ``args`` (the server needs the serve extra): its stdout and its JSON."""
+    for mod in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(mod)
     out = tmp_path / "serve.json"
-    r = _run(
-        [
-            "bench/bench_serve.py", "--requests", "4", "--prompt-len", "16", "--max-tokens", "6",
-            "--warmup-requests", "2", "--out", str(out),
-        ]
-    )  # fmt: skip
+    r = _run(["bench/bench_serve.py", *args, "--out", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
-    data = json.loads(out.read_text())
+    return r, json.loads(out.read_text())
+
+
+def test_bench_serve_cpu(tmp_path):
+    r, data = _run_bench_serve(
+        tmp_path, ["--requests", "4", "--prompt-len", "16", "--max-tokens", "6", "--warmup-requests", "2"]
+    )
     assert len(data["requests"]) == 4 and data["args"]["warmup_requests"] == 2
     assert all(0 < q["tokens"] <= 6 and q["ttft"] <= q["e2e"] for q in data["requests"])
     assert data["output_tokens"] == sum(q["tokens"] for q in data["requests"]) and data["wall_s"] > 0
@@ -83,18 +84,20 @@ def test_bench_serve_cpu(tmp_path):
 def test_bench_serve_cpu_stub_forward(tmp_path):
     """``--stub-forward``: the engine alone and the server (its own process) decode with fixed logits; every request
     still gets its tokens."""
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    pytest.importorskip("httpx")
-    out = tmp_path / "serve_stub.json"
-    r = _run(
+    r, data = _run_bench_serve(
+        tmp_path,
         [
-            "bench/bench_serve.py", "--requests", "4", "--prompt-len", "8", "--max-tokens", "5",
-            "--warmup-requests", "0", "--stub-forward", "--out", str(out),
-        ]
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    data = json.loads(out.read_text())
+            "--requests",
+            "4",
+            "--prompt-len",
+            "8",
+            "--max-tokens",
+            "5",
+            "--warmup-requests",
+            "0",
+            "--stub-forward",
+        ],
+    )
     assert data["stub_forward"] is True and data["offline"]["output_tokens"] == 4 * 5
     assert [q["tokens"] for q in data["requests"]] == [5] * 4
     assert "(decode stubbed: fixed logits)" in r.stdout
