@@ -8,7 +8,9 @@ time (graph replays back to back), the kernels per step, their summed durations,
 end and the next one's start, and the kernels grouped by name (count per step, us per step, mean us). Writes the
 ordered kernel sequence of one step (start offset, duration, gap before, name) to ``DIR/step_<preset>_b<B>.txt``.
 
-``--off NAMES`` builds the engine with these ``EngineConfig`` booleans off (e.g. ``graph_priority``); ``--both``
+``--layers N`` keeps the first N layers of the preset (attention every 4th layer and the last, as in the 48B shape), so
+that a large preset's layers fit a smaller card; ``--ragged F`` < 1 draws the prompt lengths uniformly from
+[F * context, context] (a serving batch). ``--off NAMES`` builds the engine with these ``EngineConfig`` booleans off (e.g. ``graph_priority``); ``--both``
 profiles each preset with them off and then with the defaults, on one model. ``--chain N`` also times chains of N
 dependent tiny kernels in one graph (a fixed cost per kernel, no bytes).
 """
@@ -64,7 +66,19 @@ def profile_graph(g, steps: int = 5):
     return ks
 
 
-def run_preset(preset: str, B: int, context: int, out_dir: str, off: tuple = (), model=None) -> None:
+def layer_over(n: int | None) -> dict:
+    """Config overrides for the first ``n`` layers (None: the preset as it is)."""
+    if not n:
+        return {}
+    full = [i for i in range(1, n + 1) if i % 4 == 0 or i == n]
+    return dict(
+        num_hidden_layers=n, full_attn_layers=full, kda_layers=[i for i in range(1, n + 1) if i not in full]
+    )
+
+
+def run_preset(
+    preset: str, B: int, context: int, out_dir: str, off: tuple = (), model=None, ragged: float = 1.0
+) -> None:
     from bench_e2e_decode import build
     from openk3.cost import predict_decode_time
     from openk3.infer.engine import Engine
@@ -75,7 +89,9 @@ def run_preset(preset: str, B: int, context: int, out_dir: str, off: tuple = (),
     eng = Engine(model, None, page_size=16, max_seqs=B, max_tokens=B * (context + 64), prefix_cache=False,
                  use_cuda_graphs=True, cuda_graph_max_batch=B, **dict.fromkeys(off, False))  # fmt: skip
     g0 = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, cfg.vocab_size, (context,), generator=g0).tolist() for _ in range(B)]
+    lens = [context if ragged >= 1 else int(torch.randint(int(ragged * context), context + 1, (1,), generator=g0))
+            for _ in range(B)]  # fmt: skip
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g0).tolist() for n in lens]
     eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     bucket = eng._bucket(B)
     g = eng._graphs[bucket][0]
@@ -101,9 +117,10 @@ def run_preset(preset: str, B: int, context: int, out_dir: str, off: tuple = (),
         k = short(e.name)
         groups[k][0] += 1
         groups[k][1] += e.time_range.end - e.time_range.start
-    pred = predict_decode_time(cfg, B, context + 6) * 1e3
+    pred = predict_decode_time(cfg, B, sum(lens) // B + 6) * 1e3
     head = (
-        f"{preset}{''.join(f' {n}=off' for n in off)} batch {B} ctx {context}: graph replay {ms:.3f} ms/step (roofline {pred:.3f} ms, "
+        f"{preset} ({cfg.num_hidden_layers} layers){''.join(f' {n}=off' for n in off)} batch {B} ctx {context}"
+        f"{f' ragged {ragged}' if ragged < 1 else ''}: graph replay {ms:.3f} ms/step (roofline {pred:.3f} ms, "
         f"{100 * pred / ms:.0f} %); {per} kernels/step; kernel time {busy / 1e3:.3f} ms, gaps {gaps / 1e3:.3f} ms, "
         f"span {span / 1e3:.3f} ms"
     )
@@ -150,6 +167,10 @@ def main():
     ap.add_argument(
         "--both", action="store_true", help="profile with --off's flags off, then with the defaults"
     )
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers of each preset")
+    ap.add_argument(
+        "--ragged", type=float, default=1.0, help="prompt lengths uniform in [F * context, context]"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "bench", "out")))
     a = ap.parse_args()
     from openk3.infer.engine import EngineConfig
@@ -165,9 +186,9 @@ def main():
     for p in a.presets.split(","):
         from bench_e2e_decode import build
 
-        model = build(p)
+        model = build(p, **layer_over(a.layers))
         for o in (off, ()) if a.both and off else (off,):
-            run_preset(p, a.batch, a.context, a.out, o, model)
+            run_preset(p, a.batch, a.context, a.out, o, model, a.ragged)
         del model
         torch.cuda.empty_cache()
 

@@ -347,11 +347,16 @@ def test_engine_moe_small_decode(graphs, monkeypatch):
     assert err < 1e-3, err
 
 
+@pytest.mark.parametrize("tiled", [0, 16], ids=["grouped", "tiled"])
 @pytest.mark.parametrize("N", [1, 3, 64])
-def test_grouped_moe_inference_layout(N):
-    """Without autograd the grouped path gives unused experts no rows: same result as the reference experts."""
+def test_grouped_moe_inference_layout(N, tiled, monkeypatch):
+    """Without autograd the grouped path gives unused experts no rows: same result as the reference experts; the
+    same with the expert-tiled kernels that take such batches by default."""
     import openk3.fast  # noqa: F401
+    from openk3.fast import moe_tiled
     from openk3.fast.moe import experts_grouped
+
+    monkeypatch.setitem(moe_tiled.TILED, "max_pairs_per_expert", tiled)
     from openk3.ops.moe import experts_reference
 
     g = torch.Generator(device=DEV).manual_seed(N)

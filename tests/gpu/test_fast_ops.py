@@ -268,9 +268,88 @@ def test_moe_experts_fused_views(variant, check):
 
 
 @pytest.mark.parametrize("variant", MOE_VARIANTS)
-def test_moe_experts_no_grad(variant, check):
-    """Inference layout (unused experts get no rows) for every variant."""
+def test_moe_experts_no_grad(variant, check, monkeypatch):
+    """Inference layout (unused experts get no rows) for every variant (the expert-tiled kernels off: they would
+    take these 11 pairs per expert)."""
+    from openk3.fast import moe_tiled
+
+    monkeypatch.setitem(moe_tiled.TILED, "max_pairs_per_expert", 0)
     _moe_case(torch.bfloat16, 45, 256, 128, 16, 4, "situ", variant, check, grad=False)
+
+
+@pytest.mark.parametrize(
+    "N,E,K,W,I,act,hot",
+    [
+        (
+            64,
+            256,
+            8,
+            2304,
+            1024,
+            "silu",
+            False,
+        ),  # the 48B expert shape at a serving batch (2 pairs per expert)
+        (64, 64, 8, 1024, 640, "situ", False),  # medium's latent experts (8 pairs per expert)
+        (17, 896, 16, 3584, 3072, "situ", False),  # K3's expert shape, 17 tokens
+        (100, 20, 3, 200, 72, "situ", True),  # widths off the tiles; one expert in every token (100 rows)
+        (5, 7, 7, 64, 32, "silu", False),  # every expert in every token
+    ],
+)
+def test_moe_tiled_gpu(N, E, K, W, I, act, hot, check):
+    """The expert-tiled kernels (openk3.fast.moe_tiled) in bf16 against the bf16 reference experts, eager and
+    replayed in a CUDA graph with new routing (the row plan is formed on the device); the grouped GEMMs beside them;
+    experts without pairs; an expert over one 16-row tile."""
+    from openk3.fast import moe_tiled
+    from openk3.fast.moe import experts_grouped
+    from openk3.ops.moe import experts_reference
+
+    g = _fresh()
+    bf = torch.bfloat16
+    # K3's 896 experts (66 MB each) would not fit: there every expert shares one weight (stride 0 along experts)
+    n_w = E if E <= 256 else 1
+    x = _rand(N, W, dtype=bf, g=g)
+    w13 = _rand(n_w, 2 * I, W, dtype=bf, scale=W**-0.5, g=g).expand(E, 2 * I, W)
+    w1, w3 = w13[:, :I], w13[:, I:]
+    w2 = _rand(n_w, W, I, dtype=bf, scale=I**-0.5, g=g).expand(E, W, I)
+
+    def routing():
+        idx = torch.stack([torch.randperm(E - 1, device=DEV, generator=g)[:K] for _ in range(N)])
+        if hot:
+            idx[:, 0] = 1
+            idx[:, 1:] = torch.stack(
+                [torch.randperm(E - 2, device=DEV, generator=g)[: K - 1] + 2 for _ in range(N)]
+            )
+        return idx, torch.rand(N, K, device=DEV, generator=g)
+
+    idx, wt = routing()
+    tag = f"moe_tiled.N{N}.E{E}.k{K}.W{W}.I{I}.{act}"
+    with torch.no_grad():
+        ref = experts_reference(x, idx, wt, w1, w2, w3, act=act)
+        check(f"{tag}.eager", moe_tiled.experts_tiled(x, idx, wt, w1, w2, w3, act=act), ref, 1e-2)
+        if n_w == E:  # (the grouped GEMMs would copy stride-0 weights)
+            bound = moe_tiled.TILED["max_pairs_per_expert"]
+            moe_tiled.TILED["max_pairs_per_expert"] = 0
+            try:
+                check(f"{tag}.grouped", experts_grouped(x, idx, wt, w1, w2, w3, act=act), ref, 1e-2)
+            finally:
+                moe_tiled.TILED["max_pairs_per_expert"] = bound
+        # a CUDA graph captured on one routing, replayed on another
+        xs, ids, wts = x.clone(), idx.clone(), wt.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            moe_tiled.experts_tiled(xs, ids, wts, w1, w2, w3, act=act)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe_tiled.experts_tiled(xs, ids, wts, w1, w2, w3, act=act)
+        idx2, wt2 = routing()
+        x2 = _rand(N, W, dtype=bf, g=g)
+        xs.copy_(x2)
+        ids.copy_(idx2)
+        wts.copy_(wt2)
+        graph.replay()
+        check(f"{tag}.graph", out, experts_reference(x2, idx2, wt2, w1, w2, w3, act=act), 1e-2)
 
 
 def test_moe_row_plan_matches_torch_plan():

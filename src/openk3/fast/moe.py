@@ -930,7 +930,9 @@ class _ExpertsV2(torch.autograd.Function):
 def experts_grouped(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=25.0, variant=None):
     """Drop-in for ``openk3.ops.moe.experts_reference`` (see module docstring). x: [N, W] -> [N, W] (x.dtype).
 
-    ``variant`` (default :data:`VARIANT`): one of :data:`VARIANTS`, see the module docstring."""
+    ``variant`` (default :data:`VARIANT`): one of :data:`VARIANTS`, see the module docstring. Without autograd and
+    with few (token, slot) pairs per expert (a decode batch), the expert-tiled kernels of
+    :mod:`openk3.fast.moe_tiled` run instead, whatever the variant."""
     if act not in ("situ", "silu", "swiglu"):
         raise ValueError(f"unknown activation {act!r}; expected 'situ' or 'silu'")
     v = variant or VARIANT
@@ -938,6 +940,11 @@ def experts_grouped(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2
         raise ValueError(f"unknown MoE variant {v!r} (OPENK3_MOE_VARIANT); expected one of {VARIANTS}")
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w1, w2, w3))):
+        from openk3.fast import moe_tiled
+
+        if moe_tiled.applies(x, idx, w1.shape[0]):  # few pairs per expert, no autograd (decode batches)
+            return moe_tiled.experts_tiled(x, idx, weights, w1, w2, w3, act=act, beta1=beta1, beta2=beta2)
     args = (
         x.contiguous(),
         weights.float().contiguous(),
