@@ -58,7 +58,10 @@
 # v31: the Gluon kernel's GPU tests, then bench/diag_mla_peer.py with the Triton kernel, the Gluon persistent and
 # split walks and the persistent walk at any row count, at 16, 32 and 96 heads (ragged, and uniform at
 # 64 x {16, 32, 96} x 8k) -> peer_v31.json, peer_v31_uniform.json; b1: `medium` and the 48B shape at batch 1,
-# context 1,040 -> e2e_b1.json.
+# context 1,040 -> e2e_b1.json; tiled: the expert-tiled routed experts' GPU tests (tests_tiled.log),
+# bench/diag_moe_tiled.py --sweep -> diag_moe_tiled.json, medium at batch 64 with and without them ->
+# e2e_tiled_medium.json; tiled_e2e (H200): the 48B shape at batch 64, ragged 4k-8k prompts, the same A/B ->
+# e2e_tiled_48b.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -288,6 +291,23 @@ if has v31; then
   gluon_round v31 ours,gluon,gluon_split,gluon_persist \
     64x16x8192,256x16x4096,16x16x16384,8x16x4096,64x32x8192,8x32x4096,64x96x8192,16x96x16384,2x96x4096 \
     64x16x8192,64x32x8192,64x96x8192
+fi
+if has tiled; then
+  # the expert-tiled routed experts of decode batches (openk3.fast.moe_tiled): GPU tests, the kernel diag against the
+  # grouped GEMMs and the per-pair kernels, and medium at batch 64 with and without them
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_fast_ops.py tests/gpu/test_engine_gpu.py \
+    -k "moe_tiled_gpu or moe_experts_no_grad or grouped_moe_inference_layout" >"$OUT_DIR/tests_tiled.log" 2>&1
+  echo "tiled tests: exit $? ($(tail -1 "$OUT_DIR/tests_tiled.log"))"
+  timeout "$T_DECODE" python3 bench/diag_moe_tiled.py --sweep --out "$OUT_DIR/diag_moe_tiled.json" 2>&1 | grep "^| \|copy"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium --batches 64 --wall-timing \
+    --kernel-variants default,moe_grouped,default,moe_grouped --out "$OUT_DIR/e2e_tiled_medium.json" 2>&1 \
+    | grep "^| [mk]\|WARN\|disabled\|rror"
+fi
+if has tiled_e2e; then
+  # the 48B shape (H200) at batch 16 / 64, ragged 4k-8k prompts, with and without the expert-tiled kernels
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 64 --context 8192 --ragged 0.5 \
+    --wall-timing --kernel-variants default,moe_grouped,default --out "$OUT_DIR/e2e_tiled_48b.json" 2>&1 \
+    | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
 if has b1; then
   # batch 1 of both presets, wall timing at context 1,040 (the 48B shape needs the H200)
