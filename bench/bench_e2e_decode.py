@@ -135,10 +135,11 @@ KERNEL_VARIANTS = {
     "mla_triton": _setting(_KN, "MLA_CONFIG", False, key="gluon"),
     # the Gluon kernel's split walk instead of its persistent walk (the default from 16 rows, v30)
     "mla_gluon_split": _setting("openk3.infer.mla_gluon", "MLA_GLUON_CONFIG", False, key="persistent"),
-    # decode batches' routed experts by the permuted grouped GEMMs instead of the expert-tiled kernels
-    # (openk3.fast.moe_tiled, v32), and the tiled kernels further (up to 64 pairs per expert on average)
-    "moe_grouped": _setting("openk3.fast.moe_tiled", "TILED", 0, key="max_pairs_per_expert"),
+    # decode batches' routed experts by the expert-tiled kernels (openk3.fast.moe_tiled, v32) up to 16 / 64 pairs per
+    # expert on average, or by the permuted grouped GEMMs
+    "moe_tiled": _setting("openk3.fast.moe_tiled", "TILED", 16, key="max_pairs_per_expert"),
     "moe_tiled_64": _setting("openk3.fast.moe_tiled", "TILED", 64, key="max_pairs_per_expert"),
+    "moe_grouped": _setting("openk3.fast.moe_tiled", "TILED", 0, key="max_pairs_per_expert"),
 }
 
 

@@ -300,13 +300,13 @@ if has tiled; then
   echo "tiled tests: exit $? ($(tail -1 "$OUT_DIR/tests_tiled.log"))"
   timeout "$T_DECODE" python3 bench/diag_moe_tiled.py --sweep --out "$OUT_DIR/diag_moe_tiled.json" 2>&1 | grep "^| \|copy"
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium --batches 64 --wall-timing \
-    --kernel-variants default,moe_grouped,default,moe_grouped --out "$OUT_DIR/e2e_tiled_medium.json" 2>&1 \
+    --kernel-variants moe_grouped,moe_tiled,moe_grouped,moe_tiled --out "$OUT_DIR/e2e_tiled_medium.json" 2>&1 \
     | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
 if has tiled_e2e; then
   # the 48B shape (H200) at batch 16 / 64, ragged 4k-8k prompts, with and without the expert-tiled kernels
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 64 --context 8192 --ragged 0.5 \
-    --wall-timing --kernel-variants default,moe_grouped,default --out "$OUT_DIR/e2e_tiled_48b.json" 2>&1 \
+    --wall-timing --kernel-variants moe_grouped,moe_tiled,moe_grouped,moe_tiled --out "$OUT_DIR/e2e_tiled_48b.json" 2>&1 \
     | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
 if has b1; then

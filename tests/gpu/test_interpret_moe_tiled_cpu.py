@@ -69,6 +69,8 @@ SCRIPT = textwrap.dedent(
     # the dispatch: experts_grouped without autograd takes the tiled kernels up to the bound, the grouped layout
     # past it (and with autograd); both agree with the reference
     calls = []
+    bound0 = moe_tiled.TILED["max_pairs_per_expert"]
+    moe_tiled.TILED["max_pairs_per_expert"] = bound = 16
     tiled0 = moe_tiled.experts_tiled
     moe_tiled.experts_tiled = lambda *a, **k: calls.append(1) or tiled0(*a, **k)
     try:
@@ -76,7 +78,6 @@ SCRIPT = textwrap.dedent(
         with torch.no_grad():
             y1 = moe.experts_grouped(x, idx, wt, w1, w2, w3)
         assert calls == [1] and rel(y1, ref) <= 1e-5, (calls, rel(y1, ref))
-        bound = moe_tiled.TILED["max_pairs_per_expert"]
         moe_tiled.TILED["max_pairs_per_expert"] = 0
         with torch.no_grad():
             y2 = moe.experts_grouped(x, idx, wt, w1, w2, w3)
@@ -91,6 +92,7 @@ SCRIPT = textwrap.dedent(
         assert not moe_tiled.applies(x.bfloat16(), idx, E)  # (the interpreter's bf16 products)
     finally:
         moe_tiled.experts_tiled = tiled0
+        moe_tiled.TILED["max_pairs_per_expert"] = bound0
     # no tokens; bad input
     assert moe_tiled.experts_tiled(x[:0], idx[:0], wt[:0], w1, w2, w3).shape == (0, W)
     bad = [
