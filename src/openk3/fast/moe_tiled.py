@@ -8,8 +8,8 @@ expert weights. The two few-token layouts both lose there:
 * the per-pair kernels of :mod:`openk3.fast.moe_small` read an expert's weights once per pair (twice the bytes at
   two pairs per expert), so they are taken only up to 16 tokens;
 * the permuted grouped GEMMs of :func:`openk3.fast.moe.experts_grouped` read each expert once, but
-  ``torch._grouped_mm``'s Hopper tiles span 64-128 rows of a group that holds two real rows (padded to 16), so they
-  spend their time on padded products and their own scheduling rather than on streaming the weights.
+  ``torch._grouped_mm`` is built for large groups: its tensor-core tiles are taller than a group of two real rows
+  (padded to 16), so much of its work goes to padded products rather than to streaming the weights.
 
 Here, on :class:`openk3.fast.moe.RowPlan`'s layout (pairs grouped by expert, no sort, no host synchronisation):
 
