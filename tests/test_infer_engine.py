@@ -943,8 +943,9 @@ def test_fused_ffn_and_residual_match(tiny, variant):
 
 
 def test_cli_moe_small_tokens_is_checked(tmp_path):
-    """`--moe-small-tokens N` / OPENK3_MOE_SMALL_N: a negative count or a non-integer is a clear one-line error; a
-    valid one runs (on CPU the few-token path does not apply: the layer's backend runs)."""
+    """`--moe-small-tokens N` / OPENK3_MOE_SMALL_N and `--moe-tiled N` / OPENK3_MOE_TILED: a negative count or a
+    non-integer is a clear one-line error; a valid one runs (on CPU neither path applies: the layer's backend
+    runs)."""
     import os
     import subprocess
     import sys
@@ -959,6 +960,12 @@ def test_cli_moe_small_tokens_is_checked(tmp_path):
     r = run(env={"OPENK3_MOE_SMALL_N": "four"})
     assert r.returncode != 0 and "OPENK3_MOE_SMALL_N must be a non-negative integer" in r.stderr
     r = run("--moe-small-tokens", "4", "--fuse-ffn-projections", "--fuse-residual")
+    assert r.returncode == 0, r.stderr
+    r = run("--moe-tiled", "-2")
+    assert r.returncode != 0 and "--moe-tiled must be >= 0" in r.stderr
+    r = run(env={"OPENK3_MOE_TILED": "x"})
+    assert r.returncode != 0 and "OPENK3_MOE_TILED must be a non-negative integer" in r.stderr
+    r = run("--moe-tiled", "16")
     assert r.returncode == 0, r.stderr
     r = run(  # (empty OPENK3_MOE_SMALL_N: the default count)
         "--no-fuse-ffn-projections", "--no-fuse-read-norm", "--no-fuse-kda-lowrank", "--pdl", "--overlap",

@@ -7,7 +7,8 @@ kda       ``fla``         fla-core ``chunk_kda`` / ``fused_recurrent_kda`` (gate
 mla       ``sdpa``        ``scaled_dot_product_attention`` (+ ``varlen_attn`` for packed documents)
 mla       ``flex``        FlexAttention with causal / document block masks
 moe       ``grouped_mm``  token permutation + ``torch._grouped_mm`` forward/backward, Triton SiTU-GLU; for a
-                          few tokens without autograd (``OPENK3_MOE_SMALL_N``) router + experts in five launches
+                          few tokens without autograd (``OPENK3_MOE_SMALL_N``) router + experts in five launches;
+                          decode batches optionally by expert-tiled kernels (``OPENK3_MOE_TILED``, off)
 attnres   ``triton``      two-phase Block AttnRes reader (Triton, exact fp32 mixing, forward/backward)
 norm      ``fla``         fla-core fused ``rms_norm`` (every RMSNorm) and ``rms_norm_gated`` (KDA output norm)
 glu       ``triton``      fused SiTU-GLU / SwiGLU of the dense FFN and shared experts (one kernel fwd, one bwd)
@@ -21,11 +22,11 @@ conv      ``fla``         fla-core ``causal_conv1d`` + SiLU (KDA q/k/v short con
 
 from __future__ import annotations
 
-from openk3.fast import attnres, conv, kda, mla, moe, moe_small, norm
+from openk3.fast import attnres, conv, kda, mla, moe, moe_small, moe_tiled, norm
 from openk3.ops import backend as _backend
 from openk3.ops.backend import Backend
 
-__all__ = ["attnres", "conv", "kda", "mla", "moe", "moe_small", "norm", "register_all"]
+__all__ = ["attnres", "conv", "kda", "mla", "moe", "moe_small", "moe_tiled", "norm", "register_all"]
 
 
 def register_all() -> None:

@@ -210,6 +210,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "while the batch has at most 2 (token, expert slot) pairs per expert (default: $OPENK3_MOE_SMALL_N, else 16; "
         "0 = off)",
     )
+    g.add_argument(
+        "--moe-tiled",
+        type=int,
+        default=None,
+        metavar="N",
+        help="MoE layers of a larger decode batch whose (token, expert slot) pairs are at most N per expert on average "
+        "use the expert-tiled Triton kernels (each expert's weights read once; default: $OPENK3_MOE_TILED, else 0 = "
+        "off: not yet timed on a GPU, bench/NOTES.md v32)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new_default: int | None) -> None:
@@ -253,6 +262,8 @@ def _load(args):
         raise SystemExit("--ckpt and --preset: pass a checkpoint or a preset to initialise, not both")
     if args.moe_small_tokens is not None and args.moe_small_tokens < 0:
         raise SystemExit(f"--moe-small-tokens must be >= 0, got {args.moe_small_tokens}")
+    if args.moe_tiled is not None and args.moe_tiled < 0:
+        raise SystemExit(f"--moe-tiled must be >= 0, got {args.moe_tiled}")
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     model, tok, name, source = load_for_inference(
         args.ckpt,
@@ -298,6 +309,10 @@ def _load(args):
         from openk3.fast import moe_small
 
         moe_small.SMALL_N = args.moe_small_tokens
+    if args.moe_tiled is not None:
+        from openk3.fast import moe_tiled
+
+        moe_tiled.TILED["max_pairs_per_expert"] = args.moe_tiled
     engine = Engine(model, tok, cfg)
     return engine, name, source
 
