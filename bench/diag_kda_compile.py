@@ -111,6 +111,7 @@ def compile_one(
     res["bar_sync"] = len(re.findall(r"\bBAR\.SYNC", sass))
     # warpgroup MMAs, TMA loads and per-partition register budgets (warp-specialised kernels)
     res["hgmma"] = len(re.findall(r"\bHGMMA\.", sass))
+    res["mma"] = len(re.findall(r"\bHMMA\.", sass)) + res["hgmma"]  # tensor-core instructions of either kind
     res["tma_loads"] = len(re.findall(r"\bUTMALDG\b", sass))
     res["setmaxnreg"] = sorted(
         {int(x, 16) for x in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d+, )?0x([0-9a-f]+)", sass)}
