@@ -101,6 +101,8 @@ SCRIPT = textwrap.dedent(
         lambda: moe_tiled.experts_tiled(x, idx, wt, w1, w2[:, :-1], w3),
         lambda: moe_tiled.experts_tiled(x, idx, wt, w1, w2, w3[:-1]),
         lambda: moe_tiled.experts_tiled(x, idx, wt, w1, w2, w3, act="gelu"),
+        lambda: moe_tiled.experts_tiled(x.half(), idx, wt, w1, w2, w3),  # weights of another dtype
+        lambda: moe_tiled.experts_tiled(x, idx, wt, w1, w2.double(), w3),
     ]
     for f in bad:
         try:

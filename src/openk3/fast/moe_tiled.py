@@ -180,6 +180,11 @@ def experts_tiled(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
         raise ValueError(f"idx {tuple(idx.shape)} and weights {tuple(weights.shape)} must both be [{N}, k]")
     if w3.shape != w1.shape or w2.shape != (E, W, I):
         raise ValueError(f"expert weights: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)}")
+    if any(t.dtype != x.dtype or t.device != x.device for t in (w1, w2, w3)) or idx.device != x.device:
+        raise ValueError(
+            f"experts_tiled: x ({x.dtype} on {x.device}), idx (on {idx.device}) and the expert weights "
+            f"({[f'{t.dtype} on {t.device}' for t in (w1, w2, w3)]}) must share a device and x's dtype"
+        )
     if N == 0:
         return x.new_zeros(x.shape)
     x = x if x.stride(-1) == 1 else x.contiguous()
