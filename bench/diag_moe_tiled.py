@@ -2,6 +2,7 @@
 permuted grouped GEMMs (torch._grouped_mm) and the per-pair kernels (openk3.fast.moe_small), beside the HBM roofline.
 
     python3 bench/diag_moe_tiled.py [--shapes 48b,medium,k3] [--tokens 16,32,64,128,256] [--sweep] [--out FILE]
+    TRITON_INTERPRET=1 python3 bench/diag_moe_tiled.py --device cpu --shapes tiny --tokens 5,20  # a smoke run
 
 Per expert shape and token count: random routing (every token's k experts distinct, uniform over the experts held),
 bf16 weights and activations, each path timed by CUDA-graph replay (10 calls per graph, best of 5 replays), checked
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 # (name, experts held, k, W, I): the 48B shape (all 256 experts), medium (all 64), K3's expert widths with 256 of its
 # 896 experts held (the routing then gives each ~3.5x K3's pairs per expert)
 SHAPES = {
+    "tiny": (8, 2, 64, 32),  # (CPU smoke runs)
     "48b": (256, 8, 2304, 1024),
     "medium": (64, 8, 1024, 640),
     "k3": (256, 16, 3584, 3072),
@@ -39,8 +42,13 @@ SWEEP = [
 ]
 
 
+DEV = "cuda"
+
+
 def copy_tbs() -> float:
-    x = torch.empty(1 << 29, dtype=torch.uint8, device="cuda")
+    if DEV != "cuda":
+        return 0.0
+    x = torch.empty(1 << 29, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
     y.copy_(x)
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -53,7 +61,12 @@ def copy_tbs() -> float:
 
 
 def time_graph(fn, calls: int = 10) -> float:
-    """us per call: CUDA-graph replay of ``calls`` calls, best of 5 (eager events if capture fails)."""
+    """us per call: CUDA-graph replay of ``calls`` calls, best of 5 (eager events if capture fails; on the CPU, the
+    wall time of one eager call)."""
+    if DEV != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -103,6 +116,9 @@ def main() -> None:
         "--per-pair-max", type=int, default=32, help="time the per-pair kernels up to this many tokens"
     )
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument(
+        "--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (fp16, no timing)"
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "diag_moe_tiled.json"))
     a = ap.parse_args()
     import openk3.fast  # noqa: F401
@@ -110,24 +126,27 @@ def main() -> None:
     from openk3.fast.moe import experts_grouped
     from openk3.ops.moe import experts_reference
 
+    global DEV
+    DEV = a.device
     torch.manual_seed(0)
     bw = copy_tbs()
-    print(f"{torch.cuda.get_device_name()}: copy {bw:.2f} TB/s")
+    name_dev = torch.cuda.get_device_name() if DEV == "cuda" else DEV
+    print(f"{name_dev}: copy {bw:.2f} TB/s")
     rows = []
-    bf = torch.bfloat16
+    bf = torch.bfloat16 if DEV == "cuda" else torch.float16  # (the interpreter's bf16 products are wrong)
     bound = moe_tiled.TILED["max_pairs_per_expert"]
     for name in a.shapes.split(","):
         E, K, W, I = SHAPES[name]
-        w13 = torch.randn(E, 2 * I, W, device="cuda", dtype=bf) * W**-0.5
+        w13 = torch.randn(E, 2 * I, W, device=DEV, dtype=bf) * W**-0.5
         w1, w3 = w13[:, :I], w13[:, I:]
-        w2 = torch.randn(E, W, I, device="cuda", dtype=bf) * I**-0.5
+        w2 = torch.randn(E, W, I, device=DEV, dtype=bf) * I**-0.5
         for N in (int(t) for t in a.tokens.split(",")):
-            x = torch.randn(N, W, device="cuda", dtype=bf)
-            idx = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(N)])
-            wt = torch.rand(N, K, device="cuda")
+            x = torch.randn(N, W, device=DEV, dtype=bf)
+            idx = torch.stack([torch.randperm(E, device=DEV)[:K] for _ in range(N)])
+            wt = torch.rand(N, K, device=DEV)
             ne = int(idx.unique().numel())
             nbytes = ne * 3 * I * W * 2 + 2 * N * W * 2
-            roof = nbytes / (bw * 1e12) * 1e6
+            roof = nbytes / (bw * 1e12) * 1e6 if bw else float("nan")
             ops = (x, idx, wt, w1, w2, w3)
             with torch.no_grad():
                 ref = experts_reference(*ops)
@@ -164,10 +183,11 @@ def main() -> None:
                         moe_tiled.TILED.clear()
                         moe_tiled.TILED.update(base)
         w13 = w1 = w2 = w3 = ops = None
-        torch.cuda.empty_cache()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), copy_TBs=bw, rows=rows), f, indent=1)
+        json.dump(dict(device=name_dev, copy_TBs=bw, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -169,3 +169,30 @@ def test_diag_moe_compile_tiled_cpu(tmp_path, monkeypatch):
     for x in default:
         assert 0 < x["regs"] <= 255 and x["spill_ld"] == 0 and x["spill_st"] == 0
         assert x["cp_async"] > 0 and x["mma"] > 0 and 0 < x["shared"] <= 227 * 1024
+
+
+def test_diag_moe_tiled_cpu(tmp_path, monkeypatch):
+    """bench/diag_moe_tiled.py's smoke run under the Triton interpreter (fp16, a tiny expert shape): every path it
+    times runs and agrees with the reference experts, and its JSON has one row per token count."""
+    pytest.importorskip("triton")
+    out = tmp_path / "moe_tiled.json"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    r = _run(
+        [
+            "bench/diag_moe_tiled.py",
+            "--device",
+            "cpu",
+            "--shapes",
+            "tiny",
+            "--tokens",
+            "5,20",
+            "--out",
+            str(out),
+        ]
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [q["N"] for q in rows] == [5, 20]
+    for q in rows:
+        assert all(q[f"{p}_err"] < 2e-3 for p in ("tiled", "grouped", "per_pair")), q
+    assert "| tiny N20" in r.stdout
