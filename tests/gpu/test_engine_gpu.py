@@ -351,13 +351,13 @@ def test_engine_moe_small_decode(graphs, monkeypatch):
 @pytest.mark.parametrize("N", [1, 3, 64])
 def test_grouped_moe_inference_layout(N, tiled, monkeypatch):
     """Without autograd the grouped path gives unused experts no rows: same result as the reference experts; the
-    same with the expert-tiled kernels that take such batches by default."""
+    same with the expert-tiled kernels taking these batches (``tiled``: their bound, pairs per expert)."""
     import openk3.fast  # noqa: F401
     from openk3.fast import moe_tiled
     from openk3.fast.moe import experts_grouped
+    from openk3.ops.moe import experts_reference
 
     monkeypatch.setitem(moe_tiled.TILED, "max_pairs_per_expert", tiled)
-    from openk3.ops.moe import experts_reference
 
     g = torch.Generator(device=DEV).manual_seed(N)
     E, k, W, I = 64, 8, 256, 128
