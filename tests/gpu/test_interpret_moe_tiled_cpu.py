@@ -2,7 +2,7 @@
 all its pairs) under TRITON_INTERPRET=1 on CPU against ``openk3.ops.moe.experts_reference``: fp32 (IEEE products)
 and fp16, SiTU and SwiGLU, widths that are not multiples of the tiles, experts with no pair, an expert with more
 pairs than one 16-row tile (several row chunks), one slot per token, gate / up as the two halves of one buffer and
-as separate tensors, a strided input; the dispatch from ``experts_grouped``; bad input.
+as separate tensors, a strided input; the dispatch from ``experts_grouped``; a whole model through them; bad input.
 (bf16 runs on the GPU only: the interpreter's ``tl.dot`` on bf16 operands is wrong in triton 3.6, so the dispatch
 leaves bf16 to the grouped path there; tests/gpu/test_fast_ops.py checks the compiled kernels in bf16.)
 Runs in a subprocess (the interpreter must be chosen before triton kernels are defined); skipped without triton.
@@ -93,6 +93,33 @@ SCRIPT = textwrap.dedent(
     finally:
         moe_tiled.experts_tiled = tiled0
         moe_tiled.TILED["max_pairs_per_expert"] = bound0
+    # a whole model (tiny preset: latent MoE, shared experts), the "moe" op resolved to grouped_mm as on CUDA, the
+    # tiled kernels on: every MoE layer's 48 tokens (12 pairs per expert) take them; logits match the reference
+    from openk3.config import get_preset
+    from openk3.model import K3ForCausalLM
+    from openk3.ops import backend
+
+    cfg = get_preset("tiny")
+    model = K3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 24))
+    calls.clear()
+    moe_tiled.experts_tiled = lambda *a, **k: calls.append(a[0].shape[0]) or tiled0(*a, **k)
+    moe_tiled.TILED["max_pairs_per_expert"] = 16
+    resolve = backend.resolve
+    try:
+        with torch.no_grad():
+            want = model(ids).logits
+            backend.resolve = lambda op, cuda, req=None: "grouped_mm" if op == "moe" else resolve(op, cuda, req)
+            got = model(ids).logits
+    finally:
+        backend.resolve = resolve
+        moe_tiled.experts_tiled = tiled0
+        moe_tiled.TILED["max_pairs_per_expert"] = bound0
+    n_moe = sum(layer.is_moe for layer in model.model.layers)
+    assert calls == [48] * n_moe and n_moe > 0, calls
+    e = rel(got, want)
+    assert e <= 1e-5, e
+    worst = max(worst, e / 1e-5)
     # no tokens; bad input
     assert moe_tiled.experts_tiled(x[:0], idx[:0], wt[:0], w1, w2, w3).shape == (0, W)
     bad = [
