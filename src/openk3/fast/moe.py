@@ -218,6 +218,16 @@ if HAS_TRITON:
         return tl.fdiv(1.0, 1.0 + tl.exp(-x))
 
     @triton.jit
+    def _glu_fast(g, u, b1, ib1, b2, ib2, SITU: tl.constexpr):
+        """act(g, u) in fp32 with the fast-math sigmoid / tanh: SiTU-GLU (betas b1, b2; ib = 1 / b) or SwiGLU."""
+        sg = _sigmoid_fast(g)
+        if SITU:
+            a = (b1 * _tanh_fast(g * ib1)) * sg * (b2 * _tanh_fast(u * ib2))
+        else:
+            a = g * sg * u
+        return a
+
+    @triton.jit
     def _glu2_fwd_kernel(
         g_ptr,
         u_ptr,
@@ -240,11 +250,7 @@ if HAS_TRITON:
         m = (r < R)[:, None] & (c < C)[None, :]
         g = tl.load(g_ptr + r[:, None] * s_g + c[None, :], mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + r[:, None] * s_u + c[None, :], mask=m, other=0.0).to(tl.float32)
-        sg = _sigmoid_fast(g)
-        if SITU:
-            a = (b1 * _tanh_fast(g * ib1)) * sg * (b2 * _tanh_fast(u * ib2))
-        else:
-            a = g * sg * u
+        a = _glu_fast(g, u, b1, ib1, b2, ib2, SITU)
         tl.store(o_ptr + r[:, None] * C + c[None, :], a.to(o_ptr.dtype.element_ty), mask=m)
 
     @triton.jit

@@ -66,7 +66,7 @@ def applies(x: torch.Tensor, idx: torch.Tensor, num_experts: int) -> bool:
 
 
 if HAS_TRITON:
-    from openk3.fast.moe import _sigmoid_fast, _tanh_fast
+    from openk3.fast.moe import _glu_fast
 
     @triton.jit
     def _group(offs_ptr, e):
@@ -74,6 +74,14 @@ if HAS_TRITON:
         end = tl.load(offs_ptr + e)
         start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0)
         return start, end
+
+    @triton.jit
+    def _chunk(pair_ptr, r0, end, nk, BM: tl.constexpr):
+        """Rows ``r0 .. r0 + BM`` of a group ending at ``end``: (the rows, their pairs, whether each is a real
+        pair: not padding, not past the group)."""
+        rows = r0 + tl.arange(0, BM)
+        pr = tl.load(pair_ptr + rows, mask=rows < end, other=nk)
+        return rows, pr, pr < nk
 
     @triton.jit
     def _mm_step(a, b, acc, IEEE: tl.constexpr):
@@ -101,9 +109,7 @@ if HAS_TRITON:
         dt = a_ptr.dtype.element_ty
         r0 = start
         while r0 < end:  # (a while loop: the CPU interpreter cannot take a loaded value as a range() bound)
-            rows = r0 + tl.arange(0, BM)
-            pr = tl.load(pair_ptr + rows, mask=rows < end, other=nk)
-            live = pr < nk
+            rows, pr, live = _chunk(pair_ptr, r0, end, nk, BM)
             tok = (pr // K).to(tl.int64)
             acc_g = tl.zeros([BM, BI], dtype=tl.float32)
             acc_u = tl.zeros([BM, BI], dtype=tl.float32)
@@ -120,11 +126,7 @@ if HAS_TRITON:
                 acc_u = _mm_step(xv, wu, acc_u, IEEE)
             g = acc_g.to(dt).to(tl.float32)
             u = acc_u.to(dt).to(tl.float32)
-            sg = _sigmoid_fast(g)
-            if SITU:
-                a = (b1 * _tanh_fast(g * ib1)) * sg * (b2 * _tanh_fast(u * ib2))
-            else:
-                a = g * sg * u
+            a = _glu_fast(g, u, b1, ib1, b2, ib2, SITU)
             out = a_ptr + rows[:, None].to(tl.int64) * I + ii[None, :]
             tl.store(out, a.to(dt), mask=live[:, None] & im[None, :])
             r0 += BM
@@ -142,9 +144,7 @@ if HAS_TRITON:
         w_col = w2_ptr + e.to(tl.int64) * s2_e + oo[None, :] * s2_w  # [1, BO]
         r0 = start
         while r0 < end:
-            rows = r0 + tl.arange(0, BM)
-            pr = tl.load(pair_ptr + rows, mask=rows < end, other=nk)
-            live = pr < nk
+            rows, _, live = _chunk(pair_ptr, r0, end, nk, BM)
             r64 = rows.to(tl.int64)
             acc = tl.zeros([BM, BO], dtype=tl.float32)
             for k0 in tl.range(0, I, BK, num_stages=STAGES):
