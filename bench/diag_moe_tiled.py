@@ -5,7 +5,7 @@ permuted grouped GEMMs (torch._grouped_mm) and the per-pair kernels (openk3.fast
     TRITON_INTERPRET=1 python3 bench/diag_moe_tiled.py --device cpu --shapes tiny --tokens 5,20  # a smoke run
 
 Per expert shape and token count: random routing (every token's k experts distinct, uniform over the experts held),
-bf16 weights and activations, each path timed by CUDA-graph replay (10 calls per graph, best of 5 replays), checked
+bf16 weights and activations, each path timed by CUDA-graph replay (10 calls per graph, median of 5 replays), checked
 against ``openk3.ops.moe.experts_reference``. Bytes: the distinct experts' weights (3 x I x W each) plus the
 activations in and out; roofline: those bytes at the device copy rate measured in the same run. ``--sweep`` also
 times the tiled kernels' launch tiles at the 48B shape and 64 tokens. Prints a table and writes JSON.
@@ -23,6 +23,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 # (name, experts held, k, W, I): the 48B shape (all 256 experts), medium (all 64), K3's expert widths with 256 of its
 # 896 experts held (the routing then gives each ~3.5x K3's pairs per expert)
@@ -46,55 +47,24 @@ DEV = "cuda"
 
 
 def copy_tbs() -> float:
+    """Device copy bandwidth (read + written bytes), TB/s (bench/run_all.py's measurement); 0 on the CPU."""
     if DEV != "cuda":
         return 0.0
-    x = torch.empty(1 << 29, dtype=torch.uint8, device=DEV)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ev[0].record()
-    for _ in range(10):
-        y.copy_(x)
-    ev[1].record()
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (ev[0].elapsed_time(ev[1]) * 1e-3) / 1e12
+    from run_all import copy_rate
+
+    return copy_rate()[0] / 1e12
 
 
 def time_graph(fn, calls: int = 10) -> float:
-    """us per call: CUDA-graph replay of ``calls`` calls, best of 5 (eager events if capture fails; on the CPU, the
-    wall time of one eager call)."""
+    """us per call: ``calls`` calls in one CUDA graph (bench/diag_mla.py's ``graph_us``, median of 5 replays); on
+    the CPU, the wall time of one eager call."""
     if DEV != "cuda":
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
-        run = g.replay
-    except Exception:  # noqa: BLE001 - fall back to eager timing
-        torch.cuda.synchronize()
+    from diag_mla import graph_us
 
-        def run():
-            for _ in range(calls):
-                fn()
-
-    best = float("inf")
-    for _ in range(5):
-        ev[0].record()
-        run()
-        ev[1].record()
-        torch.cuda.synchronize()
-        best = min(best, ev[0].elapsed_time(ev[1]) * 1e3 / calls)
-    return best
+    return graph_us([fn] * calls)
 
 
 def rel(a, b) -> float:
