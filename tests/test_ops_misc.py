@@ -148,6 +148,11 @@ def test_experts_reference_matches_dense_loop(rel):
             e = idx[n, j]
             ref[n] += wt[n, j] * (situ_glu(x[n] @ w1[e].T, x[n] @ w3[e].T) @ w2[e].T)
     assert rel(got, ref) < 1e-5
+    for bad in (-1, E):  # an expert id out of range is a clear error, not an index error deep in torch
+        wrong = idx.clone()
+        wrong[3, 1] = bad
+        with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 5\)"):
+            experts_reference(x, wrong, wt, w1, w2, w3)
 
 
 def test_situ_bounded_and_swiglu_near_origin():

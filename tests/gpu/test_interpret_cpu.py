@@ -348,6 +348,39 @@ MOE_V2_SCRIPT = textwrap.dedent(
                         continue
                     check(f"{tag}.{name}", a.grad, b.grad, 2 * TOL[dtype])
                 assert all(bool((t.grad[E - 1] == 0).all()) for t in fast[2:]), tag
+
+    # an expert id outside [0, E) (-1 on token 3, E on token 8) in every variant: no out-of-bounds access, those
+    # tokens' outputs NaN, the others as the reference over the good tokens alone. With autograd (a loss over the
+    # good tokens) on the row-plan variants: the bad pairs' weight gradients and the bad tokens' input gradients are
+    # NaN, everything else matches the reference's gradients
+    N, W, I, E, K = 21, 40, 24, 5, 2
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(N)])
+    idx[3, 1], idx[8, 0] = -1, E
+    good = torch.tensor([n not in (3, 8) for n in range(N)])
+    ws = [torch.randn(E, I, W) * W**-0.5, torch.randn(E, W, I) * I**-0.5, torch.randn(E, I, W) * W**-0.5]
+    ins = [torch.randn(N, W), torch.rand(N, K), *ws]
+    ref = [t[good].clone() if i < 2 else t.clone() for i, t in enumerate(ins)]
+    ref = [t.requires_grad_() for t in ref]
+    y_r = experts_reference(ref[0], idx[good], ref[1], *ref[2:])
+    gy = torch.randn_like(y_r)
+    (y_r * gy).sum().backward()
+    for variant in moe.VARIANTS:
+        with torch.no_grad():
+            y = moe.experts_grouped(ins[0], idx, ins[1], *ins[2:], variant=variant)
+        assert bool(y[~good].isnan().all()) and bool(y[good].isfinite().all()), variant
+        check(f"bad_ids.{variant}.y", y[good], y_r, TOL[torch.float32])
+        if variant == "base":
+            continue
+        fast = [t.clone().requires_grad_() for t in ins]
+        y = moe.experts_grouped(fast[0], idx, fast[1], *fast[2:], variant=variant)
+        (y[good] * gy).sum().backward()
+        dx, dwt = fast[0].grad, fast[1].grad
+        bad_pair = (idx < 0) | (idx >= E)
+        assert bool(dx[~good].isnan().all()) and bool(dwt[bad_pair].isnan().all()), variant
+        check(f"bad_ids.{variant}.dx", dx[good], ref[0].grad, 2e-5)
+        check(f"bad_ids.{variant}.dweights", dwt[good], ref[1].grad, 2e-5)
+        for name, a, b in zip(("dw1", "dw2", "dw3"), fast[2:], ref[2:]):
+            check(f"bad_ids.{variant}.{name}", a.grad, b.grad, 2e-5)
     print("WORST", worst)
     """
 )

@@ -2,7 +2,7 @@
 all its pairs) under TRITON_INTERPRET=1 on CPU against ``openk3.ops.moe.experts_reference``: fp32 (IEEE products)
 and fp16, SiTU and SwiGLU, widths that are not multiples of the tiles, experts with no pair, an expert with more
 pairs than one 16-row tile (several row chunks), one slot per token, gate / up as the two halves of one buffer and
-as separate tensors, a strided input; the dispatch from ``experts_grouped``; a whole model through them; bad input.
+as separate tensors, a strided input; expert ids out of range (NaN on their tokens); the dispatch from ``experts_grouped``; a whole model through them; bad input.
 (bf16 runs on the GPU only: the interpreter's ``tl.dot`` on bf16 operands is wrong in triton 3.6, so the dispatch
 leaves bf16 to the grouped path there; tests/gpu/test_fast_ops.py checks the compiled kernels in bf16.)
 Runs in a subprocess (the interpreter must be chosen before triton kernels are defined); skipped without triton.
@@ -118,6 +118,16 @@ SCRIPT = textwrap.dedent(
     n_moe = sum(layer.is_moe for layer in model.model.layers)
     assert calls == [48] * n_moe and n_moe > 0, calls
     e = rel(got, want)
+    assert e <= 1e-5, e
+    worst = max(worst, e / 1e-5)
+    # an expert id outside [0, E) (-1 on token 2, E on token 5): those tokens' outputs are NaN (no out-of-bounds
+    # access), the others match the reference over the good tokens alone
+    x, idx, wt = torch.randn(N, W), torch.stack([torch.randperm(E)[:K] for _ in range(N)]), torch.rand(N, K)
+    idx[2, 1], idx[5, 0] = -1, E
+    good = torch.tensor([n not in (2, 5) for n in range(N)])
+    y = moe_tiled.experts_tiled(x, idx, wt, w1, w2, w3)
+    assert bool(y[~good].isnan().all()) and bool(y[good].isfinite().all())
+    e = rel(y[good], experts_reference(x[good], idx[good], wt[good], w1, w2, w3))
     assert e <= 1e-5, e
     worst = max(worst, e / 1e-5)
     # no tokens; bad input

@@ -319,7 +319,8 @@ if HAS_TRITON:
         BLOCK_W: tl.constexpr,
     ):
         """out[n] = sum_j w[n, j] * y[rows[n, j]] accumulated in fp32, one row of y at a time (no cross-lane
-        reduction). IDENT: rows[n, j] = n * K + j (one row of y per pair, rows_ptr unused)."""
+        reduction). IDENT: rows[n, j] = n * K + j (one row of y per pair, rows_ptr unused). A negative row (a pair
+        that :class:`RowPlan` found routed to an expert id outside [0, E)) makes the token's output NaN."""
         n = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
         cm = cols < W
@@ -329,7 +330,7 @@ if HAS_TRITON:
                 r = n * K + j
             else:
                 r = tl.load(rows_ptr + n * K + j).to(tl.int64)
-            v = tl.load(y_ptr + r * s_y + cols, mask=cm, other=0.0).to(tl.float32)
+            v = tl.load(y_ptr + r * s_y + cols, mask=cm & (r >= 0), other=float("nan")).to(tl.float32)
             if HAS_W:
                 v = v * tl.load(w_ptr + n * K + j)
             acc += v
@@ -381,25 +382,29 @@ if HAS_TRITON:
         pair_ptr,
         nk,
         nb,
+        E,
         BLK: tl.constexpr,
     ):
         """Row of each pair = its group start + pairs of the same expert in earlier blocks + earlier in this block
         (so rows within a group follow the pair order, like a stable sort). Writes rows and pair_of_row (the flat
-        (token, slot) index of each row's pair)."""
+        (token, slot) index of each row's pair). A pair routed to an expert id outside [0, E) gets row -1 and no
+        row of its own (the histogram kernel does not count it): no out-of-bounds access, and the combine turns
+        its token's output into NaN."""
         b = tl.program_id(0)
         i = tl.arange(0, BLK)
         offs = b * BLK + i
         m = offs < nk
         e = tl.load(e_ptr + offs, mask=m, other=-1).to(tl.int32)
+        ok = m & (e >= 0) & (e < E)
         same_before = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
         rank = tl.sum(same_before.to(tl.int32), axis=1)
-        ec = tl.where(m, e, 0)
-        before = tl.load(cum_ptr + ec * nb + b, mask=m, other=0) - tl.load(
-            hist_ptr + ec * nb + b, mask=m, other=0
+        ec = tl.where(ok, e, 0)
+        before = tl.load(cum_ptr + ec * nb + b, mask=ok, other=0) - tl.load(
+            hist_ptr + ec * nb + b, mask=ok, other=0
         )
-        row = tl.load(pstart_ptr + ec, mask=m, other=0) + before + rank
-        tl.store(rows_ptr + offs, row, mask=m)
-        tl.store(pair_ptr + row, offs, mask=m)
+        row = tl.load(pstart_ptr + ec, mask=ok, other=0) + before + rank
+        tl.store(rows_ptr + offs, tl.where(ok, row, -1), mask=m)
+        tl.store(pair_ptr + row, offs, mask=ok)
 
     @triton.jit
     def _gather_pairs_kernel(src_ptr, pair_ptr, out_ptr, nk, W, K: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -664,7 +669,8 @@ def dy_dweights(
     P, W = pair_of_row.shape[0], dout.shape[1]
     dout = dout.contiguous()
     dy = out if out is not None else torch.empty(P, W, dtype=dout.dtype, device=dout.device)
-    dw = torch.empty(N, K, dtype=torch.float32, device=dout.device) if need_dw else None
+    # NaN-filled: a pair without a row (an expert id outside [0, E), see RowPlan) keeps NaN as its weight gradient
+    dw = torch.full((N, K), float("nan"), dtype=torch.float32, device=dout.device) if need_dw else None
     _dy_dw_kernel[(P,)](
         dout,
         y,
@@ -754,7 +760,7 @@ class RowPlan:
         self.P = nk + (align - 1) * min(E, nk) if sparse else nk + E * align
         pair = torch.full((self.P,), nk, dtype=torch.int32, device=dev)
         rows = torch.empty(nk, dtype=torch.int32, device=dev)
-        _plan_scatter_kernel[(nb,)](flat, cum, hist, pstart, rows, pair, nk, nb, BLK=_PLAN_BLK)
+        _plan_scatter_kernel[(nb,)](flat, cum, hist, pstart, rows, pair, nk, nb, E, BLK=_PLAN_BLK)
         self.rows = rows.view(N, K)
         self.pair_of_row = pair
         self.offs = offs
@@ -827,8 +833,13 @@ class _Experts(torch.autograd.Function):
     def forward(ctx, x, weights, w1, w2, w3, idx, act, b1, b2):
         # without autograd (inference) experts that got no token get no rows, so their weights are never read (what
         # decode needs); training keeps every group non-empty (zero-size groups have given wrong weight gradients
-        # in some grouped-GEMM builds)
-        plan = Plan(idx, w1.shape[0], sparse=not any(ctx.needs_input_grad[:5]))
+        # in some grouped-GEMM builds). A pair routed to an expert id outside [0, E) goes to expert 0 with a NaN
+        # weight: its token's output is NaN (no out-of-bounds access, no host synchronisation), as on the other paths
+        E = w1.shape[0]
+        bad = (idx < 0) | (idx >= E)
+        idx = idx.clamp(0, E - 1)
+        weights = weights.masked_fill(bad, float("nan"))
+        plan = Plan(idx, E, sparse=not any(ctx.needs_input_grad[:5]))
         xs = gather_rows(x, plan.tok_of_row)  # [P, W]
         h1 = _mm(xs, w1.mT, plan.offs, "x_w1")  # [P, I]
         h3 = _mm(xs, w3.mT, plan.offs, "x_w1")
@@ -939,7 +950,9 @@ def experts_grouped(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2
     ``variant`` (default :data:`VARIANT`): one of :data:`VARIANTS`, see the module docstring. Without autograd and
     with few (token, slot) pairs per expert (a decode batch), the expert-tiled kernels of
     :mod:`openk3.fast.moe_tiled` run instead, whatever the variant, where ``moe_tiled.TILED`` allows (off by default;
-    ``OPENK3_MOE_TILED``)."""
+    ``OPENK3_MOE_TILED``). A (token, slot) routed to an expert id outside [0, E) makes that token's output NaN (and,
+    with autograd, its input gradient and that slot's weight gradient), with no out-of-bounds access and no host
+    synchronisation; the reference raises instead."""
     if act not in ("situ", "silu", "swiglu"):
         raise ValueError(f"unknown activation {act!r}; expected 'situ' or 'silu'")
     v = variant or VARIANT

@@ -63,6 +63,9 @@ def experts_reference(
     """Weighted sum of GLU experts. x: [N, W]; idx/weights: [N, k]; w1, w3: [E, I, W]; w2: [E, W, I].
     Each expert's output (x.dtype) is multiplied by its fp32 weight and accumulated in fp32; returns x.dtype."""
     N, W = x.shape
+    E = w1.shape[0]
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= E):
+        raise ValueError(f"expert ids must lie in [0, {E}); got ids in [{int(idx.min())}, {int(idx.max())}]")
     out = torch.zeros(N, W, dtype=torch.float32, device=x.device)
     flat_e = idx.reshape(-1)
     order = torch.argsort(flat_e, stable=True)
