@@ -244,6 +244,7 @@ def test_stop_helpers():
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": 1.5}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"seed": "x"}, "seed"),
         ({"stop": [1]}, "stop"),
@@ -264,6 +265,7 @@ def test_params_defaults_and_normalisation():
     assert p.stop == ["###"] and not p.greedy
     assert SamplingParams(temperature=0).validate().greedy
     assert SamplingParams(max_tokens=None).validate().max_tokens is None
+    assert SamplingParams(top_k=-1).validate().top_k == -1 and SamplingParams(top_k=0).validate().top_k == 0
 
 
 def test_sample_refuses_bad_shapes_and_an_unavailable_fast_path():

@@ -365,6 +365,7 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
             ("logit_bias", {"5": -101}),
             ("top_p", 0),
             ("seed", 1.5),
+            ("top_k", -2),
             ("temperature", 101),
             ("temperature", 10**400),
             ("logit_bias", {"5": 10**400}),

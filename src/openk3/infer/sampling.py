@@ -64,7 +64,7 @@ class SamplingParams:
 
     ``max_tokens``: new tokens to generate at most (``None``: up to the context length). ``temperature`` 0 is
     greedy (:meth:`validate` sets one below ``MIN_TEMPERATURE`` to 0: dividing the fp32 logits by it would overflow
-    them, or it would round to 0 there). ``top_k`` <= 0 and ``top_p`` == 1 disable those filters.
+    them, or it would round to 0 there). ``top_k`` 0 or -1 and ``top_p`` == 1 disable those filters.
     ``repetition_penalty`` > 1 discourages tokens already present in the prompt or the output (HF semantics).
     ``frequency_penalty`` / ``presence_penalty`` (OpenAI semantics, in [-2, 2]) subtract ``frequency * count +
     presence * (count > 0)`` from each token's logit, ``count`` being how often it occurs in the output so far.
@@ -126,6 +126,10 @@ class SamplingParams:
             self.temperature = 0.0
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise SamplingParamError("top_k", f"top_k must be an integer (0 or -1 = off), got {self.top_k!r}")
+        if (
+            self.top_k < -1
+        ):  # (as vLLM: -1 and 0 turn the filter off; another negative is a mistake, not "off")
+            raise SamplingParamError("top_k", f"top_k must be >= 1, or 0 or -1 for off; got {self.top_k}")
         self.top_p = num("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         self.repetition_penalty = num("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
         self.frequency_penalty = num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
