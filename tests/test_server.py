@@ -554,6 +554,9 @@ def test_request_body_limit(server, engine):
     for bad in ("0", "-3", "nan", "inf"):
         with pytest.raises(SystemExit, match="--max-request-mb must be a positive number"):
             cmd_serve(build_parser().parse_args(["serve", "--max-request-mb", bad]))
+    for bad in ("-1", "65536", "99999"):
+        with pytest.raises(SystemExit, match=r"--port must be in \[0, 65535\]"):
+            cmd_serve(build_parser().parse_args(["serve", "--port", bad]))
 
 
 def test_tokenizing_leaves_the_event_loop_free(server, engine, monkeypatch):

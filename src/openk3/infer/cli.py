@@ -452,6 +452,8 @@ def cmd_serve(args) -> int:
     max_request_bytes = int(args.max_request_mb * 2**20) if math.isfinite(args.max_request_mb) else 0
     if max_request_bytes < 1:
         raise SystemExit(f"--max-request-mb must be a positive number, got {args.max_request_mb}")
+    if not 0 <= args.port <= 65535:  # checked before the model loads, not by uvicorn's bind afterwards
+        raise SystemExit(f"--port must be in [0, 65535], got {args.port}")
     engine, name, source = _load(args)
     _describe(engine, name, source)
     if engine.graphs_enabled:
