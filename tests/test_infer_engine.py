@@ -608,6 +608,10 @@ def test_cli_generate_chat_help_and_errors(tmp_path, monkeypatch, capsys):
     assert len(err) == 1 and "does not exist" in err[0]
     assert main(["generate", "-q", "--top-p", "0", *common]) == 2
     assert "top_p" in capsys.readouterr().err
+    # a prompt the engine refuses (longer than the context) is not echoed before the one-line error
+    assert main(["generate", "-q", "--prompt", "x " * 600, *common]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "context" in out.err
 
 
 def test_random_model_and_cli_preset(tmp_path, monkeypatch, capsys):

@@ -354,15 +354,18 @@ def cmd_generate(args) -> int:
     params = _params(args)
     prompts = args.prompt or ["def main():"]
     if len(prompts) == 1:
-        sys.stdout.write(prompts[0])
-        sys.stdout.flush()
+        echoed = []  # the prompt is echoed with the first output, so a refused prompt is not printed first
 
         def show(out):
+            if not echoed:
+                echoed.append(sys.stdout.write(prompts[0]))
             if out.new_text:
                 sys.stdout.write(out.new_text)
-                sys.stdout.flush()
+            sys.stdout.flush()
 
         (req,) = engine.generate(prompts, params, on_output=show)
+        if not echoed:
+            sys.stdout.write(prompts[0])
         sys.stdout.write("\n")
         reqs = [req]
     else:
