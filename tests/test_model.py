@@ -169,6 +169,16 @@ def test_checkpoint_errors(tiny, tmp_path):
     cfg.save_pretrained(tmp_path / "mk")
     with pytest.raises(CheckpointError, match=r"missing keys.*model\.norm\.weight.*unexpected keys.*bogus"):
         K3ForCausalLM.from_pretrained(tmp_path / "mk")
+    # an integer tensor for a floating-point weight: refused, not cast
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["model.norm.weight"] = sd["model.norm.weight"].to(torch.int64)
+    (tmp_path / "it").mkdir()
+    save_file(sd, tmp_path / "it" / "model.safetensors")
+    cfg.save_pretrained(tmp_path / "it")
+    with pytest.raises(
+        CheckpointError, match=r"non-floating-point.*model\.norm\.weight: checkpoint torch\.int64"
+    ):
+        K3ForCausalLM.from_pretrained(tmp_path / "it")
     # truncated file
     (tmp_path / "tr").mkdir()
     data = (tmp_path / "model.safetensors").read_bytes()

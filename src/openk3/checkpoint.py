@@ -196,9 +196,26 @@ def to_internal(config: K3Config, tensors: Iterator[tuple[str, torch.Tensor]]) -
     return out
 
 
+def _check_dtypes(own: dict, sd: dict) -> None:
+    """Integer / bool tensors where the model holds floating-point ones (a malformed checkpoint, not a precision
+    choice): refused rather than cast to float."""
+    bad = sorted(
+        f"{k}: checkpoint {sd[k].dtype} vs model {own[k].dtype}"
+        for k in set(own) & set(sd)
+        if own[k].is_floating_point() and not (sd[k].is_floating_point() or sd[k].is_complex())
+    )
+    if bad:
+        raise CheckpointError(
+            f"checkpoint holds non-floating-point tensors for floating-point weights ({len(bad)}): "
+            + ", ".join(bad[:12])
+            + (f" ... (+{len(bad) - 12} more)" if len(bad) > 12 else "")
+        )
+
+
 def load_state_dict_into(model, sd: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-    """Copy ``sd`` into ``model`` (which may live on the meta device), checking keys and shapes first."""
+    """Copy ``sd`` into ``model`` (which may live on the meta device), checking keys, shapes and dtype kinds first."""
     own = dict(model.state_dict())
+    _check_dtypes(own, sd)
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
     wrong = sorted(
@@ -236,6 +253,7 @@ def load_pretrained(path, *, dtype: torch.dtype | None = None, device="cpu", con
         model = K3ForCausalLM(cfg)
     sd = to_internal(cfg, _dequantize_stream(iter_tensors(files), dtype or torch.bfloat16))
     own = model.state_dict()
+    _check_dtypes(own, sd)
     params = dict(model.named_parameters())
     for k, t in list(sd.items()):
         if k in own:
