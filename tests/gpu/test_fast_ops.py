@@ -313,7 +313,9 @@ def test_moe_tiled_gpu(N, E, K, W, I, act, hot, check):
     w2 = _rand(n_w, W, I, dtype=bf, scale=I**-0.5, g=g).expand(E, W, I)
 
     def routing():
-        idx = torch.stack([torch.randperm(E - 1, device=DEV, generator=g)[:K] for _ in range(N)])
+        idx = torch.stack(
+            [torch.randperm(E - 1 if K < E else E, device=DEV, generator=g)[:K] for _ in range(N)]
+        )
         if hot:
             idx[:, 0] = 1
             idx[:, 1:] = torch.stack(
