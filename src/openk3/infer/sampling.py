@@ -126,9 +126,8 @@ class SamplingParams:
             self.temperature = 0.0
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise SamplingParamError("top_k", f"top_k must be an integer (0 or -1 = off), got {self.top_k!r}")
-        if (
-            self.top_k < -1
-        ):  # (as vLLM: -1 and 0 turn the filter off; another negative is a mistake, not "off")
+        # as vLLM: -1 and 0 turn the filter off; another negative is a mistake, not "off"
+        if self.top_k < -1:
             raise SamplingParamError("top_k", f"top_k must be >= 1, or 0 or -1 for off; got {self.top_k}")
         self.top_p = num("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         self.repetition_penalty = num("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
