@@ -357,7 +357,7 @@ SCRIPT = textwrap.dedent(
         n_moe = sum(layer.is_moe for layer in model.model.layers)
         if groups == 1:
             assert calls.count("route") == n_moe == calls.count("experts") > 0, calls
-        else:  # group-limited routing: the torch router, the permuted experts
+        else:  # group-limited routing: the torch router, then experts_grouped (at 3 tokens the expert-tiled kernels)
             assert calls == [], calls
         e = rel(got, want)
         assert e < 1e-5, (groups, e)

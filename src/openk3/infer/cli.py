@@ -354,11 +354,13 @@ def cmd_generate(args) -> int:
     params = _params(args)
     prompts = args.prompt or ["def main():"]
     if len(prompts) == 1:
-        echoed = []  # the prompt is echoed with the first output, so a refused prompt is not printed first
+        echoed = False  # the prompt is echoed with the first output, so a refused prompt is not printed first
 
         def show(out):
+            nonlocal echoed
             if not echoed:
-                echoed.append(sys.stdout.write(prompts[0]))
+                sys.stdout.write(prompts[0])
+                echoed = True
             if out.new_text:
                 sys.stdout.write(out.new_text)
             sys.stdout.flush()
