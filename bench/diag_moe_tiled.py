@@ -1,14 +1,16 @@
 """Diagnostic: the routed experts of a decode batch -- the expert-tiled kernels (openk3.fast.moe_tiled) against the
 permuted grouped GEMMs (torch._grouped_mm) and the per-pair kernels (openk3.fast.moe_small), beside the HBM roofline.
 
-    python3 bench/diag_moe_tiled.py [--shapes 48b,medium,k3] [--tokens 16,32,64,128,256] [--sweep] [--out FILE]
+    python3 bench/diag_moe_tiled.py [--shapes 48b,medium,k3] [--tokens 16,32,64,128,256] [--sweep] [--bms 16,32,64]
+        [--out FILE]
     TRITON_INTERPRET=1 python3 bench/diag_moe_tiled.py --device cpu --shapes tiny --tokens 5,20  # a smoke run
 
 Per expert shape and token count: random routing (every token's k experts distinct, uniform over the experts held),
 bf16 weights and activations, each path timed by CUDA-graph replay (10 calls per graph, median of 5 replays), checked
 against ``openk3.ops.moe.experts_reference``. Bytes: the distinct experts' weights (3 x I x W each) plus the
 activations in and out; roofline: those bytes at the device copy rate measured in the same run. ``--sweep`` also
-times the tiled kernels' launch tiles at the 48B shape and 64 tokens. Prints a table and writes JSON.
+times the tiled kernels' launch tiles at the 48B shape and 64 tokens; ``--bms`` times fixed row steps (``BM``,
+``moe_tiled.rows_per_step`` picks one by default) beside the default. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -87,6 +89,13 @@ def main() -> None:
     )
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument(
+        "--bms",
+        default="",
+        help="also time the tiled kernels with these fixed row steps (e.g. 16,32,64; 64w8 = 8 warps) where the "
+        "routing gives at least --bm-from pairs per expert",
+    )
+    ap.add_argument("--bm-from", type=float, default=4.0)
+    ap.add_argument(
         "--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (fp16, no timing)"
     )
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "diag_moe_tiled.json"))
@@ -138,6 +147,21 @@ def main() -> None:
             print(
                 f"| {name} N{N} ({N * K / E:.2f} pairs/expert, {nbytes / 1e6:.0f} MB) | roof {roof:.1f} | {cells} |"
             )
+            if a.bms and N * K / E >= a.bm_from:
+                base = dict(moe_tiled.TILED)
+                for spec in a.bms.split(","):
+                    bm, _, nw = spec.partition("w")
+                    moe_tiled.TILED.update(bm=int(bm), num_warps=int(nw or base["num_warps"]))
+                    try:
+                        with torch.no_grad():
+                            t, e = measure(moe_tiled.experts_tiled, ops, ref)
+                        print(
+                            f"|   rows per step {spec} | {t:.1f} us ({nbytes / t / 1e6:.2f} TB/s), err {e:.1e} |"
+                        )
+                        rows.append(dict(shape=name, N=N, bm=spec, us=t, err=e))
+                    finally:
+                        moe_tiled.TILED.clear()
+                        moe_tiled.TILED.update(base)
             if a.sweep and name == "48b" and N == 64:
                 base = dict(moe_tiled.TILED)
                 for bi, bk, st, bo, bkd in SWEEP:

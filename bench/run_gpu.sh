@@ -60,7 +60,9 @@
 # 64 x {16, 32, 96} x 8k) -> peer_v31.json, peer_v31_uniform.json; b1: `medium` and the 48B shape at batch 1,
 # context 1,040 -> e2e_b1.json; tiled: the expert-tiled routed experts' GPU tests (tests_tiled.log),
 # bench/diag_moe_tiled.py --sweep -> diag_moe_tiled.json, medium at batch 64 with and without them ->
-# e2e_tiled_medium.json; tiled_e2e (H200): the 48B shape at batch 64, ragged 4k-8k prompts, the same A/B ->
+# e2e_tiled_medium.json; tiled_bm: the tiled kernels' GPU tests, bench/diag_moe_tiled.py at 64-256 tokens with
+# 16 / 32 / 64-row steps -> diag_moe_tiled_bm.json, medium at batch 128 / 256 with the grouped GEMMs and the tiled
+# kernels up to 64 pairs per expert -> e2e_tiled_bm.json; tiled_e2e (H200): the 48B shape at batch 64, ragged 4k-8k prompts, the same A/B ->
 # e2e_tiled_48b.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
@@ -301,6 +303,19 @@ if has tiled; then
   timeout "$T_DECODE" python3 bench/diag_moe_tiled.py --sweep --out "$OUT_DIR/diag_moe_tiled.json" 2>&1 | grep "^| \|copy"
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium --batches 64 --wall-timing \
     --kernel-variants moe_grouped,moe_tiled,moe_grouped,moe_tiled --out "$OUT_DIR/e2e_tiled_medium.json" 2>&1 \
+    | grep "^| [mk]\|WARN\|disabled\|rror"
+fi
+if has tiled_bm; then
+  # taller row steps for the expert-tiled kernels past 8 pairs per expert (moe_tiled.rows_per_step): the GPU tests,
+  # the kernel diag at 64-256 tokens with fixed 16 / 32 / 64-row steps beside the auto rule, and medium at batch
+  # 128 / 256 with the grouped GEMMs and with the tiled kernels up to 64 pairs per expert
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_fast_ops.py -k "moe_tiled_gpu" \
+    >"$OUT_DIR/tests_tiled_bm.log" 2>&1
+  echo "tiled tests: exit $? ($(tail -1 "$OUT_DIR/tests_tiled_bm.log"))"
+  timeout "$T_DECODE" python3 bench/diag_moe_tiled.py --tokens 64,128,256 --per-pair-max 0 --bms 16,32,64,64w8 \
+    --out "$OUT_DIR/diag_moe_tiled_bm.json" 2>&1 | grep "^| \|copy"
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets medium --batches 128,256 --wall-timing \
+    --kernel-variants moe_grouped,moe_tiled_64,moe_grouped,moe_tiled_64 --out "$OUT_DIR/e2e_tiled_bm.json" 2>&1 \
     | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
 if has tiled_e2e; then

@@ -291,14 +291,23 @@ def test_moe_experts_no_grad(variant, check, monkeypatch):
         ),  # the 48B expert shape at a serving batch (2 pairs per expert)
         (64, 64, 8, 1024, 640, "situ", False),  # medium's latent experts (8 pairs per expert)
         (17, 896, 16, 3584, 3072, "situ", False),  # K3's expert shape, 17 tokens
-        (100, 20, 3, 200, 72, "situ", True),  # widths off the tiles; one expert in every token (100 rows)
+        (
+            100,
+            20,
+            3,
+            200,
+            72,
+            "situ",
+            True,
+        ),  # widths off the tiles; one expert in every token (100 rows, 32-row steps)
         (5, 7, 7, 64, 32, "silu", False),  # every expert in every token
+        (256, 64, 8, 1024, 640, "situ", False),  # medium at 32 pairs per expert (64-row steps)
     ],
 )
 def test_moe_tiled_gpu(N, E, K, W, I, act, hot, check):
     """The expert-tiled kernels (openk3.fast.moe_tiled) in bf16 against the bf16 reference experts, eager and
     replayed in a CUDA graph with new routing (the row plan is formed on the device); the grouped GEMMs beside them;
-    experts without pairs; an expert over one 16-row tile."""
+    experts without pairs; an expert over one row step; 16-, 32- and 64-row steps (``moe_tiled.rows_per_step``)."""
     from openk3.fast import moe_tiled
     from openk3.fast.moe import experts_grouped
     from openk3.ops.moe import experts_reference

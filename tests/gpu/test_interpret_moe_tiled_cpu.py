@@ -1,8 +1,9 @@
 """The expert-tiled routed experts (``openk3.fast.moe_tiled``: decode batches, each expert's weights read once for
 all its pairs) under TRITON_INTERPRET=1 on CPU against ``openk3.ops.moe.experts_reference``: fp32 (IEEE products)
 and fp16, SiTU and SwiGLU, widths that are not multiples of the tiles, experts with no pair, an expert with more
-pairs than one 16-row tile (several row chunks), one slot per token, gate / up as the two halves of one buffer and
-as separate tensors, a strided input; expert ids out of range (NaN on their tokens); the dispatch from ``experts_grouped``; a whole model through them; bad input.
+pairs than one 16-row tile (several row chunks), taller row steps (32 and 64 rows) and the auto rule for them, one
+slot per token, gate / up as the two halves of one buffer and as separate tensors, a strided input; expert ids out
+of range (NaN on their tokens); the dispatch from ``experts_grouped``; a whole model through them; bad input.
 (bf16 runs on the GPU only: the interpreter's ``tl.dot`` on bf16 operands is wrong in triton 3.6, so the dispatch
 leaves bf16 to the grouped path there; tests/gpu/test_fast_ops.py checks the compiled kernels in bf16.)
 Runs in a subprocess (the interpreter must be chosen before triton kernels are defined); skipped without triton.
@@ -55,6 +56,41 @@ SCRIPT = textwrap.dedent(
                     e = rel(y, r)
                     assert e <= TOL[dtype], (N, E, K, W, I, dtype, act, packed, e)
                     worst = max(worst, e / TOL[dtype])
+    # taller row steps (BM 32 / 64: the auto rule's choice past 8 pairs per expert on average): groups shorter
+    # than a step, and the hot expert's longer than one
+    for N, E, K, W, I, hot in cases[2:3] + cases[4:]:
+        for bm in (32, 64):
+            for dtype in (torch.float32, torch.float16):
+                x = torch.randn(N, W).to(dtype)
+                w1, w3 = ((torch.randn(E, I, W) * W**-0.5).to(dtype) for _ in range(2))
+                w2 = (torch.randn(E, W, I) * I**-0.5).to(dtype)
+                idx = torch.stack([torch.randperm(E)[:K] for _ in range(N)])
+                idx[:, 0] = 0
+                idx[:, 1:] = torch.stack([torch.randperm(E - 1)[: K - 1] + 1 for _ in range(N)])
+                wt = torch.rand(N, K)
+                moe_tiled.TILED["bm"] = bm
+                try:
+                    y = moe_tiled.experts_tiled(x, idx, wt, w1, w2, w3)
+                finally:
+                    moe_tiled.TILED["bm"] = 0
+                r = experts_reference(x.float(), idx, wt, w1.float(), w2.float(), w3.float())
+                e = rel(y, r)
+                assert e <= TOL[dtype], (N, E, K, W, I, bm, dtype, e)
+                worst = max(worst, e / TOL[dtype])
+    # the auto rule: 16 rows up to 8 pairs per expert on average, then the power of two >= twice the average, <= 64
+    rps = moe_tiled.rows_per_step
+    assert [rps(n * 8, 256) for n in (1, 16, 64, 256)] == [16, 16, 16, 16]
+    assert [rps(n * 8, 64) for n in (64, 65, 128, 129, 256, 4096)] == [16, 32, 32, 64, 64, 64]
+    for bad_bm in (8, 24, 256):
+        moe_tiled.TILED["bm"] = bad_bm
+        try:
+            rps(64, 8)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"TILED['bm'] = {bad_bm} accepted")
+        finally:
+            moe_tiled.TILED["bm"] = 0
     # a wrong result is caught: one expert's weights changed after the fact changes the output
     N, E, K, W, I = 9, 7, 2, 32, 16
     x = torch.randn(N, W)

@@ -15,8 +15,8 @@ Here, on :class:`openk3.fast.moe.RowPlan`'s layout (pairs grouped by expert, no 
 
 * :func:`_tiled_up_kernel`, one program per (expert, ``BI`` intermediate rows): the expert's gate and up rows
   streamed once in ``BK``-column steps through shared memory (Triton's pipeliner), multiplied by its pairs' token
-  rows ``BM`` at a time (``tl.dot`` with M = ``BM``: 16-row tensor-core tiles), then the GLU; an expert without
-  pairs returns at once;
+  rows ``BM`` at a time (``tl.dot`` with M = ``BM``: 16- to 64-row tensor-core tiles, :func:`rows_per_step`), then
+  the GLU; an expert without pairs returns at once;
 * :func:`_tiled_down_kernel`, one program per (expert, ``BO`` output columns): the down projection of the same rows;
 * :func:`openk3.fast.moe.combine2`: the fp32 mixture in slot order.
 
@@ -37,7 +37,8 @@ from openk3.fast._triton import HAS_TRITON, env_int, tl, triton
 # 8 pairs per expert on average (the 48B, `medium` and K3 expert shapes) and 6-39 % more at 16.
 TILED = {
     "max_pairs_per_expert": env_int("OPENK3_MOE_TILED", 8, "pairs per expert on average; 0 = off"),
-    "bm": 16,  # pair rows per tensor-core tile
+    "bm": env_int("OPENK3_MOE_TILED_BM", 0, "pair rows per program step; 0 = auto"),  # see rows_per_step()
+    "bm_max": 64,  # the auto rule's largest step
     "bi": 64,  # gate / up rows per program
     "bk": 128,  # input columns per pipeline step (gate / up)
     "bo": 64,  # down-projection output columns per program
@@ -159,6 +160,23 @@ if HAS_TRITON:
             r0 += BM
 
 
+def rows_per_step(n_pairs: int, num_experts: int) -> int:
+    """Pair rows per program step (``BM``). Each step of a program streams its expert's weight tile again (from L2
+    after the first), so an expert with G pairs costs ceil(G / BM) passes. ``TILED["bm"]`` when set; else (auto)
+    the power of two >= twice the average pairs per expert, clamped to [16, ``TILED["bm_max"]``]: 16 up to 8 pairs
+    per expert on average (the measured default, bench/NOTES.md v33), so that the busiest experts of a random
+    routing mostly fit one or two steps, 32 up to 16, 64 beyond. Chosen from the shapes only (no host sync)."""
+    c = TILED
+    if c["bm"]:
+        if c["bm"] not in (16, 32, 64, 128):
+            raise ValueError(
+                f"TILED['bm'] (OPENK3_MOE_TILED_BM) must be 0 (auto), 16, 32, 64 or 128, got {c['bm']}"
+            )
+        return int(c["bm"])
+    avg2 = -(-2 * n_pairs // max(num_experts, 1))
+    return max(16, min(int(c["bm_max"]), triton.next_power_of_2(max(avg2, 1))))
+
+
 def _pow2_at_most(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
@@ -192,7 +210,7 @@ def experts_tiled(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2=2
     plan = RowPlan(idx.contiguous(), E, sparse=True)
     P, nk = plan.P, N * K
     c = TILED
-    bm = c["bm"]
+    bm = rows_per_step(nk, E)
     bi = _pow2_at_most(I, c["bi"])
     bk = _pow2_at_most(W, c["bk"])
     bo = _pow2_at_most(W, c["bo"])
