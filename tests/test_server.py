@@ -822,3 +822,58 @@ def test_loop_bridge_batches_wakeups_and_keeps_order():
     assert 1 <= len(calls) < 2000 // 2, len(calls)  # batched: fewer wake-ups than puts (one per put before)
     bridge.put(asyncio.Queue(), 1)  # the loop is closed now: dropped, no error, nothing kept
     assert not bridge.items
+
+
+def test_unsupported_fields_are_refused_not_ignored(server):
+    """A field whose effect the server does not implement (JSON mode, tools, vLLM's min_p, ...) gets a 400 naming it:
+    answering as if it were honoured would be a wrong answer that looks right. Their no-op values are served, and
+    so are fields the server does not know at all (as OpenAI-compatible servers ignore them)."""
+    hi = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    refused = [
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        ("tools", [tool]),
+        ("tool_choice", "required"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("functions", [tool["function"]]),
+        ("function_call", {"name": "f"}),
+        ("min_p", 0.1),
+        ("min_tokens", 5),
+        ("use_beam_search", True),
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "[0-9]+"),
+        ("guided_choice", ["a", "b"]),
+        ("suffix", "end"),
+    ]
+    served = [
+        ("response_format", {"type": "text"}),
+        ("tools", []),
+        ("tool_choice", "none"),
+        ("min_p", 0),
+        ("min_tokens", 0),
+        ("use_beam_search", False),
+        ("guided_json", None),
+        ("some_future_field", {"x": 1}),
+    ]
+    with httpx.Client(timeout=30) as h:
+        for route, base in (
+            ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}),
+            ("/v1/chat/completions", {"model": MODEL, "messages": hi, "max_tokens": 1}),
+        ):
+            for field, value in refused:
+                e = _err(h.post(server + route, json=dict(base, **{field: value})), 400)
+                assert e["param"] == field and field in e["message"], (route, field, e)
+            for field, value in served:
+                r = h.post(server + route, json=dict(base, **{field: value}))
+                assert r.status_code == 200, (route, field, r.text)
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        msgs = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        ]
+        body = {"model": MODEL, "messages": msgs, "max_tokens": 1}
+        e = _err(h.post(server + "/v1/chat/completions", json=body), 400)
+        assert e["param"] == "messages" and "tool" in e["message"]
+    _healthy(server)

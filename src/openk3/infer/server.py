@@ -7,7 +7,9 @@ the server keeps serving after any of them. A client that disconnects (streaming
 (pages and slot freed at the next engine step).
 
 Extra request fields beyond OpenAI's (as vLLM accepts them): ``top_k``, ``repetition_penalty``, ``stop_token_ids``,
-``ignore_eos``.
+``ignore_eos``. Fields whose effect the server does not implement (``response_format`` other than text, ``tools``,
+``min_p``, ...: ``_UNSUPPORTED``) are refused with a 400 unless they ask for nothing; other unknown fields are
+ignored.
 
 Log-probabilities (of the model's distribution: ``log_softmax`` of the logits before penalty, temperature and
 filters): completions take ``logprobs`` k (0-20: each token's logprob and the k most likely tokens, plus the chosen
@@ -76,11 +78,36 @@ def _get(body: dict, name: str, types, default=None, *, allow_none=True):
     return v
 
 
+# Fields of OpenAI's API (and vLLM's extras) whose effect this server does not implement, each with a test for the
+# values that ask for nothing: any other value is refused, since answering as if it had been honoured (plain text
+# for a JSON schema, no tool call, no min_p filter) would be a wrong answer that looks right.
+_UNSUPPORTED = {
+    "suffix": lambda v: not v,
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "tools": lambda v: v is None or v == [],
+    "functions": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "min_p": lambda v: v is None or (type(v) in (int, float) and v == 0),
+    "min_tokens": lambda v: v is None or (type(v) is int and v == 0),
+    "use_beam_search": lambda v: v is None or v is False,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, no_op in _UNSUPPORTED.items():
+        if name in body and not no_op(body[name]):
+            raise ApiError(400, f"'{name}' is not supported by this server", param=name)
+
+
 def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
+    _refuse_unsupported(body)
     logprobs, prompt_logprobs = _logprob_params(body, chat=chat)
     logit_bias = _logit_bias(body)
-    if body.get("suffix"):
-        raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
     n = _get(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"'n' must lie in [1, {MAX_N}], got {n}", param="n")
@@ -695,6 +722,10 @@ def create_app(
                     400,
                     f"messages[{k}].role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}",
                     param="messages",
+                )
+            if m.get("tool_calls") or m.get("function_call"):  # (the template renders the content alone)
+                raise ApiError(
+                    400, f"messages[{k}]: tool and function calls are not supported", param="messages"
                 )
             c = m.get("content")
             if c is None:
