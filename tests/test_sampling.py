@@ -252,6 +252,10 @@ def test_stop_helpers():
         ({"temperature": 10**400}, "temperature"),  # past the float range: an error, not an OverflowError
         ({"logit_bias": {5: -(10**400)}}, "logit_bias"),
         ({"repetition_penalty": 10**400}, "repetition_penalty"),
+        ({"seed": 2**64 + 5}, "seed"),  # past 64 bits: it would draw as seed 5
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 10**5000}, "seed"),
     ],
 )
 def test_params_validation(kw, match):
@@ -266,6 +270,8 @@ def test_params_defaults_and_normalisation():
     assert SamplingParams(temperature=0).validate().greedy
     assert SamplingParams(max_tokens=None).validate().max_tokens is None
     assert SamplingParams(top_k=-1).validate().top_k == -1 and SamplingParams(top_k=0).validate().top_k == 0
+    for seed in (-(2**63), -1, 0, 2**63 - 1):  # every signed 64-bit seed is taken
+        assert SamplingParams(seed=seed).validate().seed == seed
 
 
 def test_sample_refuses_bad_shapes_and_an_unavailable_fast_path():

@@ -365,6 +365,8 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
             ("logit_bias", {"5": -101}),
             ("top_p", 0),
             ("seed", 1.5),
+            ("seed", 2**64 + 5),  # past 64 bits (it would draw as seed 5)
+            ("seed", -(2**63) - 1),
             ("top_k", -2),
             ("temperature", 101),
             ("temperature", 10**400),
@@ -484,6 +486,9 @@ def test_tiny_temperature_is_greedy_and_usage_counts_each_prompt_once(client, en
     greedy = client.completions.create(temperature=0, **kw).choices[0].text
     for t in (1e-40, 1e-300):
         assert client.completions.create(temperature=t, seed=1, **kw).choices[0].text == greedy
+    # n choices of a seeded request draw with seeds seed, seed + 1, ...: at the top of the 64-bit range too
+    top = client.completions.create(temperature=1.0, seed=2**63 - 1, n=3, **kw)
+    assert len(top.choices) == 3 and len({c.text for c in top.choices}) > 1
     one = client.completions.create(**kw).usage.prompt_tokens
     assert client.completions.create(n=3, **kw).usage.prompt_tokens == one
     two = client.completions.create(**dict(kw, prompt=["def f(x):", "a"]), n=2)

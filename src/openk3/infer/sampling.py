@@ -38,6 +38,7 @@ __all__ = [
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (logprobs / prompt_logprobs)
 MIN_TEMPERATURE = 1e-5  # SamplingParams.validate takes a lower temperature as 0 (greedy)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # the seeds SamplingParams takes: those of a signed 64-bit integer
 
 
 @dataclass
@@ -68,9 +69,9 @@ class SamplingParams:
     ``repetition_penalty`` > 1 discourages tokens already present in the prompt or the output (HF semantics).
     ``frequency_penalty`` / ``presence_penalty`` (OpenAI semantics, in [-2, 2]) subtract ``frequency * count +
     presence * (count > 0)`` from each token's logit, ``count`` being how often it occurs in the output so far.
-    ``seed`` makes sampling reproducible, whatever else runs in the same batch. ``stop``: strings that end
-    generation (not included in the text); ``stop_token_ids``: extra ids that end generation; the end-of-sequence
-    id does too unless ``ignore_eos``. ``logprobs`` k (0..20; ``None`` = off): each generated token's
+    ``seed`` (a signed 64-bit integer) makes sampling reproducible, whatever else runs in the same batch. ``stop``:
+    strings that end generation (not included in the text); ``stop_token_ids``: extra ids that end generation; the
+    end-of-sequence id does too unless ``ignore_eos``. ``logprobs`` k (0..20; ``None`` = off): each generated token's
     log-probability under the model's distribution (``log_softmax`` of the logits, before penalty, temperature and
     filters) and the k most likely tokens with theirs. ``prompt_logprobs`` k: the same for each prompt token after
     the first (a request asking for them does not reuse a cached prefix). ``logit_bias`` (OpenAI semantics):
@@ -135,6 +136,11 @@ class SamplingParams:
         self.presence_penalty = num("presence_penalty", self.presence_penalty, -2.0, 2.0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise SamplingParamError("seed", f"seed must be an integer, got {self.seed!r}")
+        # a draw uses the seed's 64 bits, so seeds beyond them would alias seeds within (2**64 + 5 draws as 5)
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise SamplingParamError(
+                "seed", f"seed must lie in [{SEED_MIN}, {SEED_MAX}] (a signed 64-bit integer)"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (

@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.infer.engine import ContextLengthError, Engine, PromptError, RequestOutput
-from openk3.infer.sampling import MAX_LOGPROBS, SamplingParamError, SamplingParams
+from openk3.infer.sampling import MAX_LOGPROBS, SEED_MIN, SamplingParamError, SamplingParams
 
 __all__ = ["create_app", "serve", "ApiError"]
 
@@ -200,8 +200,8 @@ def _with_seed(params: SamplingParams, i: int) -> SamplingParams:
     if i == 0:
         return params
     p = SamplingParams(**{k: getattr(params, k) for k in params.__dataclass_fields__})
-    if p.seed is not None:
-        p.seed += i
+    if p.seed is not None:  # (wrapped into the 64-bit range SamplingParams takes)
+        p.seed = (p.seed + i - SEED_MIN) % 2**64 + SEED_MIN
     return p
 
 
