@@ -252,6 +252,12 @@ def test_stop_helpers():
         ({"temperature": 10**400}, "temperature"),  # past the float range: an error, not an OverflowError
         ({"logit_bias": {5: -(10**400)}}, "logit_bias"),
         ({"repetition_penalty": 10**400}, "repetition_penalty"),
+        # 0 (1e-300) or a subnormal (1e-45) in fp32: positive logits of seen tokens become inf and tie, so the
+        # draw takes the first of them whatever their logits; 1e300 is inf in fp32
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-45}, "repetition_penalty"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"repetition_penalty": 101}, "repetition_penalty"),
         ({"seed": 2**64 + 5}, "seed"),  # past 64 bits: it would draw as seed 5
         ({"seed": 2**63}, "seed"),
         ({"seed": -(2**63) - 1}, "seed"),
@@ -270,6 +276,8 @@ def test_params_defaults_and_normalisation():
     assert SamplingParams(temperature=0).validate().greedy
     assert SamplingParams(max_tokens=None).validate().max_tokens is None
     assert SamplingParams(top_k=-1).validate().top_k == -1 and SamplingParams(top_k=0).validate().top_k == 0
+    for pen in (0.01, 0.5, 1, 100):
+        assert SamplingParams(repetition_penalty=pen).validate().repetition_penalty == pen
     for seed in (-(2**63), -1, 0, 2**63 - 1):  # every signed 64-bit seed is taken
         assert SamplingParams(seed=seed).validate().seed == seed
 

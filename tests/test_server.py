@@ -367,6 +367,8 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
             ("seed", 1.5),
             ("seed", 2**64 + 5),  # past 64 bits (it would draw as seed 5)
             ("seed", -(2**63) - 1),
+            ("repetition_penalty", 1e-300),  # 0 in fp32
+            ("repetition_penalty", 1e300),  # inf in fp32
             ("top_k", -2),
             ("temperature", 101),
             ("temperature", 10**400),

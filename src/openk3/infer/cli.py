@@ -236,7 +236,9 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_new_default: int | None) 
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1 = off)")
     g.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (1 = off; default 0.95)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style penalty (1 = off)")
+    g.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="HF-style penalty in [0.01, 100] (1 = off)"
+    )
     g.add_argument(
         "--frequency-penalty",
         type=float,

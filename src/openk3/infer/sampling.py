@@ -38,6 +38,7 @@ __all__ = [
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (logprobs / prompt_logprobs)
 MIN_TEMPERATURE = 1e-5  # SamplingParams.validate takes a lower temperature as 0 (greedy)
+MAX_REPETITION_PENALTY = 100.0  # SamplingParams.repetition_penalty lies in [1 / this, this]
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # the seeds SamplingParams takes: those of a signed 64-bit integer
 
 
@@ -66,7 +67,8 @@ class SamplingParams:
     ``max_tokens``: new tokens to generate at most (``None``: up to the context length). ``temperature`` 0 is
     greedy (:meth:`validate` sets one below ``MIN_TEMPERATURE`` to 0: dividing the fp32 logits by it would overflow
     them, or it would round to 0 there). ``top_k`` 0 or -1 and ``top_p`` == 1 disable those filters.
-    ``repetition_penalty`` > 1 discourages tokens already present in the prompt or the output (HF semantics).
+    ``repetition_penalty`` > 1 discourages tokens already present in the prompt or the output, < 1 favours them (HF
+    semantics; in [0.01, 100]).
     ``frequency_penalty`` / ``presence_penalty`` (OpenAI semantics, in [-2, 2]) subtract ``frequency * count +
     presence * (count > 0)`` from each token's logit, ``count`` being how often it occurs in the output so far.
     ``seed`` (a signed 64-bit integer) makes sampling reproducible, whatever else runs in the same batch. ``stop``:
@@ -131,7 +133,10 @@ class SamplingParams:
         if self.top_k < -1:
             raise SamplingParamError("top_k", f"top_k must be >= 1, or 0 or -1 for off; got {self.top_k}")
         self.top_p = num("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        self.repetition_penalty = num("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
+        # (the penalty divides or multiplies fp32 logits: one of 1e-300 rounds to 0 there, 1e300 to inf)
+        self.repetition_penalty = num(
+            "repetition_penalty", self.repetition_penalty, 1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY
+        )
         self.frequency_penalty = num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         self.presence_penalty = num("presence_penalty", self.presence_penalty, -2.0, 2.0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
