@@ -381,6 +381,11 @@ def test_logit_bias(tiny, overlap):
     V = tiny.config.vocab_size
     with pytest.raises(ValueError, match="logit_bias"):
         eng.make_request([1, 2], SamplingParams(logit_bias={V: 1.0}))
+    # a stop token the model can never draw would silently never stop anything
+    with pytest.raises(ValueError, match="stop_token_ids") as e:
+        eng.make_request([1, 2], SamplingParams(stop_token_ids=[5, V]))
+    assert e.value.param == "stop_token_ids"
+    eng.make_request([1, 2], SamplingParams(stop_token_ids=[V - 1]))
 
 
 def test_logit_bias_validation():

@@ -369,6 +369,7 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
             ("seed", -(2**63) - 1),
             ("repetition_penalty", 1e-300),  # 0 in fp32
             ("repetition_penalty", 1e300),  # inf in fp32
+            ("stop_token_ids", [10**6]),  # past the vocabulary: never drawn, so never a stop
             ("top_k", -2),
             ("temperature", 101),
             ("temperature", 10**400),

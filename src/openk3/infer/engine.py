@@ -836,6 +836,12 @@ class Engine:
                 "logit_bias",
                 f"logit_bias token ids must lie in [0, {self.tok_vocab}), got {max(params.logit_bias)}",
             )
+        # a stop id past the tokenizer's vocabulary is never drawn, so it would never stop anything
+        if params.stop_token_ids and max(params.stop_token_ids) >= self.tok_vocab:
+            raise SamplingParamError(
+                "stop_token_ids",
+                f"stop_token_ids must lie in [0, {self.tok_vocab}), got {max(params.stop_token_ids)}",
+            )
         req = Request(ids, params, request_id, on_output, max_new)
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer)
