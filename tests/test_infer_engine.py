@@ -663,6 +663,14 @@ def test_random_model_and_cli_preset(tmp_path, monkeypatch, capsys):
     assert next(model.parameters()).dtype == torch.float32
     with pytest.raises(ValueError, match="not both"):
         load_for_inference(str(tmp_path / "x"), preset="tiny")
+    # a device the engine cannot run on: one line naming it, before any model is built
+    bad = ["meta", "mps"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:1"])
+    if torch.cuda.is_available():
+        bad.append(f"cuda:{torch.cuda.device_count()}")
+    for dev in bad:
+        assert main(["generate", "-q", "--preset", "tiny", "--device", dev, "-n", "2"]) == 2, dev
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and dev in err[0] and "Traceback" not in err[0], (dev, err)
     common = ["-n", "3", "--temperature", "0", "--max-total-tokens", "256"]
     assert main(["generate", "--preset", "tiny", "--prompt", "ab", "-q", *common]) == 0
     assert capsys.readouterr().out.startswith("ab")

@@ -2127,6 +2127,14 @@ def load_for_inference(
     if ckpt is not None and preset is not None:
         raise ValueError("pass a checkpoint (--ckpt) or a preset to initialise (--preset), not both")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(dev)!r}: the engine runs on cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device {str(dev)!r}: this machine's torch sees no CUDA device; pass --device cpu"
+        )
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise RuntimeError(f"device {str(dev)!r}: there are only {torch.cuda.device_count()} CUDA devices")
     dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     path = Path(ckpt) if ckpt is not None else None
     if path is None and preset is None and (Path(DEFAULT_RUN_DIR) / "config.json").is_file():
