@@ -483,6 +483,19 @@ def test_stop_token_and_limits(tiny):
     with pytest.raises(ValueError, match="empty"):
         eng.submit([], GREEDY)
     eng.make_request([tiny.config.vocab_size - 1], GREEDY)  # no tokenizer: the model's whole vocabulary
+    # settings that leave no request servable, or no memory to plan with, are refused when the engine is built
+    for kw, match in (
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"max_model_len": -5}, "max_model_len"),
+        ({"max_model_len": 1}, "max_model_len"),
+        ({"gpu_memory_utilization": float("nan")}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": -1.0}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            Engine(tiny, None, max_seqs=2, max_tokens=256, **kw)
+    assert Engine(tiny, None, max_seqs=2, max_tokens=256, max_model_len=2).max_model_len == 2
 
 
 def test_prompt_ids_past_the_tokenizer_are_refused(tiny):

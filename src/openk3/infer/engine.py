@@ -462,6 +462,13 @@ class Engine:
             setattr(cfg, k, v)
         if cfg.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {cfg.max_prefill_tokens}")
+        if cfg.max_model_len is not None and cfg.max_model_len < 2:  # (else every request would be refused)
+            raise ValueError(
+                f"max_model_len must be >= 2 (a prompt token and one to generate), got {cfg.max_model_len}"
+            )
+        gmu = cfg.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0 < gmu <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {gmu!r}")
         if cfg.mla_backend not in MLA_BACKENDS:
             raise ValueError(f"mla_backend must be one of {MLA_BACKENDS}, got {cfg.mla_backend!r}")
         self.cfg = cfg
