@@ -516,8 +516,16 @@ def test_api_key(engine):
         assert e["type"] == "authentication_error"
         _err(tc.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
         assert tc.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        # the scheme is case-insensitive (RFC 7235); the key is not
+        assert tc.get("/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
+        for bad in ("Bearer S3CRET", "Bearer", "s3cret", "Basic s3cret", "Bearer s3cre", "Bearer s3crett"):
+            _err(tc.get("/v1/models", headers={"Authorization": bad}), 401)
         assert tc.get("/health").status_code == 200  # health stays open for probes
     assert json.dumps(e)  # plain JSON
+    # a key no client could send in an Authorization header is refused when the app is made
+    for bad in ("k\u00e9y", "two words", " padded", "tab\there", "nl\n"):
+        with pytest.raises(ValueError, match="API key"):
+            create_app(engine, MODEL, api_key=bad, start_engine=False)
 
 
 def test_request_body_limit(server, engine):

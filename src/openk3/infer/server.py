@@ -412,6 +412,9 @@ def create_app(
         loop_required = start_engine
     if not isinstance(max_request_bytes, int) or isinstance(max_request_bytes, bool) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
+    # a key that an Authorization header cannot carry as it is (non-ASCII, spaces) would lock every client out
+    if api_key and not (api_key.isascii() and api_key.isprintable() and " " not in api_key):
+        raise ValueError("the API key must be printable ASCII without spaces")
     created = int(time.time())
     http_errors: dict[int, int] = {}
     tok = engine.tokenizer
@@ -458,8 +461,10 @@ def create_app(
         if scope["type"] == "http" and api_key:
             request = Request(scope)
             if request.url.path.startswith("/v1"):
-                got = request.headers.get("authorization", "")
-                ok = got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), api_key.encode())
+                scheme, _, got = request.headers.get("authorization", "").partition(" ")
+                ok = scheme.lower() == "bearer" and hmac.compare_digest(
+                    got.strip().encode(), api_key.encode()
+                )
                 if not ok:
                     e = ApiError(
                         401,
