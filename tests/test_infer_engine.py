@@ -626,6 +626,15 @@ def test_cli_generate_chat_help_and_errors(tmp_path, monkeypatch, capsys):
     assert len(err) == 1 and "does not exist" in err[0]
     assert main(["generate", "-q", "--top-p", "0", *common]) == 2
     assert "top_p" in capsys.readouterr().err
+    # bad sampling flags and a bad API key are refused before any model loads (here: before the missing checkpoint)
+    missing = str(tmp_path / "missing")
+    for cmd in ("generate", "chat"):
+        assert main([cmd, "--ckpt", missing, "--top-p", "0", *common[:2]]) == 2, cmd
+        err = capsys.readouterr().err
+        assert "top_p" in err and "does not exist" not in err, (cmd, err)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--ckpt", missing, "--api-key", "two words"])
+    assert "printable ASCII" in str(e.value.code)
     # a prompt the engine refuses (longer than the context) is not echoed before the one-line error
     assert main(["generate", "-q", "--prompt", "x " * 600, *common]) == 2
     out = capsys.readouterr()

@@ -350,10 +350,10 @@ def _describe(engine, name: str, source: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ generate
 def cmd_generate(args) -> int:
+    params = _params(args)  # (bad sampling flags are refused before the model loads)
     engine, name, source = _load(args)
     if not args.quiet:
         _describe(engine, name, source)
-    params = _params(args)
     prompts = args.prompt or ["def main():"]
     if len(prompts) == 1:
         echoed = False  # the prompt is echoed with the first output, so a refused prompt is not printed first
@@ -399,10 +399,10 @@ def _render(tok, messages) -> tuple[str, list[int]]:
 
 
 def cmd_chat(args) -> int:
+    base = _params(args)  # (bad sampling flags are refused before the model loads)
     engine, name, source = _load(args)
     _describe(engine, name, source)
     _info("[openk3] type a message; /reset clears the history, /exit or Ctrl-D quits")
-    base = _params(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -454,20 +454,24 @@ def cmd_serve(args) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise RuntimeError("serving needs fastapi and uvicorn: pip install 'openk3[serve]'") from None
-    from openk3.infer.server import serve
+    from openk3.infer.server import check_api_key, serve
 
     max_request_bytes = int(args.max_request_mb * 2**20) if math.isfinite(args.max_request_mb) else 0
     if max_request_bytes < 1:
         raise SystemExit(f"--max-request-mb must be a positive number, got {args.max_request_mb}")
     if not 0 <= args.port <= 65535:  # checked before the model loads, not by uvicorn's bind afterwards
         raise SystemExit(f"--port must be in [0, 65535], got {args.port}")
+    key = args.api_key or os.environ.get("OPENK3_API_KEY") or None
+    try:
+        check_api_key(key)
+    except ValueError as e:
+        raise SystemExit(f"--api-key / OPENK3_API_KEY: {e}") from None
     engine, name, source = _load(args)
     _describe(engine, name, source)
     if engine.graphs_enabled:
         t0 = time.perf_counter()
         n = engine.capture_graphs()
         _info(f"[openk3] captured {n} decode CUDA graphs (batch buckets) in {time.perf_counter() - t0:.1f}s")
-    key = args.api_key or os.environ.get("OPENK3_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
         _info(f"[openk3] warning: listening on {args.host} without an API key (--api-key or OPENK3_API_KEY)")
     model_name = args.model_name or name

@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from openk3.infer.engine import ContextLengthError, Engine, PromptError, RequestOutput
 from openk3.infer.sampling import MAX_LOGPROBS, SEED_MIN, SamplingParamError, SamplingParams
 
-__all__ = ["create_app", "serve", "ApiError"]
+__all__ = ["create_app", "serve", "ApiError", "check_api_key"]
 
 MAX_N = 16
 MAX_REQUEST_BYTES = 16 * 2**20  # the default limit on a request body
@@ -396,6 +396,13 @@ class _AsgiMiddleware:
         await self.func(scope, receive, send, self.app)
 
 
+def check_api_key(api_key: str | None) -> None:
+    """A ``ValueError`` for a key that an Authorization header cannot carry as it is (non-ASCII, spaces): it would
+    lock every client out."""
+    if api_key and not (api_key.isascii() and api_key.isprintable() and " " not in api_key):
+        raise ValueError("the API key must be printable ASCII without spaces")
+
+
 def create_app(
     engine: Engine,
     model_name: str = "openk3",
@@ -412,9 +419,7 @@ def create_app(
         loop_required = start_engine
     if not isinstance(max_request_bytes, int) or isinstance(max_request_bytes, bool) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
-    # a key that an Authorization header cannot carry as it is (non-ASCII, spaces) would lock every client out
-    if api_key and not (api_key.isascii() and api_key.isprintable() and " " not in api_key):
-        raise ValueError("the API key must be printable ASCII without spaces")
+    check_api_key(api_key)
     created = int(time.time())
     http_errors: dict[int, int] = {}
     tok = engine.tokenizer
