@@ -404,6 +404,7 @@ class Request:
         self.id = request_id or f"req-{next(Request._ids)}"
         self.prompt_ids = list(prompt_ids)
         self.params = params
+        self.stop_ids = frozenset(params.stop_token_ids)  # (a set: a long list is checked once per token)
         self.max_new = max_new
         self.all_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -1440,7 +1441,7 @@ class Engine:
         if req.counts is not None:
             req.counts[t : t + 1].add_(1.0)
         p = req.params
-        if t in p.stop_token_ids or (not p.ignore_eos and t in self.eos_ids):
+        if t in req.stop_ids or (not p.ignore_eos and t in self.eos_ids):
             self._finish(req, "stop")
             return
         text = self._extend_text(req, req.detok.push(t)) if req.detok is not None else ""
