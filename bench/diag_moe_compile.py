@@ -9,9 +9,10 @@ matrix, so wide tiles at 4 warps run out of registers, worst with the routing se
 The selection's form follows ``moe_small.SELECT_TOPK`` (``OPENK3_MOE_SELECT_TOPK=0``: K max-reductions).
 
 ``--tiled``: the expert-tiled kernels of decode batches (``openk3.fast.moe_tiled``) instead, gate/up + GLU and
-down, at ``moe_tiled.TILED``'s tiles and a few others: registers, spills, shared memory, ``cp.async`` copies (the
-pipelined weight stream) and tensor-core instructions, as JSON with ``--out``. The CPU interpreter does not
-type-check kernels, so this is where a kernel that would not compile for the GPU shows first.
+down, at ``moe_tiled.TILED``'s tiles with 16-, 32- and 64-row steps (``moe_tiled.rows_per_step``) and at a few
+other tiles: registers, spills, shared memory, ``cp.async`` copies (the pipelined weight stream) and tensor-core
+instructions, as JSON with ``--out``. The CPU interpreter does not type-check kernels, so this is where a kernel that
+would not compile for the GPU shows first.
 """
 
 from __future__ import annotations
@@ -54,27 +55,35 @@ def tiled(width: int, inter: int, top_k: int, out: str) -> None:
     ptrs = {"pair_ptr": "*i32", "offs_ptr": "*i32"}
     rows = []
     print(
-        "| kernel | rows, columns, stages | registers | spill loads / stores | shared bytes | cp.async | MMA instrs |"
+        "| kernel | rows, columns, stages | pair rows per step, warps | registers | spill loads / stores | shared bytes "
+        "| cp.async | MMA instrs |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     up = moe_tiled._tiled_up_kernel
     down = moe_tiled._tiled_down_kernel
-    forms = [("gate/up", up, (c["bi"], c["bk"], c["stages"]))] + [("gate/up", up, t) for t in TILED_EXTRA]
-    forms += [("down", down, (c["bo"], c["bk_down"], c["stages"]))] + [("down", down, t) for t in TILED_EXTRA]
-    for name, fn, (r, k, st) in forms:
+    nw = c["num_warps"]
+    # the default tiles at each row step the auto rule takes (16 / 32 / 64; 64 also at 8 warps), the extra tiles at 16
+    steps = [(16, nw), (32, nw), (64, nw), (64, 8)]
+    forms = []
+    for name, fn, tile in (
+        ("gate/up", up, (c["bi"], c["bk"], c["stages"])),
+        ("down", down, (c["bo"], c["bk_down"], c["stages"])),
+    ):
+        forms += [(name, fn, tile, bm, w, bm == 16 and w == nw) for bm, w in steps]
+        forms += [(name, fn, t, 16, nw, False) for t in TILED_EXTRA]
+    for name, fn, (r, k, st), bm, warps, default in forms:
         ints = ("nk", "s1_e", "s1_i", "s3_e", "s3_i") if fn is up else ("nk", "s2_e", "s2_w")
         sig = signature(fn, ptrs=ptrs, other_ptrs="*bf16", ints=ints, floats=("b1", "ib1", "b2", "ib2"))
-        consts = dict(W=width, I=inter, BM=c["bm"], STAGES=st, IEEE=False)
+        consts = dict(W=width, I=inter, BM=bm, STAGES=st, IEEE=False)
         if fn is up:
             consts.update(K=top_k, SITU=False, BI=r, BK=k)
         else:
             consts.update(BO=r, BK=k)
-        res = compile_one(fn, consts, c["num_warps"], sig=sig, div=ints)
-        res.update(kernel=name, tile=[r, k, st], default=(r, k, st) in ((c["bi"], c["bk"], c["stages"]),
-                   (c["bo"], c["bk_down"], c["stages"])))  # fmt: skip
+        res = compile_one(fn, consts, warps, sig=sig, div=ints)
+        res.update(kernel=name, tile=[r, k, st], bm=bm, num_warps=warps, default=default)
         rows.append(res)
         print(
-            f"| {name} | {r}, {k}, {st} | {res.get('regs')} | {res['spill_ld']} / {res['spill_st']} | "
+            f"| {name} | {r}, {k}, {st} | {bm}, {warps} | {res.get('regs')} | {res['spill_ld']} / {res['spill_st']} | "
             f"{res['shared']} | {res['cp_async']} | {res['mma']} |",
             flush=True,
         )

@@ -166,7 +166,12 @@ def test_diag_moe_compile_tiled_cpu(tmp_path, monkeypatch):
     assert sorted({x["kernel"] for x in rows}) == ["down", "gate/up"]
     default = [x for x in rows if x["default"]]
     assert [x["kernel"] for x in default] == ["gate/up", "down"]
-    for x in default:
+    # the default tiles at every row step the auto rule takes (16, 32, 64 pair rows) fit too
+    steps = [x for x in rows if x["tile"] in ([64, 128, 3],) and x["num_warps"] == 4]
+    assert sorted((x["kernel"], x["bm"]) for x in steps) == [
+        (k, b) for k in ("down", "gate/up") for b in (16, 32, 64)
+    ]
+    for x in default + steps:
         assert 0 < x["regs"] <= 255 and x["spill_ld"] == 0 and x["spill_st"] == 0
         assert x["cp_async"] > 0 and x["mma"] > 0 and 0 < x["shared"] <= 227 * 1024
 
