@@ -8,7 +8,7 @@ mla       ``sdpa``        ``scaled_dot_product_attention`` (+ ``varlen_attn`` fo
 mla       ``flex``        FlexAttention with causal / document block masks
 moe       ``grouped_mm``  token permutation + ``torch._grouped_mm`` forward/backward, Triton SiTU-GLU; for a
                           few tokens without autograd (``OPENK3_MOE_SMALL_N``) router + experts in five launches;
-                          decode batches by expert-tiled kernels (``OPENK3_MOE_TILED``, default 8 pairs per expert)
+                          decode batches by expert-tiled kernels (``OPENK3_MOE_TILED``, default 32 pairs per expert)
 attnres   ``triton``      two-phase Block AttnRes reader (Triton, exact fp32 mixing, forward/backward)
 norm      ``fla``         fla-core fused ``rms_norm`` (every RMSNorm) and ``rms_norm_gated`` (KDA output norm)
 glu       ``triton``      fused SiTU-GLU / SwiGLU of the dense FFN and shared experts (one kernel fwd, one bwd)

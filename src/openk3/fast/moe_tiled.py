@@ -23,7 +23,7 @@ Here, on :class:`openk3.fast.moe.RowPlan`'s layout (pairs grouped by expert, no 
 Rounding as ``openk3.ops.moe.experts_reference`` (gate, up and down outputs rounded to the activation dtype, the
 activation of the rounded values rounded, the mixture in fp32), the GLU as the grouped path's (fast-math SiTU).
 Taken by :func:`openk3.fast.moe.experts_grouped` without autograd for at most :data:`TILED`\\ ``["max_pairs_per_
-expert"]`` pairs per expert on average (``OPENK3_MOE_TILED``: that bound, default 8; 0 = never).
+expert"]`` pairs per expert on average (``OPENK3_MOE_TILED``: that bound, default 32; 0 = never).
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ import torch
 from openk3.fast._triton import HAS_TRITON, env_int, tl, triton
 
 # Launch tiles and the dispatch bound; bench/diag_moe_tiled.py times them against the grouped GEMMs
-# (bench/NOTES.md v33). The bound: on an H100 the tiled kernels took 4-24 % less time than the grouped GEMMs up to
-# 8 pairs per expert on average (the 48B, `medium` and K3 expert shapes) and 6-39 % more at 16.
+# (bench/NOTES.md v33-v34). The bound: on an H100 the tiled kernels took 4-24 % less time than the grouped GEMMs up
+# to 8 pairs per expert on average (the 48B, `medium` and K3 expert shapes) with 16-row steps, and with the taller
+# steps of rows_per_step 19 % / 2 % less at 16 (`medium` / K3 widths) and 9 % less at 32 (`medium`); past 32 untimed.
 TILED = {
-    "max_pairs_per_expert": env_int("OPENK3_MOE_TILED", 8, "pairs per expert on average; 0 = off"),
+    "max_pairs_per_expert": env_int("OPENK3_MOE_TILED", 32, "pairs per expert on average; 0 = off"),
     "bm": env_int("OPENK3_MOE_TILED_BM", 0, "pair rows per program step; 0 = auto"),  # see rows_per_step()
     "bm_max": 64,  # the auto rule's largest step
     "bi": 64,  # gate / up rows per program
@@ -163,9 +164,11 @@ if HAS_TRITON:
 def rows_per_step(n_pairs: int, num_experts: int) -> int:
     """Pair rows per program step (``BM``). Each step of a program streams its expert's weight tile again (from L2
     after the first), so an expert with G pairs costs ceil(G / BM) passes. ``TILED["bm"]`` when set; else (auto)
-    the power of two >= twice the average pairs per expert, clamped to [16, ``TILED["bm_max"]``]: 16 up to 8 pairs
-    per expert on average (the measured default, bench/NOTES.md v33), so that the busiest experts of a random
-    routing mostly fit one or two steps, 32 up to 16, 64 beyond. Chosen from the shapes only (no host sync)."""
+    the power of two >= twice the average pairs per expert, clamped to [16, ``TILED["bm_max"]``], so that the
+    busiest experts of a random routing mostly fit one or two steps: 16 up to 8 pairs per expert on average, 32 up
+    to 16, 64 beyond. Chosen from the shapes only (no host sync). On an H100 (bench/NOTES.md v34) each choice was
+    the fastest step at its load or within 4 % of it: `medium` at 16 pairs per expert 115 us with 32-row steps
+    (145 with 16), at 32 pairs 136 us with 64-row steps (161 with 32, 236 with 16)."""
     c = TILED
     if c["bm"]:
         if c["bm"] not in (16, 32, 64, 128):

@@ -216,8 +216,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="MoE layers of a larger decode batch whose (token, expert slot) pairs are at most N per expert on average "
-        "use the expert-tiled Triton kernels (each expert's weights read once; default: $OPENK3_MOE_TILED, else 8, "
-        "where they beat the grouped GEMMs on an H100, bench/NOTES.md v33; 0 = off)",
+        "use the expert-tiled Triton kernels (each expert's weights read once; default: $OPENK3_MOE_TILED, else 32, "
+        "where they beat the grouped GEMMs on an H100, bench/NOTES.md v33-v34; 0 = off)",
     )
 
 
