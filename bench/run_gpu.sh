@@ -62,8 +62,8 @@
 # bench/diag_moe_tiled.py --sweep -> diag_moe_tiled.json, medium at batch 64 with and without them ->
 # e2e_tiled_medium.json; tiled_bm: the tiled kernels' GPU tests, bench/diag_moe_tiled.py at 64-256 tokens with
 # 16 / 32 / 64-row steps -> diag_moe_tiled_bm.json, medium at batch 128 / 256 with the grouped GEMMs and the tiled
-# kernels up to 64 pairs per expert -> e2e_tiled_bm.json; tiled_e2e (H200): the 48B shape at batch 64, ragged 4k-8k prompts, the same A/B ->
-# e2e_tiled_48b.json.
+# kernels up to 64 pairs per expert -> e2e_tiled_bm.json; tiled_e2e (H200): the 48B shape at batch 64, ragged
+# 4k-8k prompts, the same A/B -> e2e_tiled_48b.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:

@@ -81,7 +81,7 @@ SCRIPT = textwrap.dedent(
     rps = moe_tiled.rows_per_step
     assert [rps(n * 8, 256) for n in (1, 16, 64, 256)] == [16, 16, 16, 16]
     assert [rps(n * 8, 64) for n in (64, 65, 128, 129, 256, 4096)] == [16, 32, 32, 64, 64, 64]
-    for bad_bm in (8, 24, 256):
+    for bad_bm in (8, 24, 128):
         moe_tiled.TILED["bm"] = bad_bm
         try:
             rps(64, 8)

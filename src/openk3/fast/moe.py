@@ -950,9 +950,9 @@ def experts_grouped(x, idx, weights, w1, w2, w3, *, act="situ", beta1=4.0, beta2
     ``variant`` (default :data:`VARIANT`): one of :data:`VARIANTS`, see the module docstring. Without autograd and
     with few (token, slot) pairs per expert (a decode batch), the expert-tiled kernels of
     :mod:`openk3.fast.moe_tiled` run instead, whatever the variant, where ``moe_tiled.TILED`` allows (up to 32
-    pairs per expert on average by default; ``OPENK3_MOE_TILED``). A (token, slot) routed to an expert id outside [0, E)
-    makes that token's output NaN (and, with autograd, its input gradient and that slot's weight gradient), with no
-    out-of-bounds access and no host synchronisation; the reference raises instead."""
+    pairs per expert on average by default; ``OPENK3_MOE_TILED``). A (token, slot) routed to an expert id outside
+    [0, E) makes that token's output NaN (and, with autograd, its input gradient and that slot's weight gradient),
+    with no out-of-bounds access and no host synchronisation; the reference raises instead."""
     if act not in ("situ", "silu", "swiglu"):
         raise ValueError(f"unknown activation {act!r}; expected 'situ' or 'silu'")
     v = variant or VARIANT
