@@ -403,6 +403,9 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
             _err(h.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 2, **extra}), 400)
         for so in (5, {"include_usage": "yes"}):
             _err(h.post(url, json={"model": MODEL, "prompt": "x", "stream": True, "stream_options": so}), 400)
+        for stream in ({}, {"stream": False}):  # stream options without a stream
+            body = {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}, **stream}
+            assert _err(h.post(url, json=body), 400)["param"] == "stream_options"
         bad_max = {"model": MODEL, "messages": hi, "max_completion_tokens": 0}
         assert _err(h.post(chat_url, json=bad_max), 400)["param"] == "max_completion_tokens"
         _err(h.post(server + "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)

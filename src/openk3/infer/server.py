@@ -213,6 +213,8 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
         return stream, False
     if not isinstance(so, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    if not stream:  # (as OpenAI and vLLM answer: the options of a stream that is not asked for)
+        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
     include_usage = so.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
