@@ -291,15 +291,7 @@ def test_moe_experts_no_grad(variant, check, monkeypatch):
         ),  # the 48B expert shape at a serving batch (2 pairs per expert)
         (64, 64, 8, 1024, 640, "situ", False),  # medium's latent experts (8 pairs per expert)
         (17, 896, 16, 3584, 3072, "situ", False),  # K3's expert shape, 17 tokens
-        (
-            100,
-            20,
-            3,
-            200,
-            72,
-            "situ",
-            True,
-        ),  # widths off the tiles; one expert in every token (100 rows, 32-row steps)
+        (100, 20, 3, 200, 72, "situ", True),  # widths off the tiles; one hot expert (100 rows, 32-row steps)
         (5, 7, 7, 64, 32, "silu", False),  # every expert in every token
         (256, 64, 8, 1024, 640, "situ", False),  # medium at 32 pairs per expert (64-row steps)
     ],

@@ -839,17 +839,12 @@ class Engine:
                 )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        if params.logit_bias and max(params.logit_bias) >= self.tok_vocab:
-            raise SamplingParamError(
-                "logit_bias",
-                f"logit_bias token ids must lie in [0, {self.tok_vocab}), got {max(params.logit_bias)}",
-            )
-        # a stop id past the tokenizer's vocabulary is never drawn, so it would never stop anything
-        if params.stop_token_ids and max(params.stop_token_ids) >= self.tok_vocab:
-            raise SamplingParamError(
-                "stop_token_ids",
-                f"stop_token_ids must lie in [0, {self.tok_vocab}), got {max(params.stop_token_ids)}",
-            )
+        # token ids past the tokenizer's vocabulary are never drawn: a bias on one does nothing, a stop id never stops
+        for name, ids_ in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if ids_ and (top := max(ids_)) >= self.tok_vocab:
+                raise SamplingParamError(
+                    name, f"{name} token ids must lie in [0, {self.tok_vocab}), got {top}"
+                )
         req = Request(ids, params, request_id, on_output, max_new)
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer)
