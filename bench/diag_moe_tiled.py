@@ -80,6 +80,20 @@ def measure(fn, ops, ref) -> tuple[float, float]:
     return time_graph(lambda: fn(*ops)), err
 
 
+def measure_with(settings: dict, fn, ops, ref) -> tuple[float, float]:
+    """:func:`measure` of ``fn`` without autograd, ``moe_tiled.TILED`` updated by ``settings`` meanwhile."""
+    from openk3.fast import moe_tiled
+
+    base = dict(moe_tiled.TILED)
+    moe_tiled.TILED.update(settings)
+    try:
+        with torch.no_grad():
+            return measure(fn, ops, ref)
+    finally:
+        moe_tiled.TILED.clear()
+        moe_tiled.TILED.update(base)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="48b,medium,k3")
@@ -113,7 +127,6 @@ def main() -> None:
     print(f"{name_dev}: copy {bw:.2f} TB/s")
     rows = []
     bf = torch.bfloat16 if DEV == "cuda" else torch.float16  # (the interpreter's bf16 products are wrong)
-    bound = moe_tiled.TILED["max_pairs_per_expert"]
     for name in a.shapes.split(","):
         E, K, W, I = SHAPES[name]
         w13 = torch.randn(E, 2 * I, W, device=DEV, dtype=bf) * W**-0.5
@@ -129,14 +142,12 @@ def main() -> None:
             ops = (x, idx, wt, w1, w2, w3)
             with torch.no_grad():
                 ref = experts_reference(*ops)
-                res = {"tiled": measure(moe_tiled.experts_tiled, ops, ref)}
-                moe_tiled.TILED["max_pairs_per_expert"] = 0
-                try:
-                    res["grouped"] = measure(experts_grouped, ops, ref)
-                finally:
-                    moe_tiled.TILED["max_pairs_per_expert"] = bound
-                if N <= a.per_pair_max:
-                    res["per_pair"] = measure(moe_small.experts_small, ops, ref)
+            res = {
+                "tiled": measure_with({}, moe_tiled.experts_tiled, ops, ref),
+                "grouped": measure_with(dict(max_pairs_per_expert=0), experts_grouped, ops, ref),
+            }
+            if N <= a.per_pair_max:
+                res["per_pair"] = measure_with({}, moe_small.experts_small, ops, ref)
             row = dict(shape=name, E=E, K=K, W=W, I=I, N=N, pairs_per_expert=N * K / E, experts_touched=ne,
                        MB=nbytes / 1e6, roofline_us=roof,
                        **{f"{k}_us": v[0] for k, v in res.items()}, **{f"{k}_err": v[1] for k, v in res.items()})  # fmt: skip
@@ -148,34 +159,22 @@ def main() -> None:
                 f"| {name} N{N} ({N * K / E:.2f} pairs/expert, {nbytes / 1e6:.0f} MB) | roof {roof:.1f} | {cells} |"
             )
             if a.bms and N * K / E >= a.bm_from:
-                base = dict(moe_tiled.TILED)
                 for spec in a.bms.split(","):
                     bm, _, nw = spec.partition("w")
-                    moe_tiled.TILED.update(bm=int(bm), num_warps=int(nw or base["num_warps"]))
-                    try:
-                        with torch.no_grad():
-                            t, e = measure(moe_tiled.experts_tiled, ops, ref)
-                        print(
-                            f"|   rows per step {spec} | {t:.1f} us ({nbytes / t / 1e6:.2f} TB/s), err {e:.1e} |"
-                        )
-                        rows.append(dict(shape=name, N=N, bm=spec, us=t, err=e))
-                    finally:
-                        moe_tiled.TILED.clear()
-                        moe_tiled.TILED.update(base)
+                    settings = dict(bm=int(bm), num_warps=int(nw or moe_tiled.TILED["num_warps"]))
+                    t, e = measure_with(settings, moe_tiled.experts_tiled, ops, ref)
+                    print(
+                        f"|   rows per step {spec} | {t:.1f} us ({nbytes / t / 1e6:.2f} TB/s), err {e:.1e} |"
+                    )
+                    rows.append(dict(shape=name, N=N, bm=spec, us=t, err=e))
             if a.sweep and name == "48b" and N == 64:
-                base = dict(moe_tiled.TILED)
                 for bi, bk, st, bo, bkd in SWEEP:
-                    moe_tiled.TILED.update(bi=bi, bk=bk, stages=st, bo=bo, bk_down=bkd)
-                    try:
-                        with torch.no_grad():
-                            t, e = measure(moe_tiled.experts_tiled, ops, ref)
-                        print(
-                            f"|   tiles bi{bi} bk{bk} st{st} bo{bo} bkd{bkd} | {t:.1f} us ({nbytes / t / 1e6:.2f} TB/s), err {e:.1e} |"
-                        )
-                        rows.append(dict(sweep=(bi, bk, st, bo, bkd), us=t, err=e))
-                    finally:
-                        moe_tiled.TILED.clear()
-                        moe_tiled.TILED.update(base)
+                    settings = dict(bi=bi, bk=bk, stages=st, bo=bo, bk_down=bkd)
+                    t, e = measure_with(settings, moe_tiled.experts_tiled, ops, ref)
+                    print(
+                        f"|   tiles bi{bi} bk{bk} st{st} bo{bo} bkd{bkd} | {t:.1f} us ({nbytes / t / 1e6:.2f} TB/s), err {e:.1e} |"
+                    )
+                    rows.append(dict(sweep=(bi, bk, st, bo, bkd), us=t, err=e))
         w13 = w1 = w2 = w3 = ops = None
         if DEV == "cuda":
             torch.cuda.empty_cache()
