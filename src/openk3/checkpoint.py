@@ -12,7 +12,9 @@ Accepted on load:
   ``<name>.weight_packed`` uint8 [out, in/2] holding two E2M1 codes per byte (even column in the low nibble, odd
   column in the high nibble; code = sign bit 3 | magnitude index into {0, .5, 1, 1.5, 2, 3, 4, 6}) and
   ``<name>.weight_scale`` uint8 [out, in/32] E8M0 exponents (scale = 2^(e - 127)); they are dequantised on load to
-  ``<name>.weight`` (bf16 unless a dtype is given). ``<name>.weight_shape`` entries are ignored.
+  ``<name>.weight`` (bf16 unless a dtype is given). ``<name>.weight_shape`` entries are ignored. A
+  ``quantization_config`` declaring any other format or other MXFP4 arguments is refused
+  (``check_quantization_config``).
 """
 
 from __future__ import annotations
@@ -106,11 +108,79 @@ def dequantize_mxfp4(
             f"MXFP4 scale shape {tuple(scale.shape)} does not fit packed weight {tuple(packed.shape)} "
             f"(expected [{out}, {n_in // 32}])"
         )
+    if bool((scale == 255).any()):
+        # OCP MX: the E8M0 code 0xFF is NaN, not 2^128; a weight block scaled by it is unusable
+        r, c = (scale == 255).nonzero()[0].tolist()
+        raise CheckpointError(
+            f"MXFP4 scale is 0xFF (NaN in E8M0) at row {r}, input block {c}: the checkpoint's weights are corrupt"
+        )
     table = torch.tensor(_E2M1, dtype=torch.float32)
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(out, n_in)
     vals = table[codes.long()].view(out, n_in // 32, 32)
     w = vals * torch.exp2(scale.float() - 127.0).unsqueeze(-1)
     return w.view(out, n_in).to(dtype)
+
+
+# compressed-tensors formats whose tensors openk3 reads ("dense": a group left unquantised)
+_QUANT_FORMATS = ("mxfp4-pack-quantized", "dense")
+# what a quantised group's `weights` arguments must say for the MXFP4 reader above to be right
+_MXFP4_WEIGHT_ARGS = dict(num_bits=4, type="float", group_size=32, strategy="group", symmetric=True)
+
+
+def check_quantization_config(d: dict) -> None:
+    """Refuse a ``quantization_config`` (top level or in ``text_config``) that openk3 would misread.
+
+    The K3 release declares compressed-tensors ``mxfp4-pack-quantized`` weights, at the top of the block or in each
+    of its ``config_groups``; any other format (nvfp4, int4 ``pack-quantized``, fp8, ...) or a group whose weight
+    arguments are not 4-bit float, group 32, symmetric, is an error here rather than wrong weights later. Fields
+    the block does not give are not checked."""
+    blocks = [d.get("quantization_config")]
+    if isinstance(d.get("text_config"), dict):
+        blocks.append(d["text_config"].get("quantization_config"))
+    for q in blocks:
+        if q is None:
+            continue
+        if not isinstance(q, dict):
+            raise CheckpointError(f"quantization_config must be a JSON object, got {type(q).__name__}")
+        groups = q.get("config_groups") or {}
+        if not isinstance(groups, dict):
+            raise CheckpointError("quantization_config.config_groups must be a JSON object")
+        for where, fmt in [("quantization_config.format", q.get("format"))] + [
+            (f"config_groups.{g}.format", (v or {}).get("format") if isinstance(v, dict) else None)
+            for g, v in groups.items()
+        ]:
+            if fmt is not None and fmt not in _QUANT_FORMATS:
+                raise CheckpointError(
+                    f"{where} is {fmt!r}: openk3 reads compressed-tensors {_QUANT_FORMATS[0]!r} weights only "
+                    "(dequantise the checkpoint to bf16 first)"
+                )
+        for g, v in groups.items():
+            w = v.get("weights") if isinstance(v, dict) else None
+            if not isinstance(w, dict):
+                continue
+            for k, want in _MXFP4_WEIGHT_ARGS.items():
+                got = w.get(k, want)
+                if isinstance(got, str) and isinstance(want, str):
+                    got = got.lower()
+                if got != want:
+                    raise CheckpointError(
+                        f"config_groups.{g}.weights.{k} is {w.get(k)!r}; openk3's MXFP4 reader needs {want!r}"
+                    )
+
+
+def check_checkpoint_quantization(path: str) -> None:
+    """``check_quantization_config`` on the ``config.json`` beside a checkpoint, when there is one."""
+    d = path if os.path.isdir(path) else os.path.dirname(path)
+    p = os.path.join(d, "config.json")
+    if not os.path.exists(p):
+        return
+    try:
+        with open(p, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return  # K3Config.from_pretrained reports an unreadable config.json
+    if isinstance(raw, dict):
+        check_quantization_config(raw)
 
 
 def _dequantize_stream(tensors, dtype):
@@ -249,6 +319,7 @@ def load_pretrained(path, *, dtype: torch.dtype | None = None, device="cpu", con
     path = os.fspath(path)
     cfg = config or K3Config.from_pretrained(path if os.path.isdir(path) else os.path.dirname(path))
     files = checkpoint_files(path)
+    check_checkpoint_quantization(path)
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
     sd = to_internal(cfg, _dequantize_stream(iter_tensors(files), dtype or torch.bfloat16))
