@@ -452,8 +452,9 @@ def cmd_serve(args) -> int:
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
-    except ImportError:
-        raise RuntimeError("serving needs fastapi and uvicorn: pip install 'openk3[serve]'") from None
+    except ImportError as e:
+        # name what failed: a package that is present but whose own dependency is missing or too old reads the same
+        raise RuntimeError(f"serving needs fastapi and uvicorn: pip install 'openk3[serve]' ({e})") from None
     from openk3.infer.server import check_api_key, serve
 
     max_request_bytes = int(args.max_request_mb * 2**20) if math.isfinite(args.max_request_mb) else 0

@@ -1,0 +1,137 @@
+"""Where the engine's prefill time goes: each prefill chunk timed on its own (synchronised), cold and warm, beside
+the model's plain forward over the same tokens, and a profile of one warm chunk (top operations by device and by
+host time).
+
+    python3 bench/diag_prefill.py [--prompts 8] [--prompt-len 512] [--no-profile]
+                                  [any `openk3 serve` model / engine option, e.g. --preset medium --max-prefill-tokens 2048]
+
+Prints a table per run (chunk length bucket, chunks, median / total ms, prompt tokens per second) and writes JSON
+(default ``$OUT/diag_prefill.json`` or ``bench/out/diag_prefill.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+
+def _bucket(t: int) -> str:
+    for hi in (1, 16, 64, 256, 1024, 4096):
+        if t <= hi:
+            return f"<= {hi}"
+    return "> 4096"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--out", default=None)
+    args, rest = ap.parse_known_args(argv)
+    if args.prompts < 1 or args.prompt_len < 2:
+        raise SystemExit("--prompts must be >= 1 and --prompt-len >= 2")
+
+    import torch
+
+    from openk3.cli import build_parser
+    from openk3.infer.cli import _load
+    from openk3.infer.sampling import SamplingParams
+
+    engine, name, _ = _load(build_parser().parse_args(["serve", *rest]))
+    dev = next(engine.model.parameters()).device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    records: list[tuple[int, int, float]] = []
+    inner = engine._prefill_chunk
+
+    def timed(req, start, end):
+        sync()
+        t0 = time.perf_counter()
+        inner(req, start, end)
+        sync()
+        records.append((start, end - start, 1e3 * (time.perf_counter() - t0)))
+
+    engine._prefill_chunk = timed
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    rng = random.Random(0)
+    vocab = engine.tok_vocab
+    result: dict = {"model": name, "device": str(dev), "prompts": args.prompts, "prompt_len": args.prompt_len}
+    result["max_prefill_tokens"] = engine.cfg.max_prefill_tokens
+    print(
+        f"{name} on {dev}: {args.prompts} prompts of {args.prompt_len} tokens, chunks of at most "
+        f"{engine.cfg.max_prefill_tokens} tokens per step"
+    )
+    for run in ("cold", "warm"):
+        records.clear()
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+        sync()
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        sync()
+        wall = time.perf_counter() - t0
+        tokens = sum(n for _, n, _ in records)
+        print(
+            f"\n{run}: {wall:.2f} s wall, {tokens} prompt tokens in {len(records)} chunks, "
+            f"{sum(ms for *_, ms in records) / 1e3:.2f} s in the chunks, {tokens / wall:.0f} prompt tok/s\n"
+        )
+        print("| chunk tokens | chunks | median ms | total ms | tok/s in these chunks |")
+        print("| --- | --- | --- | --- | --- |")
+        rows = {}
+        for _, n, ms in records:
+            rows.setdefault(_bucket(n), []).append((n, ms))
+        for b, xs in sorted(rows.items(), key=lambda kv: min(n for n, _ in kv[1])):
+            tot = sum(ms for _, ms in xs)
+            print(
+                f"| {b} | {len(xs)} | {statistics.median(ms for _, ms in xs):.2f} | {tot:.1f} | "
+                f"{1e3 * sum(n for n, _ in xs) / tot:.0f} |"
+            )
+        result[run] = {"wall_s": wall, "chunks": [list(r) for r in records]}
+
+    # the model's own forward over one prompt (no cache, no pool): what a chunk could cost
+    ids = torch.randint(3, vocab, (1, args.prompt_len - 1), device=dev)
+    with torch.no_grad():
+        for _ in range(2):
+            engine.model(ids)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            engine.model(ids)
+        sync()
+    fwd_ms = 1e3 * (time.perf_counter() - t0) / 3
+    result["model_forward_ms"] = fwd_ms
+    print(f"\nmodel forward, [1, {args.prompt_len - 1}] tokens, no cache: {fwd_ms:.2f} ms")
+
+    if not args.no_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        prompt = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]]
+        with profile(activities=acts) as prof:
+            engine.generate(prompt, params)
+            sync()
+        ka = prof.key_averages()
+        dev_key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        print("\none warm prompt, top operations by device time:")
+        print(ka.table(sort_by=dev_key, row_limit=20, max_name_column_width=60))
+        print("top operations by host time:")
+        print(ka.table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
+    out = args.out or os.path.join(
+        os.environ.get("OUT") or os.path.join(ROOT, "bench", "out"), "diag_prefill.json"
+    )
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
