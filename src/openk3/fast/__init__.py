@@ -22,7 +22,15 @@ conv      ``fla``         fla-core ``causal_conv1d`` + SiLU (KDA q/k/v short con
 
 from __future__ import annotations
 
-from openk3.fast import attnres, conv, kda, mla, moe, moe_small, moe_tiled, norm
+import warnings
+
+# fla-core warns on import where Triton has no GPU ("roll back to CPU"); openk3 runs fla only on CUDA inputs and
+# says which backend each op uses in `openk3 env`, so the warning would only clutter every CPU command's stderr
+with warnings.catch_warnings():
+    warnings.filterwarnings(
+        "ignore", message="Triton is not supported on current platform", category=UserWarning
+    )
+    from openk3.fast import attnres, conv, kda, mla, moe, moe_small, moe_tiled, norm
 from openk3.ops import backend as _backend
 from openk3.ops.backend import Backend
 

@@ -72,7 +72,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-prefill-tokens", type=int, default=512, help="prompt tokens prefilled per engine step"
     )
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
-    g.add_argument("--prefix-interval", type=int, default=64, help="prefix-cache snapshot interval in tokens")
+    g.add_argument(
+        "--prefix-interval",
+        type=int,
+        default=512,
+        help="prefix-cache snapshot interval in tokens; each multiple ends a prefill chunk, so smaller values "
+        "reuse shorter prefixes but prefill in more, slower pieces (default 512)",
+    )
     g.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,

@@ -139,7 +139,12 @@ class EngineConfig:
     max_model_len: int | None = None
     max_prefill_tokens: int = 512
     prefix_cache: bool = True
-    prefix_interval: int = 64
+    # prefix-cache snapshot interval in tokens. Every multiple of it ends a prefill chunk (the KDA state is saved
+    # there), and an eager prefill forward costs about the same host time whatever its length (`medium` on an H100:
+    # ~80 ms for 64 tokens or 511, bench/diag_prefill.py, bench/NOTES.md v35), so the interval also sets the prefill
+    # rate: 64 made a 512-token prompt 8 forwards. 512 matches max_prefill_tokens; shorter shared prefixes than this
+    # are not reused
+    prefix_interval: int = 512
     prefix_cache_bytes: int | None = None  # default: max(64 MiB, 16 sequences' state)
     use_cuda_graphs: bool = True  # decode step captured per batch bucket on CUDA; ignored on CPU
     cuda_graph_max_batch: int = 64
