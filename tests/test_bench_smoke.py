@@ -201,3 +201,25 @@ def test_diag_moe_tiled_cpu(tmp_path, monkeypatch):
     for q in rows:
         assert all(q[f"{p}_err"] < 2e-3 for p in ("tiled", "grouped", "per_pair")), q
     assert "| tiny N20" in r.stdout
+
+
+def test_diag_prefill_cpu(tmp_path):
+    out = tmp_path / "prefill.json"
+    r = _run(
+        [
+            "bench/diag_prefill.py", "--prompts", "3", "--prompt-len", "40", "--preset", "tiny",
+            "--max-prefill-tokens", "32", "--prefix-interval", "16", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    for run in ("cold", "warm"):
+        chunks = data[run]["chunks"]
+        # 3 prompts x 39 prefilled tokens; a piece ends at a multiple of 16, at the prompt's end, or where the
+        # step's budget ran out, and then it has at least a quarter of the budget (8 tokens)
+        assert sum(n for _, n, _ in chunks) == 3 * 39
+        assert all(0 < n <= 16 for _, n, _ in chunks)
+        assert all((start + n) % 16 == 0 or start + n == 39 or n >= 8 for start, n, _ in chunks)
+        assert all(ms > 0 for *_, ms in chunks)
+    assert data["model_forward_ms"] > 0
+    assert "| chunk tokens |" in r.stdout and "top operations by device time" in r.stdout

@@ -428,6 +428,39 @@ def test_continuous_batching_and_chunked_prefill_do_not_stall(tiny, overlap):
     assert eng.stats()["pages_used_by_sequences"] == 0
 
 
+@pytest.mark.parametrize("prefix", [False, True])
+def test_prefill_defers_pieces_cut_short_by_the_leftover_budget(tiny, prefix):
+    """Each prefill piece is one forward: one that the step's leftover budget would cut to under a quarter of
+    max_prefill_tokens waits for the next step (whole budget); a prompt that fits in the leftover still goes. The
+    tokens are those of a full re-forward either way."""
+    eng = Engine(
+        tiny, None, page_size=8, max_seqs=4, max_tokens=2048, max_prefill_tokens=32, prefix_cache=prefix,
+        prefix_interval=32, record_logits=True,
+    )  # fmt: skip
+    pieces = []
+    inner = eng._prefill_chunk
+
+    def spy(req, start, end):
+        pieces.append((id(req), start, end))
+        inner(req, start, end)
+
+    eng._prefill_chunk = spy
+    # targets (prompt - 1): 30, 30, 2, 70 -> step 1: A 30, C fits the leftover 2 (B would get 2 < 8: deferred);
+    # step 2: B 30, D 2 would be cut to 2: deferred; then D 32, 32, 6
+    prompts = _prompts(13, [31, 31, 3, 71])
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    reqs = [eng.submit(p, params) for p in prompts]
+    eng.step()
+    ids = {id(r): k for k, r in zip("ABCD", reqs)}
+    assert [(ids[r], a, b) for r, a, b in pieces] == [("A", 0, 30), ("C", 0, 2)]
+    while not all(r.finished for r in reqs):
+        eng.step()
+    got = [(ids[r], a, b) for r, a, b in pieces]
+    assert got[2:] == [("B", 0, 30), ("D", 0, 32), ("D", 32, 64), ("D", 64, 70)]
+    assert all(b - a >= 8 or b == len(prompts["ABCD".index(k)]) - 1 for k, a, b in got)
+    _check_against_full_forward(tiny, reqs)
+
+
 def test_abort_frees_pages_and_slot(tiny):
     eng = Engine(tiny, None, page_size=4, max_seqs=2, max_tokens=512, prefix_cache=False)
     outs = []
