@@ -1,11 +1,13 @@
-"""Where the engine's prefill time goes: each prefill chunk timed on its own (synchronised), cold and warm, beside
+"""Where the engine's prefill time goes: each prefill forward (one chunk, or with ``--batch-prefill`` the packed
+pieces of several prompts) timed on its own (synchronised), cold and warm, beside
 the model's plain forward over the same tokens, and a profile of one warm chunk (top operations by device and by
 host time).
 
     python3 bench/diag_prefill.py [--prompts 8] [--prompt-len 512] [--no-profile]
                                   [any `openk3 serve` model / engine option, e.g. --preset medium --max-prefill-tokens 2048]
 
-Prints a table per run (chunk length bucket, chunks, median / total ms, prompt tokens per second) and writes JSON
+Prints a table per run (tokens per forward, forwards, pieces per forward, median / total ms, prompt tokens per
+second) and writes JSON
 (default ``$OUT/diag_prefill.json`` or ``bench/out/diag_prefill.json``).
 """
 
@@ -49,17 +51,21 @@ def main(argv=None) -> int:
     engine, name, _ = _load(build_parser().parse_args(["serve", *rest]))
     dev = next(engine.model.parameters()).device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    records: list[tuple[int, int, float]] = []
-    inner = engine._prefill_chunk
+    # one entry per prefill forward: its pieces [(start, tokens)] and its time
+    records: list[tuple[list[tuple[int, int]], float]] = []
 
-    def timed(req, start, end):
-        sync()
-        t0 = time.perf_counter()
-        inner(req, start, end)
-        sync()
-        records.append((start, end - start, 1e3 * (time.perf_counter() - t0)))
+    def timed(inner, pieces_of):
+        def run(*a):
+            sync()
+            t0 = time.perf_counter()
+            inner(*a)
+            sync()
+            records.append((pieces_of(*a), 1e3 * (time.perf_counter() - t0)))
 
-    engine._prefill_chunk = timed
+        return run
+
+    engine._prefill_chunk = timed(engine._prefill_chunk, lambda req, start, end: [(start, end - start)])
+    engine._prefill_packed = timed(engine._prefill_packed, lambda pieces: [(a, b - a) for _, a, b in pieces])
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     rng = random.Random(0)
     vocab = engine.tok_vocab
@@ -77,23 +83,26 @@ def main(argv=None) -> int:
         engine.generate(prompts, params)
         sync()
         wall = time.perf_counter() - t0
-        tokens = sum(n for _, n, _ in records)
+        tokens = sum(n for pieces, _ in records for _, n in pieces)
         print(
-            f"\n{run}: {wall:.2f} s wall, {tokens} prompt tokens in {len(records)} chunks, "
-            f"{sum(ms for *_, ms in records) / 1e3:.2f} s in the chunks, {tokens / wall:.0f} prompt tok/s\n"
+            f"\n{run}: {wall:.2f} s wall, {tokens} prompt tokens in {len(records)} forwards, "
+            f"{sum(ms for _, ms in records) / 1e3:.2f} s in them, {tokens / wall:.0f} prompt tok/s\n"
         )
-        print("| chunk tokens | chunks | median ms | total ms | tok/s in these chunks |")
-        print("| --- | --- | --- | --- | --- |")
+        print(
+            "| tokens per forward | forwards | pieces per forward | median ms | total ms | tok/s in these forwards |"
+        )
+        print("| --- | --- | --- | --- | --- | --- |")
         rows = {}
-        for _, n, ms in records:
-            rows.setdefault(_bucket(n), []).append((n, ms))
-        for b, xs in sorted(rows.items(), key=lambda kv: min(n for n, _ in kv[1])):
-            tot = sum(ms for _, ms in xs)
+        for pieces, ms in records:
+            n = sum(k for _, k in pieces)
+            rows.setdefault(_bucket(n), []).append((n, len(pieces), ms))
+        for b, xs in sorted(rows.items(), key=lambda kv: min(n for n, _, _ in kv[1])):
+            tot = sum(ms for *_, ms in xs)
             print(
-                f"| {b} | {len(xs)} | {statistics.median(ms for _, ms in xs):.2f} | {tot:.1f} | "
-                f"{1e3 * sum(n for n, _ in xs) / tot:.0f} |"
+                f"| {b} | {len(xs)} | {statistics.mean(p for _, p, _ in xs):.1f} | "
+                f"{statistics.median(ms for *_, ms in xs):.2f} | {tot:.1f} | {1e3 * sum(n for n, _, _ in xs) / tot:.0f} |"
             )
-        result[run] = {"wall_s": wall, "chunks": [list(r) for r in records]}
+        result[run] = {"wall_s": wall, "forwards": [{"pieces": p, "ms": ms} for p, ms in records]}
 
     # the model's own forward over one prompt (no cache, no pool): what a chunk could cost
     ids = torch.randint(3, vocab, (1, args.prompt_len - 1), device=dev)

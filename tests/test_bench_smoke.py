@@ -203,23 +203,26 @@ def test_diag_moe_tiled_cpu(tmp_path, monkeypatch):
     assert "| tiny N20" in r.stdout
 
 
-def test_diag_prefill_cpu(tmp_path):
+@pytest.mark.parametrize("packed", [False, True])
+def test_diag_prefill_cpu(tmp_path, packed):
     out = tmp_path / "prefill.json"
     r = _run(
         [
             "bench/diag_prefill.py", "--prompts", "3", "--prompt-len", "40", "--preset", "tiny",
             "--max-prefill-tokens", "32", "--prefix-interval", "16", "--out", str(out),
-        ]
+        ] + (["--batch-prefill"] if packed else [])
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
     for run in ("cold", "warm"):
-        chunks = data[run]["chunks"]
+        pieces = [p for f in data[run]["forwards"] for p in f["pieces"]]
+        assert all(f["ms"] > 0 for f in data[run]["forwards"])
         # 3 prompts x 39 prefilled tokens; a piece ends at a multiple of 16, at the prompt's end, or where the
         # step's budget ran out, and then it has at least a quarter of the budget (8 tokens)
-        assert sum(n for _, n, _ in chunks) == 3 * 39
-        assert all(0 < n <= 16 for _, n, _ in chunks)
-        assert all((start + n) % 16 == 0 or start + n == 39 or n >= 8 for start, n, _ in chunks)
-        assert all(ms > 0 for *_, ms in chunks)
+        assert sum(n for _, n in pieces) == 3 * 39
+        assert all(0 < n <= 16 for _, n in pieces)
+        assert all((start + n) % 16 == 0 or start + n == 39 or n >= 8 for start, n in pieces)
+        # packed: some forward took pieces of several prompts
+        assert max(len(f["pieces"]) for f in data[run]["forwards"]) == (3 if packed else 1)
     assert data["model_forward_ms"] > 0
-    assert "| chunk tokens |" in r.stdout and "top operations by device time" in r.stdout
+    assert "| tokens per forward |" in r.stdout and "top operations by device time" in r.stdout

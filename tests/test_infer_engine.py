@@ -461,6 +461,57 @@ def test_prefill_defers_pieces_cut_short_by_the_leftover_budget(tiny, prefix):
     _check_against_full_forward(tiny, reqs)
 
 
+@pytest.mark.parametrize("prefix", [False, True])
+def test_batch_prefill_equals_one_sequence_per_forward(tiny, prefix):
+    """EngineConfig.batch_prefill packs one piece of each prefilling request into one forward (varlen KDA from each
+    sequence's own state and conv history, per-sequence MLA over its cached prefix): the logits equal the
+    one-sequence-per-forward engine's and a full re-forward, with ragged prompts longer than a step's budget (so
+    pieces continue from cached state), a one-token prompt, prefix-cache hits and prompt logprobs."""
+    kw = dict(page_size=5, max_seqs=6, max_tokens=2048, max_prefill_tokens=48, record_logits=True)
+    kw |= dict(prefix_interval=16) if prefix else dict(prefix_cache=False)
+    base = _prompts(21, [70])[0]
+    prompts = _prompts(22, [2, 37, 90, 17]) + [base[:40] + _prompts(23, [9])[0]]
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True) for _ in prompts]
+    params[1] = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    runs = []
+    for batch in (False, True):
+        eng = Engine(tiny, None, batch_prefill=batch, **kw)
+        forwards = []
+        for name in ("_prefill_chunk", "_prefill_packed"):
+            inner = getattr(eng, name)
+
+            def spy(*a, inner=inner, name=name, forwards=forwards):
+                forwards.append(name)
+                return inner(*a)
+
+            setattr(eng, name, spy)
+        eng.generate([base], params[0])  # leaves snapshots of base's prefix behind when prefix caching is on
+        runs.append((eng.generate(prompts, params), forwards))
+    (one, one_fw), (packed, packed_fw) = runs
+    assert "_prefill_packed" in packed_fw and "_prefill_packed" not in one_fw
+    assert len(packed_fw) < len(one_fw)  # fewer forwards for the same prompts
+    if prefix:
+        assert packed[4].prefix_hit == one[4].prefix_hit == 32
+    for a, b in zip(packed, one):
+        assert a.output_ids == b.output_ids
+        assert _rel(torch.stack(a.logits_log), torch.stack(b.logits_log)) < 1e-5
+    _check_logprobs(tiny, packed[1])  # prompt logprobs from the packed forward against a full re-forward
+    _check_against_full_forward(tiny, packed)
+
+
+def test_batch_prefill_survives_preemption(tiny):
+    """Pages run out while a packed step is planned: the preempted request restarts from scratch and every output
+    equals a full re-forward."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    eng = Engine(
+        tiny, None, page_size=4, max_seqs=3, max_tokens=72, prefix_cache=False, record_logits=True,
+        batch_prefill=True, max_prefill_tokens=64,
+    )  # fmt: skip
+    reqs = eng.generate(_prompts(6, [20, 25, 30]), params)
+    assert eng.stats()["preemptions_total"] > 0
+    _check_against_full_forward(tiny, reqs)
+
+
 def test_abort_frees_pages_and_slot(tiny):
     eng = Engine(tiny, None, page_size=4, max_seqs=2, max_tokens=512, prefix_cache=False)
     outs = []

@@ -146,6 +146,11 @@ class EngineConfig:
     # are not reused
     prefix_interval: int = 512
     prefix_cache_bytes: int | None = None  # default: max(64 MiB, 16 sequences' state)
+    # prefill one piece of each of several requests in one forward: the pieces packed as varlen sequences, each KDA
+    # layer from each sequence's own state and conv history, each MLA layer attending per sequence over its cached
+    # prefix. A prefill forward is host-bound on a GPU (bench/NOTES.md v35), so this takes a burst of prompts in
+    # fewer forwards. Exact on the CPU (tests); not yet measured on a GPU, so off by default
+    batch_prefill: bool = False
     use_cuda_graphs: bool = True  # decode step captured per batch bucket on CUDA; ignored on CPU
     cuda_graph_max_batch: int = 64
     gpu_memory_utilization: float = 0.9
@@ -1172,6 +1177,7 @@ class Engine:
         # bench/NOTES.md v35): a piece cut short by the little budget a step has left is deferred to the next
         # step, where it gets a whole budget. A request that fits in the leftover still goes.
         min_piece = max(1, self.cfg.max_prefill_tokens // 4)
+        packed: list[tuple[Request, int, int]] = []  # batch_prefill: one piece per request, one forward
         for req in list(self.active):
             if budget <= 0:
                 break
@@ -1187,15 +1193,29 @@ class Engine:
                     break
                 if not self._ensure_pages(req, end):
                     break
-                self._prefill_chunk(req, start, end)
                 budget -= end - start
-                self.metrics["prompt_tokens_computed"] += end - start
-                req.num_computed = end
-                if self.prefix is not None and end % self.prefix.interval == 0:
-                    if req._keys is None:
-                        req._keys = dict(self.prefix.block_keys(req.all_ids, target))
-                    key = req._keys[end]
-                    self.prefix.insert(key, req.all_ids, end, req.pages, req.slot)
+                if self.cfg.batch_prefill:
+                    packed.append((req, start, end))
+                    break
+                self._prefill_chunk(req, start, end)
+                self._prefilled(req, start, end)
+        # a request preempted for another's pages after its piece was planned has lost its slot and restarts at 0
+        packed = [p for p in packed if p[0].slot is not None and p[0].num_computed == p[1]]
+        if len(packed) == 1:
+            self._prefill_chunk(*packed[0])
+        elif packed:
+            self._prefill_packed(packed)
+        for req, start, end in packed:
+            self._prefilled(req, start, end)
+
+    def _prefilled(self, req: Request, start: int, end: int) -> None:
+        """Book a prefilled piece: the request's progress, and a prefix snapshot where it ends on the interval."""
+        self.metrics["prompt_tokens_computed"] += end - start
+        req.num_computed = end
+        if self.prefix is not None and end % self.prefix.interval == 0:
+            if req._keys is None:
+                req._keys = dict(self.prefix.block_keys(req.all_ids, len(req.all_ids) - 1))
+            self.prefix.insert(req._keys[end], req.all_ids, end, req.pages, req.slot)
 
     def _prefill_chunk(self, req: Request, start: int, end: int) -> None:
         """Prefill tokens [start, end) of one sequence through the model's own attention modules (chunked KDA / MHA
@@ -1232,6 +1252,64 @@ class Engine:
             rows = pool.slot_mapping(req.pages, start, end)
             for li in lay.mla_layers:
                 d = caches[li]
+                lat = torch.cat([d["c"][0, start:end], d["kr"][0, start:end].to(d["c"].dtype)], dim=-1)
+                pool.write_latent(pool.pool_index[li], rows, lat)
+
+    def _prefill_packed(self, pieces: list[tuple[Request, int, int]]) -> None:
+        """Prefill one piece [start, end) of each of several sequences in one forward (``batch_prefill``): the
+        pieces packed along the token axis as varlen sequences (``cu_seqlens``) through the model's own layers.
+        Each KDA layer starts every sequence from its own state and conv history; each MLA layer projects all tokens
+        at once and attends per sequence over its cached prefix and its new tokens."""
+        pool, lay = self.pool, self.pool.layout
+        dc = lay.kv_lora_rank
+        slots = torch.tensor([req.slot for req, _, _ in pieces], device=pool.state.device)
+        offs = [0]
+        for _, start, end in pieces:
+            offs.append(offs[-1] + end - start)
+        cu = torch.tensor(offs, dtype=torch.long, device=self.device)
+        caches: dict[int, dict] = {}
+        for li in lay.kda_layers:
+            j = pool.pool_index[li]
+            conv = pool.conv[j].index_select(0, slots)
+            state = pool.state[j].index_select(0, slots)
+            caches[li] = {"conv_q": conv[:, 0], "conv_k": conv[:, 1], "conv_v": conv[:, 2], "state": state}
+        prior: dict[int, list[dict]] = {}
+        for li in lay.mla_layers:
+            prior[li] = []
+            for req, start, _ in pieces:
+                if start > 0:
+                    lat = pool.gather_latent(pool.pool_index[li], req.pages, start)[None]
+                    prior[li].append({"c": lat[..., :dc], "kr": lat[..., dc:]})
+                else:
+                    prior[li].append({})
+
+        def attn(i, layer, x):
+            mod = layer.self_attn
+            if i in caches:
+                return mod(x, cu_seqlens=cu, cache=caches[i])
+            T = x.shape[1]
+            q = mod.project_q(x).view(1, T, mod.num_heads, mod.dn + mod.dr)
+            c, kr = mod.latent(x)
+            o = [
+                mod.attend(q[:, a:b], c[:, a:b], kr[:, a:b], x.dtype, cache=prior[i][n])
+                for n, (a, b) in enumerate(zip(offs[:-1], offs[1:]))
+            ]
+            return mod.output(torch.cat(o, dim=1), x)
+
+        ids = [t for req, start, end in pieces for t in req.all_ids[start:end]]
+        h = self._walk(self.model.model.embed_tokens(device_tensor([ids], torch.long, self.device)), attn)
+        for n, (req, start, end) in enumerate(pieces):
+            if req.wants_prompt_logprobs():
+                self._prompt_logprobs(req, h[0, offs[n] : offs[n + 1]], start, end)
+        for li in lay.kda_layers:
+            j, d = pool.pool_index[li], caches[li]
+            conv = torch.stack([d["conv_q"], d["conv_k"], d["conv_v"]], dim=1)
+            pool.conv[j].index_copy_(0, slots, conv.to(pool.conv.dtype))
+            pool.state[j].index_copy_(0, slots, d["state"].to(pool.state.dtype))
+        for n, (req, start, end) in enumerate(pieces):
+            rows = pool.slot_mapping(req.pages, start, end)
+            for li in lay.mla_layers:
+                d = prior[li][n]
                 lat = torch.cat([d["c"][0, start:end], d["kr"][0, start:end].to(d["c"].dtype)], dim=-1)
                 pool.write_latent(pool.pool_index[li], rows, lat)
 

@@ -71,16 +71,31 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """x: [B, T, D]. cache: this layer's dict with ``c`` [B, S, dc] and ``kr`` [B, S, dr], extended in place."""
         B, T, _ = x.shape
-        H = self.num_heads
-        q = self.project_q(x).view(B, T, H, self.dn + self.dr)
+        q = self.project_q(x).view(B, T, self.num_heads, self.dn + self.dr)
         c, kr = self.latent(x)
+        return self.output(self.attend(q, c, kr, x.dtype, cu_seqlens=cu_seqlens, cache=cache), x)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        c: torch.Tensor,
+        kr: torch.Tensor,
+        dtype: torch.dtype,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: dict | None = None,
+    ) -> torch.Tensor:
+        """The attention core: queries ``q`` [B, T, H, dn + dr] over the latent ``c`` / ``kr`` of the same tokens,
+        after the ``cache``'s earlier ones (extended in place). Returns the heads' values [B, T, H * dv] in
+        ``dtype`` (the layer input's)."""
+        B, T, H = q.shape[0], q.shape[1], self.num_heads
         if cache is not None:
             if "c" in cache:
                 c = torch.cat([cache["c"], c.to(cache["c"].dtype)], dim=1)
                 kr = torch.cat([cache["kr"], kr.to(cache["kr"].dtype)], dim=1)
             cache["c"], cache["kr"] = c, kr
         S = c.shape[1]
-        be = _backend.resolve("mla", x.is_cuda, self.backend)
+        be = _backend.resolve("mla", q.is_cuda, self.backend)
         if (
             cache is not None
             and T <= self.absorbed_max_len
@@ -92,16 +107,16 @@ class MLAttention(nn.Module):
             o = fn(
                 q[..., : self.dn],
                 q[..., self.dn :],
-                c.to(x.dtype),
-                kr.to(x.dtype),
+                c.to(dtype),
+                kr.to(dtype),
                 w_uk,
                 w_uv,
                 scale=self.scale,
             )
         else:
-            kv = self.kv_b_proj(c.to(x.dtype)).view(B, S, H, self.dn + self.dv)
+            kv = self.kv_b_proj(c.to(dtype)).view(B, S, H, self.dn + self.dv)
             k_nope, v = kv.split([self.dn, self.dv], dim=-1)
-            k = torch.cat([k_nope, kr.to(x.dtype)[:, :, None, :].expand(B, S, H, self.dr)], dim=-1)
+            k = torch.cat([k_nope, kr.to(dtype)[:, :, None, :].expand(B, S, H, self.dr)], dim=-1)
             if be == "reference" or be not in FAST_MHA:
                 res = mla_mha_attention(
                     q, k, v, scale=self.scale, cu_seqlens=cu_seqlens, return_max_logit=self.record_max_logit
@@ -114,7 +129,10 @@ class MLAttention(nn.Module):
                 o = FAST_MHA[be](q, k, v, scale=self.scale, cu_seqlens=cu_seqlens)
                 if self.record_max_logit:  # QK-Clip statistic beside the fused kernel, in bounded memory
                     self.max_logit = mla_max_logit(q, k, scale=self.scale, cu_seqlens=cu_seqlens)
-        o = o.reshape(B, T, H * self.dv)
+        return o.reshape(B, T, H * self.dv)
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The output gate (from the layer input ``x``) and projection of the heads' values ``o`` [B, T, H * dv]."""
         if self.use_gate:
             o = torch.sigmoid(self.g_proj(x)) * o
         return self.o_proj(o)
