@@ -5,8 +5,8 @@ Each :meth:`Engine.step`:
 1. takes new requests and aborts (thread-safe inbox), admits waiting requests while a sequence slot and pages are
    free (restoring the longest cached prefix: KDA state snapshot + shared MLA pages);
 2. runs chunked prefill, at most ``max_prefill_tokens`` prompt tokens per step over all prefilling requests, one
-   sequence at a time through the model's own layers; chunks end at multiples of the prefix-cache interval, where
-   the KDA state is snapshotted;
+   sequence at a time through the model's own layers (with ``batch_prefill``, one piece of each request packed in
+   one forward); chunks end at multiples of the prefix-cache interval, where the KDA state is snapshotted;
 3. runs one batched decode step for every request whose cache holds all but its last token: the last token is fed,
    its latent written into the pages, and the next token sampled.
 
