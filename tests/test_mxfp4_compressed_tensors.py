@@ -128,6 +128,8 @@ def test_checkpoint_written_by_compressed_tensors_loads_exactly(tmp_path):
     "block, match",
     [
         ({"format": "nvfp4-pack-quantized"}, "nvfp4"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "quant_method"),
+        ({"quant_method": "gptq", "bits": 4}, "quant_method"),
         ({"config_groups": {"group_0": {"format": "pack-quantized"}}}, "group_0.format"),
         ({"config_groups": {"g": {"weights": {"num_bits": 8}}}}, "num_bits"),
         ({"config_groups": {"g": {"weights": {"group_size": 16}}}}, "group_size"),

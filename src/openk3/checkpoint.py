@@ -123,6 +123,9 @@ def dequantize_mxfp4(
 
 # compressed-tensors formats whose tensors openk3 reads ("dense": a group left unquantised)
 _QUANT_FORMATS = ("mxfp4-pack-quantized", "dense")
+# quant_method values under which those formats are declared; others (fp8, gptq, awq, bitsandbytes, ...) store
+# other tensors
+_QUANT_METHODS = ("compressed-tensors", "mxfp4")
 # what a quantised group's `weights` arguments must say for the MXFP4 reader above to be right
 _MXFP4_WEIGHT_ARGS = dict(num_bits=4, type="float", group_size=32, strategy="group", symmetric=True)
 
@@ -142,6 +145,12 @@ def check_quantization_config(d: dict) -> None:
             continue
         if not isinstance(q, dict):
             raise CheckpointError(f"quantization_config must be a JSON object, got {type(q).__name__}")
+        method = q.get("quant_method")
+        if method is not None and str(method).lower() not in _QUANT_METHODS:
+            raise CheckpointError(
+                f"quantization_config.quant_method is {method!r}: openk3 reads compressed-tensors "
+                f"{_QUANT_FORMATS[0]!r} weights only (dequantise the checkpoint to bf16 first)"
+            )
         groups = q.get("config_groups") or {}
         if not isinstance(groups, dict):
             raise CheckpointError("quantization_config.config_groups must be a JSON object")
