@@ -100,6 +100,53 @@ def test_kda_decode_reference_matches_module(tiny, rel):
     assert torch.equal(conv[[1, 3]], untouched[0]) and torch.equal(state[[1, 3]], untouched[1])
 
 
+def test_kda_snapshots_inside_a_chunk_equal_separate_runs(tiny, rel):
+    """cache["snap_at"]: the KDA layer hands back its state and conv histories after p tokens of the chunk (one
+    of them inside the first W - 1 tokens, where the history still reaches into the chunk's initial state), equal
+    to running the first p tokens alone; the output and the final cache equal an unsplit run."""
+    cfg = tiny.config
+    layer = tiny.model.layers[0].self_attn
+    B, T0, T = 2, 5, 40
+    x = torch.randn(B, T0 + T, cfg.hidden_size)
+    with torch.no_grad():
+        start = {}
+        layer(x[:, :T0], cache=start)  # a non-trivial state and conv history to start from
+        plain = {k: v.clone() for k, v in start.items()}
+        want = layer(x[:, T0:], cache=plain)
+        split = {k: v.clone() for k, v in start.items()} | {"snap_at": [2, 17, 33]}
+        got = layer(x[:, T0:], cache=split)
+        assert rel(got, want) < 1e-5
+        for name in ("state", "conv_q", "conv_k", "conv_v"):
+            assert rel(split[name], plain[name]) < 1e-5, name
+        assert len(split["snaps"]) == 3
+        for p, (state, conv) in zip([2, 17, 33], split["snaps"]):
+            alone = {k: v.clone() for k, v in start.items()}
+            layer(x[:, T0 : T0 + p], cache=alone)
+            assert rel(state, alone["state"]) < 1e-5, p
+            for n in ("q", "k", "v"):
+                assert rel(conv[n], alone[f"conv_{n}"]) < 1e-6, (p, n)
+        with pytest.raises(ValueError, match="snap_at"):
+            layer(x[:, T0:], cache={k: v.clone() for k, v in start.items()} | {"snap_at": [0, 5]})
+
+
+def test_prefix_snapshots_inside_one_prefill_chunk(tiny):
+    """With a snapshot interval shorter than the prefill budget, a prompt is prefilled in one forward and still
+    leaves a snapshot at every multiple of the interval."""
+    eng = Engine(
+        tiny, None, page_size=8, max_seqs=2, max_tokens=1024, prefix_interval=16, max_prefill_tokens=512
+    )
+    forwards = []
+    inner = eng._prefill_chunk
+    eng._prefill_chunk = lambda req, a, b: (forwards.append((a, b)), inner(req, a, b))
+    prompt = _prompts(17, [90])[0]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    (first,) = eng.generate([prompt], params)
+    assert forwards == [(0, 89)]
+    assert eng.prefix.inserts == 5  # 16, 32, 48, 64, 80
+    (again,) = eng.generate([prompt[:70] + [7, 8, 9]], params)
+    assert again.prefix_hit == 64 and forwards[1:] == [(64, 72)]
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_mla_decode_reference_matches_contiguous(rel, page_size):
     torch.manual_seed(1)
@@ -489,7 +536,10 @@ def test_batch_prefill_equals_one_sequence_per_forward(tiny, prefix):
         runs.append((eng.generate(prompts, params), forwards))
     (one, one_fw), (packed, packed_fw) = runs
     assert "_prefill_packed" in packed_fw and "_prefill_packed" not in one_fw
-    assert len(packed_fw) < len(one_fw)  # fewer forwards for the same prompts
+    if (
+        not prefix
+    ):  # (with a short snapshot interval the packed pieces are cut there; the one-sequence ones are not)
+        assert len(packed_fw) < len(one_fw)  # fewer forwards for the same prompts
     if prefix:
         assert packed[4].prefix_hit == one[4].prefix_hit == 32
     for a, b in zip(packed, one):

@@ -373,14 +373,25 @@ class PrefixCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self.entries
 
-    def insert(self, key: bytes, ids: list[int], length: int, pages: list[int], slot: int) -> None:
+    def insert(
+        self,
+        key: bytes,
+        ids: list[int],
+        length: int,
+        pages: list[int],
+        slot: int,
+        state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Snapshot the first ``length`` tokens of a sequence: its KDA states and conv histories as the pool's
+        ``slot`` holds them now, or ``state`` = (states, conv histories) in ``save_slot``'s layout when the slot has
+        moved past ``length`` already (a snapshot inside a prefill chunk)."""
         if key in self.entries:
             self.entries.move_to_end(key)
             return
         if self.max_bytes <= 0:
             return
         held = pages[: self.pool.pages_for(length)]
-        state, conv = self.pool.save_slot(slot)
+        state, conv = state if state is not None else self.pool.save_slot(slot)
         snap = Snapshot(key, length, array("q", ids[:length]), list(held), state, conv)
         if snap.nbytes > self.max_bytes:
             return

@@ -83,8 +83,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--prefix-interval",
         type=int,
         default=512,
-        help="prefix-cache snapshot interval in tokens; each multiple ends a prefill chunk, so smaller values "
-        "reuse shorter prefixes but prefill in more, slower pieces (default 512)",
+        help="prefix-cache snapshot interval in tokens; smaller values reuse shorter shared prefixes, at the cost "
+        "of splitting each KDA layer's prefill recurrence there (default 512)",
     )
     g.add_argument(
         "--cuda-graphs",

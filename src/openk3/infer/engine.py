@@ -139,11 +139,12 @@ class EngineConfig:
     max_model_len: int | None = None
     max_prefill_tokens: int = 512
     prefix_cache: bool = True
-    # prefix-cache snapshot interval in tokens. Every multiple of it ends a prefill chunk (the KDA state is saved
-    # there), and an eager prefill forward costs about the same host time whatever its length (`medium` on an H100:
-    # ~80 ms for 64 tokens or 511, bench/diag_prefill.py, bench/NOTES.md v35), so the interval also sets the prefill
-    # rate: 64 made a 512-token prompt 8 forwards. 512 matches max_prefill_tokens; shorter shared prefixes than this
-    # are not reused
+    # prefix-cache snapshot interval in tokens. It used to end a prefill chunk at every multiple, and an eager
+    # prefill forward costs about the same host time whatever its length (`medium` on an H100: ~80 ms for 64 tokens
+    # or 511, bench/diag_prefill.py, bench/NOTES.md v35), so 64 made a 512-token prompt 8 forwards. Now a chunk
+    # takes its snapshots inside (the KDA recurrence runs in segments split there, the rest of the forward once;
+    # packed prefill still cuts), so a smaller interval costs a few more recurrence launches per KDA layer, not
+    # whole forwards; that cost is not measured yet, and 512 (= max_prefill_tokens) stays the default
     prefix_interval: int = 512
     prefix_cache_bytes: int | None = None  # default: max(64 MiB, 16 sequences' state)
     # prefill one piece of each of several requests in one forward: the pieces packed as varlen sequences, each KDA
@@ -1185,7 +1186,9 @@ class Engine:
             while req.num_computed < target and budget > 0 and req.slot is not None:
                 start = req.num_computed
                 natural = target
-                if self.prefix is not None:
+                if self.prefix is not None and self.cfg.batch_prefill:
+                    # a packed forward books snapshots at its pieces' ends only: cut them at the interval (the
+                    # one-sequence path takes them inside its chunk, see _prefill_chunk)
                     n = self.prefix.interval
                     natural = min(natural, (start // n + 1) * n)
                 end = min(natural, start + budget)
@@ -1238,6 +1241,14 @@ class Engine:
                 caches[li] = {"c": lat[..., :dc], "kr": lat[..., dc:]}
             else:
                 caches[li] = {}
+        # prefix snapshots at the interval's multiples inside the chunk: the KDA layers run their recurrence in
+        # segments split there and hand back the state at each (the rest of the forward runs once)
+        inner = []
+        if self.prefix is not None:
+            n = self.prefix.interval
+            inner = list(range((start // n + 1) * n, end, n))
+            for li in lay.kda_layers:
+                caches[li]["snap_at"] = [p - start for p in inner]
         ids = device_tensor([req.all_ids[start:end]], torch.long, self.device)
         h = self._walk(
             self.model.model.embed_tokens(ids), lambda i, layer, x: layer.self_attn(x, cache=caches[i])
@@ -1254,6 +1265,17 @@ class Engine:
                 d = caches[li]
                 lat = torch.cat([d["c"][0, start:end], d["kr"][0, start:end].to(d["c"].dtype)], dim=-1)
                 pool.write_latent(pool.pool_index[li], rows, lat)
+        for k, p in enumerate(inner):  # after the latents: a snapshot holds the pages of its tokens
+            if req._keys is None:
+                req._keys = dict(self.prefix.block_keys(req.all_ids, len(req.all_ids) - 1))
+            snaps = [caches[li]["snaps"][k] for li in lay.kda_layers]
+            state = torch.stack([st[0] for st, _ in snaps]) if snaps else pool.state[:, s].clone()
+            conv = (
+                torch.stack([torch.stack([cv["q"][0], cv["k"][0], cv["v"][0]]) for _, cv in snaps])
+                if snaps
+                else pool.conv[:, s].clone()
+            )
+            self.prefix.insert(req._keys[p], req.all_ids, p, req.pages, s, state=(state, conv))
 
     def _prefill_packed(self, pieces: list[tuple[Request, int, int]]) -> None:
         """Prefill one piece [start, end) of each of several sequences in one forward (``batch_prefill``): the

@@ -112,10 +112,23 @@ class KimiDeltaAttention(nn.Module):
         cache: dict | None = None,
     ) -> torch.Tensor:
         """x: [B, T, D] (normed layer input). ``cache``: this layer's dict (``conv_q/k/v`` [B, HK, W-1], ``state``
-        [B, H, K, K]) updated in place. Returns [B, T, D]."""
+        [B, H, K, K]) updated in place. Returns [B, T, D].
+
+        ``cache["snap_at"]`` (positions 0 < p < T, increasing; no ``cu_seqlens``) also asks for the cache as it
+        stands after the first p tokens: ``cache["snaps"]`` becomes ``[(state, {"q": conv, "k": ..., "v": ...})]``,
+        one per position. The recurrence then runs in segments split there (each from the previous one's state);
+        everything else runs once over all T tokens."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         use_cache = cache is not None
+        snap_at = list(cache.get("snap_at") or ()) if use_cache else []
+        if snap_at and (
+            cu_seqlens is not None or not all(a < b for a, b in zip([0] + snap_at, snap_at + [T]))
+        ):
+            raise ValueError(
+                f"snap_at must be increasing positions inside (0, {T}) without cu_seqlens, got {snap_at}"
+            )
+        hists: dict[str, list[torch.Tensor]] = {}
         convs = {}
         outs = []
         conv_be = _backend.resolve("conv", x.is_cuda, self.conv_backend)
@@ -125,32 +138,53 @@ class KimiDeltaAttention(nn.Module):
             ("k", self.k_proj, self.k_conv1d),
             ("v", self.v_proj, self.v_conv1d),
         ):
+            xp = proj(x)
+            init = cache.get(f"conv_{name}") if use_cache else None
             y, fin = conv_fn(
-                proj(x),
+                xp,
                 conv.weight,
-                initial_state=cache.get(f"conv_{name}") if use_cache else None,
+                initial_state=init,
                 cu_seqlens=cu_seqlens,
                 activation="silu",
                 output_final_state=use_cache,
             )
             outs.append(y.view(B, T, H, K))
             convs[name] = fin
+            if snap_at:  # the conv history after p tokens: the W - 1 inputs before position p, oldest first
+                w = self.conv_size - 1
+                prev = (
+                    init.float()
+                    if init is not None
+                    else xp.new_zeros(B, xp.shape[-1], w, dtype=torch.float32)
+                )
+                seq = torch.cat([prev, xp.float().transpose(1, 2)], dim=-1)  # [B, C, W-1 + T]
+                hists[name] = [seq[..., p : p + w].clone() for p in snap_at]
         q, k, v = outs
         z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         beta_logits = self.b_proj(x)
         be = _backend.resolve("kda", x.is_cuda, self.backend)
         core = _kda_core_reference if be == "reference" else FAST_KDA[be]
-        o, state = core(
-            self,
-            q,
-            k,
-            v,
-            z,
-            beta_logits,
-            initial_state=cache.get("state") if use_cache else None,
-            output_final_state=use_cache,
-            cu_seqlens=cu_seqlens,
-        )
+        state = cache.get("state") if use_cache else None
+        pieces, snaps = [], []
+        for a, b in zip([0] + snap_at, snap_at + [T]):
+            o, state = core(
+                self,
+                q[:, a:b],
+                k[:, a:b],
+                v[:, a:b],
+                z[:, a:b],
+                beta_logits[:, a:b],
+                initial_state=state,
+                output_final_state=use_cache,
+                cu_seqlens=cu_seqlens,
+            )
+            pieces.append(o)
+            if b < T:
+                i = len(snaps)
+                snaps.append((state.float().clone(), {n: hists[n][i] for n in ("q", "k", "v")}))
+        o = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        if snap_at:
+            cache["snaps"] = snaps
         if use_cache:
             for name in ("q", "k", "v"):
                 cache[f"conv_{name}"] = convs[name]
