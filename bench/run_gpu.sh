@@ -65,7 +65,8 @@
 # kernels up to 64 pairs per expert -> e2e_tiled_bm.json; tiled_e2e (H200): the 48B shape at batch 64, ragged
 # 4k-8k prompts, the same A/B -> e2e_tiled_48b.json; prefill: the batch_prefill GPU tests (tests_prefill.log), then
 # bench/diag_prefill.py (8 prompts of 512 tokens, each prefill forward timed; medium) one sequence per forward and
-# with --batch-prefill -> diag_prefill.json, diag_prefill_packed.json; prefill_serve: the serve step's burst run,
+# with --batch-prefill, and with snapshots every 64 tokens -> diag_prefill.json, diag_prefill_packed.json,
+# diag_prefill_snap64.json; prefill_serve: the serve step's burst run,
 # one sequence per prefill forward and with --batch-prefill -> serve_burst.json, serve_burst_packed.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
@@ -244,6 +245,9 @@ if has prefill; then
   timeout "$T_E2E" python3 bench/diag_prefill.py --prompts 8 --prompt-len 512 --preset medium --no-profile \
     --batch-prefill --max-prefill-tokens 4096 --out "$OUT_DIR/diag_prefill_packed.json" 2>&1 \
     | grep "^| \|^cold\|^warm\|forward\|rror"
+  # snapshots every 64 tokens taken inside the chunks: the cost of the split KDA recurrence
+  timeout "$T_E2E" python3 bench/diag_prefill.py --prompts 8 --prompt-len 512 --preset medium --no-profile \
+    --prefix-interval 64 --out "$OUT_DIR/diag_prefill_snap64.json" 2>&1 | grep "^| \|^cold\|^warm\|forward\|rror"
 fi
 if has prefill_serve; then
   timeout "${T_SERVE:-240}" python3 bench/bench_serve.py --requests 64 --prompt-len 512 --max-tokens 128 --preset medium \
