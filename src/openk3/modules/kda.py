@@ -165,37 +165,17 @@ class KimiDeltaAttention(nn.Module):
         be = _backend.resolve("kda", x.is_cuda, self.backend)
         core = _kda_core_reference if be == "reference" else FAST_KDA[be]
         state = cache.get("state") if use_cache else None
-        if not snap_at:
+        pieces, snaps = [], []
+        for a, b in zip([0] + snap_at, snap_at + [T]):  # one segment [0, T) without snapshots
+            seg = (q, k, v, z, beta_logits) if b - a == T else (t[:, a:b] for t in (q, k, v, z, beta_logits))
             o, state = core(
-                self,
-                q,
-                k,
-                v,
-                z,
-                beta_logits,
-                initial_state=state,
-                output_final_state=use_cache,
-                cu_seqlens=cu_seqlens,
+                self, *seg, initial_state=state, output_final_state=use_cache, cu_seqlens=cu_seqlens
             )
-        else:
-            pieces, snaps = [], []
-            for a, b in zip([0] + snap_at, snap_at + [T]):
-                o, state = core(
-                    self,
-                    q[:, a:b],
-                    k[:, a:b],
-                    v[:, a:b],
-                    z[:, a:b],
-                    beta_logits[:, a:b],
-                    initial_state=state,
-                    output_final_state=True,
-                    cu_seqlens=None,
-                )
-                pieces.append(o)
-                if b < T:
-                    i = len(snaps)
-                    snaps.append((state.float().clone(), {n: hists[n][i] for n in ("q", "k", "v")}))
-            o = torch.cat(pieces, dim=1)
+            pieces.append(o)
+            if b < T:
+                snaps.append((state.float().clone(), {n: hists[n][len(snaps)] for n in ("q", "k", "v")}))
+        o = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        if snap_at:
             cache["snaps"] = snaps
         if use_cache:
             for name in ("q", "k", "v"):
