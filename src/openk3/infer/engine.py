@@ -6,7 +6,8 @@ Each :meth:`Engine.step`:
    free (restoring the longest cached prefix: KDA state snapshot + shared MLA pages);
 2. runs chunked prefill, at most ``max_prefill_tokens`` prompt tokens per step over all prefilling requests, one
    sequence at a time through the model's own layers (with ``batch_prefill``, one piece of each request packed in
-   one forward); chunks end at multiples of the prefix-cache interval, where the KDA state is snapshotted;
+   one forward); the KDA state is snapshotted at multiples of the prefix-cache interval (inside a one-sequence
+   chunk; a packed piece ends there);
 3. runs one batched decode step for every request whose cache holds all but its last token: the last token is fed,
    its latent written into the pages, and the next token sampled.
 
@@ -1216,15 +1217,37 @@ class Engine:
         self.metrics["prompt_tokens_computed"] += end - start
         req.num_computed = end
         if self.prefix is not None and end % self.prefix.interval == 0:
-            if req._keys is None:
-                req._keys = dict(self.prefix.block_keys(req.all_ids, len(req.all_ids) - 1))
-            self.prefix.insert(req._keys[end], req.all_ids, end, req.pages, req.slot)
+            self._snapshot(req, end)
+
+    def _snapshot(self, req: Request, length: int, state: tuple | None = None) -> None:
+        """Prefix snapshot of ``req``'s first ``length`` tokens (a multiple of the interval): the slot's KDA state,
+        or ``state`` (``PrefixCache.insert``), and the pages of those tokens (their latents written already)."""
+        if req._keys is None:
+            req._keys = dict(self.prefix.block_keys(req.all_ids, len(req.all_ids) - 1))
+        self.prefix.insert(req._keys[length], req.all_ids, length, req.pages, req.slot, state=state)
+
+    def _mla_prefix(self, li: int, req: Request, start: int) -> dict:
+        """MLA layer ``li``'s dict cache of ``req``'s first ``start`` tokens, gathered from the pages ({} at 0)."""
+        if start == 0:
+            return {}
+        dc = self.pool.layout.kv_lora_rank
+        lat = self.pool.gather_latent(self.pool.pool_index[li], req.pages, start)[None]
+        return {"c": lat[..., :dc], "kr": lat[..., dc:]}
+
+    def _write_latents(self, req: Request, start: int, end: int, caches: dict[int, dict]) -> None:
+        """Write tokens [start, end) of ``req``'s MLA layers' dict caches (``caches[li]``, extended by the forward
+        from ``_mla_prefix``) into its pages."""
+        if not caches:
+            return
+        rows = self.pool.slot_mapping(req.pages, start, end)
+        for li, d in caches.items():
+            lat = torch.cat([d["c"][0, start:end], d["kr"][0, start:end].to(d["c"].dtype)], dim=-1)
+            self.pool.write_latent(self.pool.pool_index[li], rows, lat)
 
     def _prefill_chunk(self, req: Request, start: int, end: int) -> None:
         """Prefill tokens [start, end) of one sequence through the model's own attention modules (chunked KDA / MHA
         MLA paths and their fast backends), with per-layer dict caches built from and written back to the pool."""
         pool, lay, s = self.pool, self.pool.layout, req.slot
-        dc = lay.kv_lora_rank
         caches: dict[int, dict] = {}
         for li in lay.kda_layers:
             j = pool.pool_index[li]
@@ -1236,11 +1259,7 @@ class Engine:
                 "state": pool.state[j, s][None],
             }
         for li in lay.mla_layers:
-            if start > 0:
-                lat = pool.gather_latent(pool.pool_index[li], req.pages, start)[None]
-                caches[li] = {"c": lat[..., :dc], "kr": lat[..., dc:]}
-            else:
-                caches[li] = {}
+            caches[li] = self._mla_prefix(li, req, start)
         # prefix snapshots at the interval's multiples inside the chunk: the KDA layers run their recurrence in
         # segments split there and hand back the state at each (the rest of the forward runs once)
         inner = []
@@ -1259,15 +1278,8 @@ class Engine:
             j, d = pool.pool_index[li], caches[li]
             pool.conv[j, s].copy_(torch.stack([d["conv_q"][0], d["conv_k"][0], d["conv_v"][0]]))
             pool.state[j, s].copy_(d["state"][0])
-        if lay.mla_layers:
-            rows = pool.slot_mapping(req.pages, start, end)
-            for li in lay.mla_layers:
-                d = caches[li]
-                lat = torch.cat([d["c"][0, start:end], d["kr"][0, start:end].to(d["c"].dtype)], dim=-1)
-                pool.write_latent(pool.pool_index[li], rows, lat)
+        self._write_latents(req, start, end, {li: caches[li] for li in lay.mla_layers})
         for k, p in enumerate(inner):  # after the latents: a snapshot holds the pages of its tokens
-            if req._keys is None:
-                req._keys = dict(self.prefix.block_keys(req.all_ids, len(req.all_ids) - 1))
             snaps = [caches[li]["snaps"][k] for li in lay.kda_layers]
             state = torch.stack([st[0] for st, _ in snaps]) if snaps else pool.state[:, s].clone()
             conv = (
@@ -1275,7 +1287,7 @@ class Engine:
                 if snaps
                 else pool.conv[:, s].clone()
             )
-            self.prefix.insert(req._keys[p], req.all_ids, p, req.pages, s, state=(state, conv))
+            self._snapshot(req, p, state=(state, conv))
 
     def _prefill_packed(self, pieces: list[tuple[Request, int, int]]) -> None:
         """Prefill one piece [start, end) of each of several sequences in one forward (``batch_prefill``): the
@@ -1283,7 +1295,6 @@ class Engine:
         Each KDA layer starts every sequence from its own state and conv history; each MLA layer projects all tokens
         at once and attends per sequence over its cached prefix and its new tokens."""
         pool, lay = self.pool, self.pool.layout
-        dc = lay.kv_lora_rank
         slots = torch.tensor([req.slot for req, _, _ in pieces], device=pool.state.device)
         offs = [0]
         for _, start, end in pieces:
@@ -1295,15 +1306,7 @@ class Engine:
             conv = pool.conv[j].index_select(0, slots)
             state = pool.state[j].index_select(0, slots)
             caches[li] = {"conv_q": conv[:, 0], "conv_k": conv[:, 1], "conv_v": conv[:, 2], "state": state}
-        prior: dict[int, list[dict]] = {}
-        for li in lay.mla_layers:
-            prior[li] = []
-            for req, start, _ in pieces:
-                if start > 0:
-                    lat = pool.gather_latent(pool.pool_index[li], req.pages, start)[None]
-                    prior[li].append({"c": lat[..., :dc], "kr": lat[..., dc:]})
-                else:
-                    prior[li].append({})
+        prior = {li: [self._mla_prefix(li, req, start) for req, start, _ in pieces] for li in lay.mla_layers}
 
         def attn(i, layer, x):
             mod = layer.self_attn
@@ -1329,11 +1332,7 @@ class Engine:
             pool.conv[j].index_copy_(0, slots, conv.to(pool.conv.dtype))
             pool.state[j].index_copy_(0, slots, d["state"].to(pool.state.dtype))
         for n, (req, start, end) in enumerate(pieces):
-            rows = pool.slot_mapping(req.pages, start, end)
-            for li in lay.mla_layers:
-                d = prior[li][n]
-                lat = torch.cat([d["c"][0, start:end], d["kr"][0, start:end].to(d["c"].dtype)], dim=-1)
-                pool.write_latent(pool.pool_index[li], rows, lat)
+            self._write_latents(req, start, end, {li: prior[li][n] for li in lay.mla_layers})
 
     def _prompt_logprobs(self, req: Request, h: torch.Tensor, start: int, end: int) -> None:
         """Record the prompt tokens' logprobs that positions [start, end) predict (``h``: their final hidden
