@@ -64,10 +64,10 @@
 # 16 / 32 / 64-row steps -> diag_moe_tiled_bm.json, medium at batch 128 / 256 with the grouped GEMMs and the tiled
 # kernels up to 64 pairs per expert -> e2e_tiled_bm.json; tiled_e2e (H200): the 48B shape at batch 64, ragged
 # 4k-8k prompts, the same A/B -> e2e_tiled_48b.json; prefill: the batch_prefill GPU tests (tests_prefill.log), then
-# bench/diag_prefill.py (8 prompts of 512 tokens, each prefill forward timed; medium) one sequence per forward and
-# with --batch-prefill, and with snapshots every 64 tokens -> diag_prefill.json, diag_prefill_packed.json,
-# diag_prefill_snap64.json; prefill_serve: the serve step's burst run,
-# one sequence per prefill forward and with --batch-prefill -> serve_burst.json, serve_burst_packed.json.
+# bench/diag_prefill.py (8 prompts of 512 tokens, each prefill forward timed; medium) with the defaults (packed),
+# with snapshots every 64 tokens, and one sequence per forward -> diag_prefill_{default,snap64,one}.json;
+# prefill_serve: the serve step's burst run with the defaults and with one sequence per prefill forward (512 tokens
+# per step) -> serve_burst.json, serve_burst_one.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -240,20 +240,20 @@ if has prefill; then
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_engine_gpu.py -k batch_prefill \
     >"$OUT_DIR/tests_prefill.log" 2>&1
   echo "batch_prefill GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill.log"))"
-  timeout "$T_E2E" python3 bench/diag_prefill.py --prompts 8 --prompt-len 512 --preset medium --no-profile \
-    --out "$OUT_DIR/diag_prefill.json" 2>&1 | grep "^| \|^cold\|^warm\|forward\|rror"
-  timeout "$T_E2E" python3 bench/diag_prefill.py --prompts 8 --prompt-len 512 --preset medium --no-profile \
-    --batch-prefill --max-prefill-tokens 4096 --out "$OUT_DIR/diag_prefill_packed.json" 2>&1 \
-    | grep "^| \|^cold\|^warm\|forward\|rror"
-  # snapshots every 64 tokens taken inside the chunks: the cost of the split KDA recurrence
-  timeout "$T_E2E" python3 bench/diag_prefill.py --prompts 8 --prompt-len 512 --preset medium --no-profile \
-    --prefix-interval 64 --out "$OUT_DIR/diag_prefill_snap64.json" 2>&1 | grep "^| \|^cold\|^warm\|forward\|rror"
+  # the defaults (packed prefill, 4,096 tokens per step), then with snapshots every 64 tokens taken inside the
+  # packed pieces (the cost of the KDA recurrence in rounds), then one prompt per forward, 512 tokens per step
+  for v in "default::" "snap64:--prefix-interval 64" "one:--no-batch-prefill --max-prefill-tokens 512"; do
+    name=${v%%:*} args=${v#*:}
+    timeout "$T_E2E" python3 bench/diag_prefill.py --prompts 8 --prompt-len 512 --preset medium --no-profile \
+      ${args#:} --out "$OUT_DIR/diag_prefill_$name.json" 2>&1 | grep "^| \|^cold\|^warm\|forward\|rror"
+  done
 fi
 if has prefill_serve; then
+  # the defaults (packed prefill, 4,096 tokens per step), then one prompt per prefill forward, 512 per step
   timeout "${T_SERVE:-240}" python3 bench/bench_serve.py --requests 64 --prompt-len 512 --max-tokens 128 --preset medium \
     --out "$OUT_DIR/serve_burst.json" 2>&1 | grep "^| \|throughput\|serving\|rror"
   timeout "${T_SERVE:-240}" python3 bench/bench_serve.py --requests 64 --prompt-len 512 --max-tokens 128 --preset medium \
-    --batch-prefill --max-prefill-tokens 4096 --out "$OUT_DIR/serve_burst_packed.json" 2>&1 \
+    --no-batch-prefill --max-prefill-tokens 512 --out "$OUT_DIR/serve_burst_one.json" 2>&1 \
     | grep "^| \|throughput\|serving\|rror"
 fi
 if has serve; then

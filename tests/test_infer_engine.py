@@ -129,6 +129,46 @@ def test_kda_snapshots_inside_a_chunk_equal_separate_runs(tiny, rel):
             layer(x[:, T0:], cache={k: v.clone() for k, v in start.items()} | {"snap_at": [0, 5]})
 
 
+def test_kda_snapshots_inside_packed_sequences_equal_separate_runs(tiny, rel):
+    """cache["snap_at"] with cu_seqlens: one list of positions per packed sequence (one of them empty); each
+    snapshot equals running that sequence's first p tokens alone from its own state, and the outputs and final
+    caches equal the packed run without snapshots."""
+    cfg = tiny.config
+    layer = tiny.model.layers[0].self_attn
+    lens, T0 = [23, 9, 41], 4
+    at = [[1, 16], [], [3, 8, 32, 40]]
+    xs = [torch.randn(1, T0 + n, cfg.hidden_size) for n in lens]
+    with torch.no_grad():
+        starts = []
+        for x in xs:  # each sequence's own state and conv history to start from
+            c = {}
+            layer(x[:, :T0], cache=c)
+            starts.append(c)
+        start = {k: torch.cat([c[k] for c in starts]) for k in starts[0]}
+        packed = torch.cat([x[:, T0:] for x in xs], dim=1)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        plain = {k: v.clone() for k, v in start.items()}
+        want = layer(packed, cu_seqlens=cu, cache=plain)
+        split = {k: v.clone() for k, v in start.items()} | {"snap_at": at}
+        got = layer(packed, cu_seqlens=cu, cache=split)
+        assert rel(got, want) < 1e-5
+        for name in ("state", "conv_q", "conv_k", "conv_v"):
+            assert rel(split[name], plain[name]) < 1e-5, name
+        assert [len(s) for s in split["snaps"]] == [len(a) for a in at]
+        for n, (x, ps) in enumerate(zip(xs, at)):
+            for p, (state, conv) in zip(ps, split["snaps"][n]):
+                alone = {k: v.clone() for k, v in starts[n].items()}
+                layer(x[:, T0 : T0 + p], cache=alone)
+                assert state.shape == alone["state"].shape and rel(state, alone["state"]) < 1e-5, (n, p)
+                for name in ("q", "k", "v"):
+                    assert rel(conv[name], alone[f"conv_{name}"]) < 1e-6, (n, p, name)
+        for bad in ([[1], [2]], [[0], [], [5]], [[5, 3], [], []], [1, 2, 3], [[], [9], []]):
+            with pytest.raises(ValueError, match="snap_at"):
+                layer(
+                    packed, cu_seqlens=cu, cache={k: v.clone() for k, v in start.items()} | {"snap_at": bad}
+                )
+
+
 def test_prefix_snapshots_inside_one_prefill_chunk(tiny):
     """With a snapshot interval shorter than the prefill budget, a prompt is prefilled in one forward and still
     leaves a snapshot at every multiple of the interval."""
@@ -342,8 +382,13 @@ def test_logprobs_match_full_forward(tiny, overlap):
     for r in reqs:
         _check_logprobs(tiny, r)
     assert reqs[1].prompt_logprobs is None and reqs[2].logprobs == []
-    again = eng.generate([prompts[2]], sp[2])[0]
-    assert again.prefix_hit == 0 and again.prompt_logprobs[1:] == reqs[2].prompt_logprobs[1:]
+    again = eng.generate([prompts[2]], sp[2])[
+        0
+    ]  # alone now, packed beside the others before: equal to rounding
+    assert again.prefix_hit == 0 and len(again.prompt_logprobs) == len(reqs[2].prompt_logprobs)
+    for a, b in zip(again.prompt_logprobs[1:], reqs[2].prompt_logprobs[1:]):
+        assert a.id == b.id and abs(a.logprob - b.logprob) < 1e-4
+        assert len(a.top) == len(b.top) and all(abs(x[1] - y[1]) < 1e-4 for x, y in zip(a.top, b.top))
     plain = eng.generate([prompts[2]], SamplingParams(max_tokens=2, temperature=0))[0]
     assert plain.prefix_hit > 0  # the cache had the prefix
     small = Engine(tiny, None, page_size=4, max_seqs=3, max_tokens=72, prefix_cache=False, overlap=overlap)
@@ -475,23 +520,29 @@ def test_continuous_batching_and_chunked_prefill_do_not_stall(tiny, overlap):
     assert eng.stats()["pages_used_by_sequences"] == 0
 
 
+@pytest.mark.parametrize("batch", [False, True], ids=["one", "packed"])
 @pytest.mark.parametrize("prefix", [False, True])
-def test_prefill_defers_pieces_cut_short_by_the_leftover_budget(tiny, prefix):
-    """Each prefill piece is one forward: one that the step's leftover budget would cut to under a quarter of
-    max_prefill_tokens waits for the next step (whole budget); a prompt that fits in the leftover still goes. The
-    tokens are those of a full re-forward either way."""
+def test_prefill_defers_pieces_cut_short_by_the_leftover_budget(tiny, prefix, batch):
+    """A prefill forward costs about the same whatever its length: a piece that the step's leftover budget would
+    cut to under a quarter of max_prefill_tokens waits for the next step (whole budget); a prompt that fits in the
+    leftover still goes. The same pieces with and without batch_prefill; the tokens are those of a full
+    re-forward either way."""
     eng = Engine(
         tiny, None, page_size=8, max_seqs=4, max_tokens=2048, max_prefill_tokens=32, prefix_cache=prefix,
-        prefix_interval=32, record_logits=True,
+        prefix_interval=32, record_logits=True, batch_prefill=batch,
     )  # fmt: skip
     pieces = []
-    inner = eng._prefill_chunk
+    inner, inner_packed = eng._prefill_chunk, eng._prefill_packed
 
     def spy(req, start, end):
         pieces.append((id(req), start, end))
         inner(req, start, end)
 
-    eng._prefill_chunk = spy
+    def spy_packed(planned):
+        pieces.extend((id(req), start, end) for req, start, end in planned)
+        inner_packed(planned)
+
+    eng._prefill_chunk, eng._prefill_packed = spy, spy_packed
     # targets (prompt - 1): 30, 30, 2, 70 -> step 1: A 30, C fits the leftover 2 (B would get 2 < 8: deferred);
     # step 2: B 30, D 2 would be cut to 2: deferred; then D 32, 32, 6
     prompts = _prompts(13, [31, 31, 3, 71])
@@ -534,14 +585,15 @@ def test_batch_prefill_equals_one_sequence_per_forward(tiny, prefix):
             setattr(eng, name, spy)
         eng.generate([base], params[0])  # leaves snapshots of base's prefix behind when prefix caching is on
         runs.append((eng.generate(prompts, params), forwards))
-    (one, one_fw), (packed, packed_fw) = runs
+        runs[-1] += (eng.prefix.inserts if prefix else 0,)
+    (one, one_fw, one_snaps), (packed, packed_fw, packed_snaps) = runs
     assert "_prefill_packed" in packed_fw and "_prefill_packed" not in one_fw
-    if (
-        not prefix
-    ):  # (with a short snapshot interval the packed pieces are cut there; the one-sequence ones are not)
-        assert len(packed_fw) < len(one_fw)  # fewer forwards for the same prompts
+    assert len(packed_fw) < len(
+        one_fw
+    )  # fewer forwards for the same prompts (snapshots taken inside the pieces)
     if prefix:
         assert packed[4].prefix_hit == one[4].prefix_hit == 32
+        assert packed_snaps == one_snaps > 0  # a snapshot at every multiple of the interval either way
     for a, b in zip(packed, one):
         assert a.output_ids == b.output_ids
         assert _rel(torch.stack(a.logits_log), torch.stack(b.logits_log)) < 1e-5

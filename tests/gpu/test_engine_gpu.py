@@ -121,7 +121,8 @@ def test_engine_batch_prefill_bf16(prefix):
     runs = []
     for batch in (False, True):
         eng = Engine(model, None, batch_prefill=batch, **kw)
-        eng.generate([base], params)
+        # with batch_prefill base's pieces are packed beside the short prompt's: its snapshots are taken inside
+        eng.generate([_prompts(5, [20], vocab)[0], base], params)
         runs.append(eng.generate(prompts, params))
     one, packed = runs
     if prefix:

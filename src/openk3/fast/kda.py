@@ -104,9 +104,13 @@ def _reference(layer, q, k, v, z, beta_logits, initial_state, output_final_state
     )
 
 
-def kda_core_fla(layer, q, k, v, z, beta_logits, *, initial_state, output_final_state, cu_seqlens):
+def kda_core_fla(
+    layer, q, k, v, z, beta_logits, *, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu=None
+):
     """q, k, v: [B, T, H, K] (post conv/SiLU, model dtype); z: [B, T, H, K] raw decay logits (no dt_bias);
-    beta_logits: [B, T, H]; initial_state: [N, H, K, V] or None. Returns (o [B, T, H, V], final_state fp32 or None).
+    beta_logits: [B, T, H]; initial_state: [N, H, K, V] or None; ``cu_seqlens_cpu``: a host copy of ``cu_seqlens``
+    (fla's chunk path then builds its chunk indices without a device sync). Returns (o [B, T, H, V], final_state
+    fp32 or None).
     """
     if q.dtype == torch.float64:  # fla's kernels have no fp64 path: keep exactness checks exact
         return _reference(layer, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens)
@@ -142,6 +146,8 @@ def kda_core_fla(layer, q, k, v, z, beta_logits, *, initial_state, output_final_
             **kw,
         )
         return o, state
+    if cu_seqlens is not None and cu_seqlens_cpu is not None:
+        kw["cu_seqlens_cpu"] = cu_seqlens_cpu
     try:
         o, state = _chunk_kda(
             q,

@@ -69,14 +69,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap (prompt + output)")
     g.add_argument(
-        "--max-prefill-tokens", type=int, default=512, help="prompt tokens prefilled per engine step"
+        "--max-prefill-tokens",
+        type=int,
+        default=4096,
+        help="prompt tokens prefilled per engine step, over all prefilling prompts (default 4096)",
     )
     g.add_argument(
         "--batch-prefill",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="prefill a piece of each of several prompts in one forward (packed varlen sequences); exact, not yet "
-        "measured on a GPU, so off by default",
+        default=True,
+        help="prefill a piece of each of several prompts in one forward (packed varlen sequences; default on). "
+        "--no-batch-prefill: one prompt per prefill forward",
     )
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g.add_argument(

@@ -138,21 +138,25 @@ class EngineConfig:
     max_seqs: int = 64
     max_tokens: int | None = None
     max_model_len: int | None = None
-    max_prefill_tokens: int = 512
+    # prompt tokens prefilled per engine step, over all prefilling requests (packed into one forward with
+    # batch_prefill): `medium` on an H100 prefills 8 x 511 tokens in one 93 ms forward, one 511-token piece in 66 ms
+    # (bench/NOTES.md v36), so a large budget costs the running streams little per step and takes a burst of
+    # prompts in few steps
+    max_prefill_tokens: int = 4096
     prefix_cache: bool = True
     # prefix-cache snapshot interval in tokens. It used to end a prefill chunk at every multiple, and an eager
     # prefill forward costs about the same host time whatever its length (`medium` on an H100: ~80 ms for 64 tokens
     # or 511, bench/diag_prefill.py, bench/NOTES.md v35), so 64 made a 512-token prompt 8 forwards. Now a chunk
-    # takes its snapshots inside (the KDA recurrence runs in segments split there, the rest of the forward once;
-    # packed prefill still cuts), so a smaller interval costs a few more recurrence launches per KDA layer, not
-    # whole forwards; that cost is not measured yet, and 512 (= max_prefill_tokens) stays the default
+    # takes its snapshots inside (the KDA recurrence runs in segments split there, the rest of the forward once,
+    # packed prefill included), so a smaller interval costs a few more recurrence launches per KDA layer, not whole
+    # forwards: 66 -> 71 ms per 511-token piece at 64 (v36)
     prefix_interval: int = 512
     prefix_cache_bytes: int | None = None  # default: max(64 MiB, 16 sequences' state)
     # prefill one piece of each of several requests in one forward: the pieces packed as varlen sequences, each KDA
     # layer from each sequence's own state and conv history, each MLA layer attending per sequence over its cached
     # prefix. A prefill forward is host-bound on a GPU (bench/NOTES.md v35), so this takes a burst of prompts in
-    # fewer forwards. Exact on the CPU (tests); not yet measured on a GPU, so off by default
-    batch_prefill: bool = False
+    # fewer forwards: 8 prompts of 512 tokens in 0.10 s instead of 0.54 s (`medium`, H100, v36)
+    batch_prefill: bool = True
     use_cuda_graphs: bool = True  # decode step captured per batch bucket on CUDA; ignored on CPU
     cuda_graph_max_batch: int = 64
     gpu_memory_utilization: float = 0.9
@@ -1186,14 +1190,8 @@ class Engine:
             target = len(req.all_ids) - 1
             while req.num_computed < target and budget > 0 and req.slot is not None:
                 start = req.num_computed
-                natural = target
-                if self.prefix is not None and self.cfg.batch_prefill:
-                    # a packed forward books snapshots at its pieces' ends only: cut them at the interval (the
-                    # one-sequence path takes them inside its chunk, see _prefill_chunk)
-                    n = self.prefix.interval
-                    natural = min(natural, (start // n + 1) * n)
-                end = min(natural, start + budget)
-                if end < natural and end - start < min_piece:
+                end = min(target, start + budget)
+                if end < target and end - start < min_piece:
                     break
                 if not self._ensure_pages(req, end):
                     break
@@ -1262,12 +1260,9 @@ class Engine:
             caches[li] = self._mla_prefix(li, req, start)
         # prefix snapshots at the interval's multiples inside the chunk: the KDA layers run their recurrence in
         # segments split there and hand back the state at each (the rest of the forward runs once)
-        inner = []
-        if self.prefix is not None:
-            n = self.prefix.interval
-            inner = list(range((start // n + 1) * n, end, n))
-            for li in lay.kda_layers:
-                caches[li]["snap_at"] = [p - start for p in inner]
+        inner = self._inner_snaps(start, end)
+        for li in lay.kda_layers:
+            caches[li]["snap_at"] = [p - start for p in inner]
         ids = device_tensor([req.all_ids[start:end]], torch.long, self.device)
         h = self._walk(
             self.model.model.embed_tokens(ids), lambda i, layer, x: layer.self_attn(x, cache=caches[i])
@@ -1279,14 +1274,27 @@ class Engine:
             pool.conv[j, s].copy_(torch.stack([d["conv_q"][0], d["conv_k"][0], d["conv_v"][0]]))
             pool.state[j, s].copy_(d["state"][0])
         self._write_latents(req, start, end, {li: caches[li] for li in lay.mla_layers})
-        for k, p in enumerate(inner):  # after the latents: a snapshot holds the pages of its tokens
-            snaps = [caches[li]["snaps"][k] for li in lay.kda_layers]
-            state = torch.stack([st[0] for st, _ in snaps]) if snaps else pool.state[:, s].clone()
-            conv = (
-                torch.stack([torch.stack([cv["q"][0], cv["k"][0], cv["v"][0]]) for _, cv in snaps])
-                if snaps
-                else pool.conv[:, s].clone()
-            )
+        self._inner_snapshots(req, inner, [caches[li].get("snaps", []) for li in lay.kda_layers])
+
+    def _inner_snaps(self, start: int, end: int) -> list[int]:
+        """The interval's multiples strictly inside (start, end): where a chunk takes prefix snapshots inside."""
+        if self.prefix is None:
+            return []
+        n = self.prefix.interval
+        return list(range((start // n + 1) * n, end, n))
+
+    def _inner_snapshots(self, req: Request, inner: list[int], snaps: list) -> None:
+        """Book ``req``'s snapshots at positions ``inner`` from the KDA layers' ``cache["snaps"]`` lists (``snaps``:
+        one per KDA layer, each one ``(state, conv)`` per position, batch of one). Called after the chunk's latents
+        are written: a snapshot holds the pages of its tokens."""
+        pool, s = self.pool, req.slot
+        for k, p in enumerate(inner):
+            per_layer = [sn[k] for sn in snaps]
+            if per_layer:
+                state = torch.stack([st[0] for st, _ in per_layer])
+                conv = torch.stack([torch.stack([cv["q"][0], cv["k"][0], cv["v"][0]]) for _, cv in per_layer])
+            else:  # no KDA layers: the (empty) slot state
+                state, conv = pool.state[:, s].clone(), pool.conv[:, s].clone()
             self._snapshot(req, p, state=(state, conv))
 
     def _prefill_packed(self, pieces: list[tuple[Request, int, int]]) -> None:
@@ -1306,6 +1314,11 @@ class Engine:
             conv = pool.conv[j].index_select(0, slots)
             state = pool.state[j].index_select(0, slots)
             caches[li] = {"conv_q": conv[:, 0], "conv_k": conv[:, 1], "conv_v": conv[:, 2], "state": state}
+        # prefix snapshots inside the pieces, per sequence (the KDA layers run their recurrence in rounds)
+        inner = [self._inner_snaps(start, end) for _, start, end in pieces]
+        if any(inner):
+            for li in lay.kda_layers:
+                caches[li]["snap_at"] = [[p - start for p in at] for at, (_, start, _) in zip(inner, pieces)]
         prior = {li: [self._mla_prefix(li, req, start) for req, start, _ in pieces] for li in lay.mla_layers}
 
         def attn(i, layer, x):
@@ -1333,6 +1346,9 @@ class Engine:
             pool.state[j].index_copy_(0, slots, d["state"].to(pool.state.dtype))
         for n, (req, start, end) in enumerate(pieces):
             self._write_latents(req, start, end, {li: prior[li][n] for li in lay.mla_layers})
+            if inner[n]:
+                snaps = [caches[li]["snaps"][n] for li in lay.kda_layers]
+                self._inner_snapshots(req, inner[n], snaps)
 
     def _prompt_logprobs(self, req: Request, h: torch.Tensor, start: int, end: int) -> None:
         """Record the prompt tokens' logprobs that positions [start, end) predict (``h``: their final hidden

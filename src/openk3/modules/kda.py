@@ -20,9 +20,12 @@ FAST_KDA: dict[str, callable] = {}
 FAST_CONV: dict[str, callable] = {}
 
 
-def _kda_core_reference(layer, q, k, v, z, beta_logits, *, initial_state, output_final_state, cu_seqlens):
+def _kda_core_reference(
+    layer, q, k, v, z, beta_logits, *, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu=None
+):
     """Reference KDA core: gate activation in fp32, then chunked or token recurrence.
-    q,k,v,z: [B,T,H,K] (after conv/SiLU for q,k,v; raw decay logits z); beta_logits: [B,T,H]."""
+    q,k,v,z: [B,T,H,K] (after conv/SiLU for q,k,v; raw decay logits z); beta_logits: [B,T,H]. ``cu_seqlens_cpu``:
+    a host copy of ``cu_seqlens`` that a fast core may use to skip a device sync (unused here)."""
     g = kda_gate(
         z, layer.A_log[: layer.num_heads], layer.dt_bias, kind=layer.gate_kind, lower_bound=layer.lower_bound
     )
@@ -42,6 +45,82 @@ def _kda_core_reference(layer, q, k, v, z, beta_logits, *, initial_state, output
         use_qk_l2norm=True,
         **kw,
     )
+
+
+def _snap_spans(snap_at: list, T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, list[int]]]:
+    """Check ``cache["snap_at"]`` and return, per sequence, (start, end, positions) in the token axis ([] without
+    snapshots)."""
+    if not snap_at:
+        return []
+    if cu_seqlens is None:
+        if not all(isinstance(p, int) for p in snap_at):
+            raise ValueError(f"without cu_seqlens, snap_at must be a list of positions, got {snap_at}")
+        per_seq, bounds = [snap_at], [(0, T)]
+    else:
+        offs = cu_seqlens.tolist()
+        bounds = list(zip(offs[:-1], offs[1:]))
+        per_seq = snap_at
+        if len(per_seq) != len(bounds) or not all(isinstance(p, (list, tuple)) for p in per_seq):
+            raise ValueError(
+                f"with cu_seqlens, snap_at must hold one list of positions per sequence ({len(bounds)}), got {snap_at}"
+            )
+    spans = []
+    for (a, b), at in zip(bounds, per_seq):
+        at = list(at)
+        if not all(x < y for x, y in zip([0] + at, at + [b - a])) or (at and at[0] <= 0):
+            raise ValueError(f"snap_at must be increasing positions inside (0, {b - a}), got {at}")
+        spans.append((a, b, at))
+    return spans if any(at for _, _, at in spans) else []
+
+
+class _PackedSnapPlan:
+    """Index tensors for the recurrence of packed sequences with snapshots inside (built once per forward and
+    shared by its KDA layers, with one host-to-device copy): per round, the sequences in it, their tokens
+    (``idx``), their ``cu_seqlens`` (device and host) and rows (``sel``); and for the conv histories, the rows of
+    ``[every sequence's initial history (W - 1 rows each); the packed tokens]`` that each snapshot's history holds
+    (``hist_idx`` [S, W - 1], S snapshots in sequence-major order)."""
+
+    def __init__(self, spans: list[tuple[int, int, list[int]]], w: int, device: torch.device):
+        N = len(spans)
+        bounds = [[a] + [a + p for p in at] + [b] for a, b, at in spans]
+        host: list[list[int]] = []
+        meta = []
+        for r in range(max(len(x) for x in bounds) - 1):
+            seqs = [n for n, x in enumerate(bounds) if len(x) - 1 > r]
+            segs = [(bounds[n][r], bounds[n][r + 1]) for n in seqs]
+            cu = [0]
+            for a, b in segs:
+                cu.append(cu[-1] + b - a)
+            host += [[t for a, b in segs for t in range(a, b)], cu, seqs]
+            meta.append((seqs, torch.tensor(cu, dtype=torch.long)))
+        rows = []
+        for n, (a, _, at) in enumerate(spans):
+            for p in at:  # the W - 1 inputs before position p, oldest first
+                rows += [n * w + c if c < w else N * w + a + c - w for c in range(p, p + w)]
+        host.append(rows)
+        flat = torch.tensor([x for h in host for x in h], dtype=torch.long).to(device)
+        parts = list(flat.split([len(h) for h in host]))
+        self.hist_idx = parts.pop().view(-1, w)
+        self.rounds = [
+            (seqs, parts[3 * r], parts[3 * r + 1], cu_cpu, parts[3 * r + 2])
+            for r, (seqs, cu_cpu) in enumerate(meta)
+        ]
+
+
+_PLAN: list = [None]  # (cu_seqlens, key, spans, plan) of the last packed forward with snapshots
+
+
+def _packed_plan(snap_at: list, T: int, cu_seqlens: torch.Tensor, w: int):
+    """(spans, plan) for packed sequences with ``snap_at``: reused while the same ``cu_seqlens`` tensor comes with
+    the same positions (the KDA layers of one forward)."""
+    key = (tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in snap_at), T, w)
+    last = _PLAN[0]
+    if last is not None and last[0] is cu_seqlens and last[1] == key:
+        return last[2], last[3]
+    spans = _snap_spans(snap_at, T, cu_seqlens)
+    plan = _PackedSnapPlan(spans, w, cu_seqlens.device) if spans else None
+    _PLAN[0] = (cu_seqlens, key, spans, plan)
+    return spans, plan
 
 
 class KimiDeltaAttention(nn.Module):
@@ -114,20 +193,23 @@ class KimiDeltaAttention(nn.Module):
         """x: [B, T, D] (normed layer input). ``cache``: this layer's dict (``conv_q/k/v`` [B, HK, W-1], ``state``
         [B, H, K, K]) updated in place. Returns [B, T, D].
 
-        ``cache["snap_at"]`` (positions 0 < p < T, increasing; no ``cu_seqlens``) also asks for the cache as it
-        stands after the first p tokens: ``cache["snaps"]`` becomes ``[(state, {"q": conv, "k": ..., "v": ...})]``,
-        one per position. The recurrence then runs in segments split there (each from the previous one's state);
-        everything else runs once over all T tokens."""
+        ``cache["snap_at"]`` (positions 0 < p < T, increasing) also asks for the cache as it stands after the first
+        p tokens: ``cache["snaps"]`` becomes ``[(state, {"q": conv, "k": ..., "v": ...})]``, one per position. The
+        recurrence then runs in segments split there (each from the previous one's state); everything else runs
+        once over all T tokens. With ``cu_seqlens`` (B == 1, N packed sequences; the cache's entries have N rows)
+        ``snap_at`` is one such list per sequence, positions counted from the sequence's start, and ``snaps`` one
+        list per sequence (its tensors with a leading dimension of 1); the recurrence runs in rounds, the r-th segment of every sequence that has one in
+        round r (one varlen call each)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         use_cache = cache is not None
         snap_at = list(cache.get("snap_at") or ()) if use_cache else []
-        if snap_at and (
-            cu_seqlens is not None or not all(a < b for a, b in zip([0] + snap_at, snap_at + [T]))
-        ):
-            raise ValueError(
-                f"snap_at must be increasing positions inside (0, {T}) without cu_seqlens, got {snap_at}"
-            )
+        # per sequence: its token range [a, b) in the packed axis and its snapshot positions (from a)
+        plan = None
+        if snap_at and cu_seqlens is not None:
+            spans, plan = _packed_plan(snap_at, T, cu_seqlens, self.conv_size - 1)
+        else:
+            spans = _snap_spans(snap_at, T, cu_seqlens)
         hists: dict[str, list[torch.Tensor]] = {}
         convs = {}
         outs = []
@@ -150,33 +232,50 @@ class KimiDeltaAttention(nn.Module):
             )
             outs.append(y.view(B, T, H, K))
             convs[name] = fin
-            if snap_at:  # the conv history after p tokens: the W - 1 inputs before position p, oldest first
+            if spans:  # the conv history after p tokens: the W - 1 inputs before position p, oldest first
                 w = self.conv_size - 1
+                rows = B if plan is None else len(spans)
                 prev = (
                     init.float()
                     if init is not None
-                    else xp.new_zeros(B, xp.shape[-1], w, dtype=torch.float32)
+                    else xp.new_zeros(rows, xp.shape[-1], w, dtype=torch.float32)
                 )
-                seq = torch.cat([prev, xp.float().transpose(1, 2)], dim=-1)  # [B, C, W-1 + T]
-                hists[name] = [seq[..., p : p + w].clone() for p in snap_at]
+                if plan is None:  # every row: [B, C, W-1 + T]
+                    seq = torch.cat([prev, xp.float().transpose(1, 2)], dim=-1)
+                    hists[name] = [seq[..., p : p + w].clone() for p in snap_at]
+                else:  # all snapshots of all sequences in one gather: [S, C, W-1]
+                    src = torch.cat([prev.transpose(1, 2).reshape(-1, xp.shape[-1]), xp[0].float()])
+                    hists[name] = src[plan.hist_idx].transpose(1, 2)
         q, k, v = outs
         z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         beta_logits = self.b_proj(x)
         be = _backend.resolve("kda", x.is_cuda, self.backend)
         core = _kda_core_reference if be == "reference" else FAST_KDA[be]
         state = cache.get("state") if use_cache else None
-        pieces, snaps = [], []
-        for a, b in zip([0] + snap_at, snap_at + [T]):  # one segment [0, T) without snapshots
-            seg = (q, k, v, z, beta_logits) if b - a == T else (t[:, a:b] for t in (q, k, v, z, beta_logits))
+        if not spans:  # one call over everything
             o, state = core(
-                self, *seg, initial_state=state, output_final_state=use_cache, cu_seqlens=cu_seqlens
+                self,
+                q,
+                k,
+                v,
+                z,
+                beta_logits,
+                initial_state=state,
+                output_final_state=use_cache,
+                cu_seqlens=cu_seqlens,
             )
-            pieces.append(o)
-            if b < T:
-                snaps.append((state.float().clone(), {n: hists[n][len(snaps)] for n in ("q", "k", "v")}))
-        o = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
-        if snap_at:
+        elif cu_seqlens is None:  # segments split at the positions, each from the previous one's state
+            pieces, snaps = [], []
+            for a, b in zip([0] + snap_at, snap_at + [T]):
+                seg = (t[:, a:b] for t in (q, k, v, z, beta_logits))
+                o, state = core(self, *seg, initial_state=state, output_final_state=True, cu_seqlens=None)
+                pieces.append(o)
+                if b < T:
+                    snaps.append((state.float().clone(), {n: hists[n][len(snaps)] for n in ("q", "k", "v")}))
+            o = torch.cat(pieces, dim=1)
             cache["snaps"] = snaps
+        else:
+            o, state = self._packed_rounds(core, (q, k, v, z, beta_logits), state, spans, plan, hists, cache)
         if use_cache:
             for name in ("q", "k", "v"):
                 cache[f"conv_{name}"] = convs[name]
@@ -184,3 +283,34 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         o = gated_norm(o.to(x.dtype), self.o_norm.weight, gate.view(B, T, H, K), self.eps, self.norm_backend)
         return self.o_proj(o.reshape(B, T, H * K))
+
+    def _packed_rounds(self, core, tensors, state, spans, plan, hists, cache):
+        """The recurrence of packed sequences with snapshots inside them: round r runs the r-th segment of every
+        sequence that has one as one varlen call, each from its state after round r - 1. Returns (o, states) and
+        sets ``cache["snaps"]`` (one list per sequence)."""
+        o = torch.empty_like(tensors[2])
+        state = state.clone()
+        snaps = [[] for _ in spans]
+        first = [0]  # each sequence's first row in hists (its snapshots in order)
+        for _, _, at in spans:
+            first.append(first[-1] + len(at))
+        for r, (seqs, idx, cu, cu_cpu, sel) in enumerate(plan.rounds):
+            part = (t.index_select(1, idx) for t in tensors)
+            o_r, fin = core(
+                self,
+                *part,
+                initial_state=state.index_select(0, sel),
+                output_final_state=True,
+                cu_seqlens=cu,
+                cu_seqlens_cpu=cu_cpu,
+            )
+            o.index_copy_(1, idx, o_r.to(o.dtype))
+            state.index_copy_(0, sel, fin.to(state.dtype))
+            for m, n in enumerate(seqs):
+                if r < len(spans[n][2]):
+                    h = first[n] + r
+                    snaps[n].append(
+                        (fin[m : m + 1].float(), {x: hists[x][h : h + 1] for x in ("q", "k", "v")})
+                    )
+        cache["snaps"] = snaps
+        return o, state
