@@ -1,7 +1,7 @@
 """Where the engine's prefill time goes: each prefill forward (one chunk, or with ``--batch-prefill`` the packed
 pieces of several prompts) timed on its own (synchronised), cold and warm, beside
-the model's plain forward over the same tokens, and a profile of one warm chunk (top operations by device and by
-host time).
+the model's plain forward over the same tokens, and a profile of one warm prompt (of the whole burst with packed
+prefill; top operations by device and by host time).
 
     python3 bench/diag_prefill.py [--prompts 8] [--prompt-len 512] [--no-profile]
                                   [any `openk3 serve` model / engine option, e.g. --preset medium --max-prefill-tokens 2048]
@@ -122,13 +122,15 @@ def main(argv=None) -> int:
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-        prompt = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]]
+        # packed prefill: the whole burst (its forwards take several prompts); else one prompt
+        n = args.prompts if engine.cfg.batch_prefill else 1
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(n)]
         with profile(activities=acts) as prof:
-            engine.generate(prompt, params)
+            engine.generate(prompts, params)
             sync()
         ka = prof.key_averages()
         dev_key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-        print("\none warm prompt, top operations by device time:")
+        print(f"\n{n} warm prompt(s), top operations by device time:")
         print(ka.table(sort_by=dev_key, row_limit=20, max_name_column_width=60))
         print("top operations by host time:")
         print(ka.table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
