@@ -59,10 +59,11 @@ def _kda_inputs(B, T, H, K, dtype, g, N=None):
     return [q, k, v, z, beta, h0]
 
 
-def _run_kda(core, layer, ins, cu, grad, dtype_ref=None):
+def _run_kda(core, layer, ins, cu, grad, dtype_ref=None, cu_cpu=None):
     ins = [t.detach().to(dtype_ref or t.dtype).requires_grad_(grad) for t in ins]
     q, k, v, z, beta, h0 = ins
-    o, st = core(layer, q, k, v, z, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    kw = {} if cu_cpu is None else {"cu_seqlens_cpu": cu_cpu}
+    o, st = core(layer, q, k, v, z, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, **kw)
     if not grad:
         return o, st, None
     # by shape, not randn_like: the two implementations return different strides
@@ -117,11 +118,19 @@ def test_kda_chunk_vs_fp64(dtype, gate, T, cu, check):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,cu", [(15, None), (1, None), (40, [0, 1, 3, 40])])
-def test_kda_recurrent_inference(dtype, T, cu, check):
-    from openk3.fast.kda import kda_core_fla
+@pytest.mark.parametrize(
+    "T,cu,host",
+    [(15, None, False), (1, None, False), (40, [0, 1, 3, 40], False), (150, [0, 64, 100, 150], True)],
+)
+def test_kda_recurrent_inference(dtype, T, cu, host, check, monkeypatch):
+    """The token-recurrent kernel up to RECURRENT_MAX_LEN tokens per sequence: packed sequences longer than that
+    in all take it when the caller gives a host copy of cu_seqlens (``host``)."""
+    import openk3.fast.kda as FK
     from openk3.modules.kda import _kda_core_reference
 
+    calls = []
+    inner = FK._fused_recurrent_kda
+    monkeypatch.setattr(FK, "_fused_recurrent_kda", lambda *a, **k: (calls.append(1), inner(*a, **k))[1])
     g = _fresh()
     H, K = 16, 128
     B = 1 if cu else 3
@@ -129,8 +138,11 @@ def test_kda_recurrent_inference(dtype, T, cu, check):
     layer = _KDALayer(H, K, "lowerbound", g)
     ins = _kda_inputs(B, T, H, K, dtype, g, N=len(cu) - 1 if cu else None)
     with torch.no_grad():
-        o, st, _ = _run_kda(kda_core_fla, layer, ins, cu_t, False)
+        o, st, _ = _run_kda(
+            FK.kda_core_fla, layer, ins, cu_t, False, cu_cpu=torch.tensor(cu) if host else None
+        )
         o_r, st_r, _ = _run_kda(_kda_core_reference, layer.as_fp64(), ins, cu_t, False, torch.float64)
+    assert calls == [1]
     tol = KDA_TOL[("recurrent", dtype)][0]
     tag = f"kda.recurrent.{str(dtype)[6:]}.T{T}{'.varlen' if cu else ''}"
     check(f"{tag}.o", o, o_r, tol)

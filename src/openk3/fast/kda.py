@@ -123,7 +123,9 @@ def kda_core_fla(
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, z, beta_logits, kw["A_log"], kw["dt_bias"])
     )
-    recurrent = not needs_grad and T <= RECURRENT_MAX_LEN
+    # the longest sequence: packed sequences with a host copy of cu_seqlens are measured one by one (no sync)
+    longest = T if cu_seqlens_cpu is None or cu_seqlens is None else int(cu_seqlens_cpu.diff().max())
+    recurrent = not needs_grad and longest <= RECURRENT_MAX_LEN
     if q.dtype == torch.float32 and q.shape[-1] > CHUNK_FP32_MAX_K and not recurrent:
         # fla-core 0.6.0's chunk kernels do not fit an H200's shared memory in fp32 at K = 128, and a failed launch
         # part-way through the chunk pipeline left wrong results behind: never try, take the exact reference core

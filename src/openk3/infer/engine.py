@@ -1307,7 +1307,8 @@ class Engine:
         offs = [0]
         for _, start, end in pieces:
             offs.append(offs[-1] + end - start)
-        cu = torch.tensor(offs, dtype=torch.long, device=self.device)
+        cu_cpu = torch.tensor(offs, dtype=torch.long)
+        cu = cu_cpu.to(self.device)
         caches: dict[int, dict] = {}
         for li in lay.kda_layers:
             j = pool.pool_index[li]
@@ -1324,7 +1325,7 @@ class Engine:
         def attn(i, layer, x):
             mod = layer.self_attn
             if i in caches:
-                return mod(x, cu_seqlens=cu, cache=caches[i])
+                return mod(x, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, cache=caches[i])
             T = x.shape[1]
             q = mod.project_q(x).view(1, T, mod.num_heads, mod.dn + mod.dr)
             c, kr = mod.latent(x)

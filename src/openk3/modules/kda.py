@@ -47,7 +47,9 @@ def _kda_core_reference(
     )
 
 
-def _snap_spans(snap_at: list, T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, list[int]]]:
+def _snap_spans(
+    snap_at: list, T: int, cu_seqlens: torch.Tensor | None, cu_seqlens_cpu: torch.Tensor | None = None
+) -> list[tuple[int, int, list[int]]]:
     """Check ``cache["snap_at"]`` and return, per sequence, (start, end, positions) in the token axis ([] without
     snapshots)."""
     if not snap_at:
@@ -57,7 +59,7 @@ def _snap_spans(snap_at: list, T: int, cu_seqlens: torch.Tensor | None) -> list[
             raise ValueError(f"without cu_seqlens, snap_at must be a list of positions, got {snap_at}")
         per_seq, bounds = [snap_at], [(0, T)]
     else:
-        offs = cu_seqlens.tolist()
+        offs = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
         bounds = list(zip(offs[:-1], offs[1:]))
         per_seq = snap_at
         if len(per_seq) != len(bounds) or not all(isinstance(p, (list, tuple)) for p in per_seq):
@@ -110,14 +112,16 @@ class _PackedSnapPlan:
 _PLAN: list = [None]  # (cu_seqlens, key, spans, plan) of the last packed forward with snapshots
 
 
-def _packed_plan(snap_at: list, T: int, cu_seqlens: torch.Tensor, w: int):
+def _packed_plan(
+    snap_at: list, T: int, cu_seqlens: torch.Tensor, w: int, cu_seqlens_cpu: torch.Tensor | None
+):
     """(spans, plan) for packed sequences with ``snap_at``: reused while the same ``cu_seqlens`` tensor comes with
     the same positions (the KDA layers of one forward)."""
     key = (tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in snap_at), T, w)
     last = _PLAN[0]
     if last is not None and last[0] is cu_seqlens and last[1] == key:
         return last[2], last[3]
-    spans = _snap_spans(snap_at, T, cu_seqlens)
+    spans = _snap_spans(snap_at, T, cu_seqlens, cu_seqlens_cpu)
     plan = _PackedSnapPlan(spans, w, cu_seqlens.device) if spans else None
     _PLAN[0] = (cu_seqlens, key, spans, plan)
     return spans, plan
@@ -188,6 +192,7 @@ class KimiDeltaAttention(nn.Module):
         x: torch.Tensor,
         *,
         cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens_cpu: torch.Tensor | None = None,
         cache: dict | None = None,
     ) -> torch.Tensor:
         """x: [B, T, D] (normed layer input). ``cache``: this layer's dict (``conv_q/k/v`` [B, HK, W-1], ``state``
@@ -199,7 +204,9 @@ class KimiDeltaAttention(nn.Module):
         once over all T tokens. With ``cu_seqlens`` (B == 1, N packed sequences; the cache's entries have N rows)
         ``snap_at`` is one such list per sequence, positions counted from the sequence's start, and ``snaps`` one
         list per sequence (its tensors with a leading dimension of 1); the recurrence runs in rounds, the r-th segment of every sequence that has one in
-        round r (one varlen call each)."""
+        round r (one varlen call each). ``cu_seqlens_cpu``: an optional host copy of ``cu_seqlens`` (the snapshot
+        plan and the fast core then read the lengths without a device sync; the core also picks its token-recurrent
+        kernel for short packed sequences)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         use_cache = cache is not None
@@ -207,7 +214,7 @@ class KimiDeltaAttention(nn.Module):
         # per sequence: its token range [a, b) in the packed axis and its snapshot positions (from a)
         plan = None
         if snap_at and cu_seqlens is not None:
-            spans, plan = _packed_plan(snap_at, T, cu_seqlens, self.conv_size - 1)
+            spans, plan = _packed_plan(snap_at, T, cu_seqlens, self.conv_size - 1, cu_seqlens_cpu)
         else:
             spans = _snap_spans(snap_at, T, cu_seqlens)
         hists: dict[str, list[torch.Tensor]] = {}
@@ -263,6 +270,7 @@ class KimiDeltaAttention(nn.Module):
                 initial_state=state,
                 output_final_state=use_cache,
                 cu_seqlens=cu_seqlens,
+                cu_seqlens_cpu=cu_seqlens_cpu,
             )
         elif cu_seqlens is None:  # segments split at the positions, each from the previous one's state
             pieces, snaps = [], []
