@@ -129,10 +129,16 @@ def test_kda_snapshots_inside_a_chunk_equal_separate_runs(tiny, rel):
             layer(x[:, T0:], cache={k: v.clone() for k, v in start.items()} | {"snap_at": [0, 5]})
 
 
-def test_kda_snapshots_inside_packed_sequences_equal_separate_runs(tiny, rel):
+@pytest.mark.parametrize("mode", [None, "rounds", "prefix"])
+def test_kda_snapshots_inside_packed_sequences_equal_separate_runs(tiny, rel, mode, monkeypatch):
     """cache["snap_at"] with cu_seqlens: one list of positions per packed sequence (one of them empty); each
     snapshot equals running that sequence's first p tokens alone from its own state, and the outputs and final
-    caches equal the packed run without snapshots."""
+    caches equal the packed run without snapshots; with the recurrence in rounds and over the snapshots' prefixes
+    (kda.SNAP_MODE; None picks by segment length)."""
+    import openk3.modules.kda as kda_mod
+
+    monkeypatch.setattr(kda_mod, "SNAP_MODE", mode)
+    monkeypatch.setattr(kda_mod, "SNAP_ROUNDS_MAX_SEG", 20)  # auto: prefix here (a 24-token segment)
     cfg = tiny.config
     layer = tiny.model.layers[0].self_attn
     lens, T0 = [23, 9, 41], 4
@@ -162,6 +168,7 @@ def test_kda_snapshots_inside_packed_sequences_equal_separate_runs(tiny, rel):
                 assert state.shape == alone["state"].shape and rel(state, alone["state"]) < 1e-5, (n, p)
                 for name in ("q", "k", "v"):
                     assert rel(conv[name], alone[f"conv_{name}"]) < 1e-6, (n, p, name)
+        assert kda_mod._PLAN[0][3].mode == (mode or "prefix")
         for bad in ([[1], [2]], [[0], [], [5]], [[5, 3], [], []], [1, 2, 3], [[], [9], []]):
             with pytest.raises(ValueError, match="snap_at"):
                 layer(
@@ -559,14 +566,18 @@ def test_prefill_defers_pieces_cut_short_by_the_leftover_budget(tiny, prefix, ba
     _check_against_full_forward(tiny, reqs)
 
 
-@pytest.mark.parametrize("prefix", [False, True])
-def test_batch_prefill_equals_one_sequence_per_forward(tiny, prefix):
+@pytest.mark.parametrize("prefix", [False, True, "prefix-mode"])
+def test_batch_prefill_equals_one_sequence_per_forward(tiny, prefix, monkeypatch):
     """EngineConfig.batch_prefill packs one piece of each prefilling request into one forward (varlen KDA from each
     sequence's own state and conv history, per-sequence MLA over its cached prefix): the logits equal the
     one-sequence-per-forward engine's and a full re-forward, with ragged prompts longer than a step's budget (so
     pieces continue from cached state), a one-token prompt, prefix-cache hits and prompt logprobs."""
     kw = dict(page_size=5, max_seqs=6, max_tokens=2048, max_prefill_tokens=48, record_logits=True)
     kw |= dict(prefix_interval=16) if prefix else dict(prefix_cache=False)
+    if (
+        prefix == "prefix-mode"
+    ):  # packed snapshots from the prefixes' own pass (auto: in rounds at interval 16)
+        monkeypatch.setattr("openk3.modules.kda.SNAP_MODE", "prefix")
     base = _prompts(21, [70])[0]
     prompts = _prompts(22, [2, 37, 90, 17]) + [base[:40] + _prompts(23, [9])[0]]
     params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True) for _ in prompts]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -75,21 +76,45 @@ def _snap_spans(
     return spans if any(at for _, _, at in spans) else []
 
 
+# How packed sequences get their snapshot states (``cache["snap_at"]`` with ``cu_seqlens``): "rounds" runs the
+# recurrence in rounds of segments split at the positions (one call per round); "prefix" runs it once over the
+# whole sequences, then once more over every snapshot's prefix [start, start + p) packed as extra sequences from
+# their sequence's initial state (one call, sum(p) more tokens). None: rounds when every segment is at most
+# SNAP_ROUNDS_MAX_SEG tokens (the fast core's token-recurrent kernel takes those cheaply), else prefix. A KDA call
+# over long segments is host-bound (fla's chunk path launches ~15 kernels), so fewer calls win there
+# (bench/NOTES.md v36). The environment variable OPENK3_KDA_SNAP_MODE sets it at import.
+SNAP_MODE: str | None = os.environ.get("OPENK3_KDA_SNAP_MODE") or None
+SNAP_ROUNDS_MAX_SEG = 64
+
+
 class _PackedSnapPlan:
     """Index tensors for the recurrence of packed sequences with snapshots inside (built once per forward and
-    shared by its KDA layers, with one host-to-device copy): per round, the sequences in it, their tokens
-    (``idx``), their ``cu_seqlens`` (device and host) and rows (``sel``); and for the conv histories, the rows of
-    ``[every sequence's initial history (W - 1 rows each); the packed tokens]`` that each snapshot's history holds
-    (``hist_idx`` [S, W - 1], S snapshots in sequence-major order)."""
+    shared by its KDA layers, with one host-to-device copy). ``mode`` "rounds": per round, the sequences in it,
+    their tokens (``idx``), their ``cu_seqlens`` (device and host) and rows (``sel``); "prefix": the same for the
+    snapshots' prefixes packed as sequences (``prefix``). For the conv histories, the rows of ``[every sequence's
+    initial history (W - 1 rows each); the packed tokens]`` that each snapshot's history holds (``hist_idx``
+    [S, W - 1], S snapshots in sequence-major order)."""
 
-    def __init__(self, spans: list[tuple[int, int, list[int]]], w: int, device: torch.device):
+    def __init__(
+        self, spans: list[tuple[int, int, list[int]]], w: int, device: torch.device, mode: str | None
+    ):
         N = len(spans)
         bounds = [[a] + [a + p for p in at] + [b] for a, b, at in spans]
+        longest = max(y - x for bd in bounds for x, y in zip(bd[:-1], bd[1:]))
+        self.mode = mode or ("rounds" if longest <= SNAP_ROUNDS_MAX_SEG else "prefix")
+        if self.mode not in ("rounds", "prefix"):
+            raise ValueError(f"snapshot mode must be 'rounds' or 'prefix', got {self.mode!r}")
         host: list[list[int]] = []
         meta = []
-        for r in range(max(len(x) for x in bounds) - 1):
-            seqs = [n for n, x in enumerate(bounds) if len(x) - 1 > r]
-            segs = [(bounds[n][r], bounds[n][r + 1]) for n in seqs]
+        if self.mode == "rounds":
+            groups = []
+            for r in range(max(len(x) for x in bounds) - 1):
+                seqs = [n for n, x in enumerate(bounds) if len(x) - 1 > r]
+                groups.append((seqs, [(bounds[n][r], bounds[n][r + 1]) for n in seqs]))
+        else:  # one group: every snapshot's prefix, from its sequence's start
+            seqs = [n for n, (_, _, at) in enumerate(spans) for _ in at]
+            groups = [(seqs, [(a, a + p) for a, _, at in spans for p in at])]
+        for seqs, segs in groups:
             cu = [0]
             for a, b in segs:
                 cu.append(cu[-1] + b - a)
@@ -103,10 +128,12 @@ class _PackedSnapPlan:
         flat = torch.tensor([x for h in host for x in h], dtype=torch.long).to(device)
         parts = list(flat.split([len(h) for h in host]))
         self.hist_idx = parts.pop().view(-1, w)
-        self.rounds = [
+        groups = [
             (seqs, parts[3 * r], parts[3 * r + 1], cu_cpu, parts[3 * r + 2])
             for r, (seqs, cu_cpu) in enumerate(meta)
         ]
+        self.rounds = groups if self.mode == "rounds" else []
+        self.prefix = groups[0] if self.mode == "prefix" else None
 
 
 _PLAN: list = [None]  # (cu_seqlens, key, spans, plan) of the last packed forward with snapshots
@@ -117,12 +144,12 @@ def _packed_plan(
 ):
     """(spans, plan) for packed sequences with ``snap_at``: reused while the same ``cu_seqlens`` tensor comes with
     the same positions (the KDA layers of one forward)."""
-    key = (tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in snap_at), T, w)
+    key = (tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in snap_at), T, w, SNAP_MODE)
     last = _PLAN[0]
     if last is not None and last[0] is cu_seqlens and last[1] == key:
         return last[2], last[3]
     spans = _snap_spans(snap_at, T, cu_seqlens, cu_seqlens_cpu)
-    plan = _PackedSnapPlan(spans, w, cu_seqlens.device) if spans else None
+    plan = _PackedSnapPlan(spans, w, cu_seqlens.device, SNAP_MODE) if spans else None
     _PLAN[0] = (cu_seqlens, key, spans, plan)
     return spans, plan
 
@@ -283,7 +310,9 @@ class KimiDeltaAttention(nn.Module):
             o = torch.cat(pieces, dim=1)
             cache["snaps"] = snaps
         else:
-            o, state = self._packed_rounds(core, (q, k, v, z, beta_logits), state, spans, plan, hists, cache)
+            o, state = self._packed_snapshots(
+                core, (q, k, v, z, beta_logits), state, spans, plan, hists, cache, cu_seqlens, cu_seqlens_cpu
+            )
         if use_cache:
             for name in ("q", "k", "v"):
                 cache[f"conv_{name}"] = convs[name]
@@ -292,16 +321,50 @@ class KimiDeltaAttention(nn.Module):
         o = gated_norm(o.to(x.dtype), self.o_norm.weight, gate.view(B, T, H, K), self.eps, self.norm_backend)
         return self.o_proj(o.reshape(B, T, H * K))
 
-    def _packed_rounds(self, core, tensors, state, spans, plan, hists, cache):
-        """The recurrence of packed sequences with snapshots inside them: round r runs the r-th segment of every
-        sequence that has one as one varlen call, each from its state after round r - 1. Returns (o, states) and
-        sets ``cache["snaps"]`` (one list per sequence)."""
-        o = torch.empty_like(tensors[2])
-        state = state.clone()
-        snaps = [[] for _ in spans]
+    def _packed_snapshots(self, core, tensors, state, spans, plan, hists, cache, cu_seqlens, cu_seqlens_cpu):
+        """The recurrence of packed sequences with snapshots inside them (``plan.mode``, see SNAP_MODE): "rounds":
+        round r runs the r-th segment of every sequence that has one as one varlen call, each from its state after
+        round r - 1; "prefix": one call over the whole sequences, one over the snapshots' prefixes. Returns
+        (o, states) and sets ``cache["snaps"]`` (one list per sequence)."""
         first = [0]  # each sequence's first row in hists (its snapshots in order)
         for _, _, at in spans:
             first.append(first[-1] + len(at))
+        snaps = [[] for _ in spans]
+
+        def book(
+            r, seqs, fin, rows
+        ):  # fin[m]: sequence seqs[m]'s state at its r-th snapshot (rows: its hists row)
+            for m, n in enumerate(seqs):
+                if r is None or r < len(spans[n][2]):
+                    h = rows(m, n)
+                    snaps[n].append(
+                        (fin[m : m + 1].float(), {x: hists[x][h : h + 1] for x in ("q", "k", "v")})
+                    )
+
+        if plan.mode == "prefix":
+            seqs, idx, cu, cu_cpu, sel = plan.prefix
+            part = (t.index_select(1, idx) for t in tensors)
+            _, fin = core(
+                self,
+                *part,
+                initial_state=state.index_select(0, sel),
+                output_final_state=True,
+                cu_seqlens=cu,
+                cu_seqlens_cpu=cu_cpu,
+            )
+            book(None, seqs, fin, lambda m, n: m)  # sequence-major, as hists
+            o, state = core(
+                self,
+                *tensors,
+                initial_state=state,
+                output_final_state=True,
+                cu_seqlens=cu_seqlens,
+                cu_seqlens_cpu=cu_seqlens_cpu,
+            )
+            cache["snaps"] = snaps
+            return o, state
+        o = torch.empty_like(tensors[2])
+        state = state.clone()
         for r, (seqs, idx, cu, cu_cpu, sel) in enumerate(plan.rounds):
             part = (t.index_select(1, idx) for t in tensors)
             o_r, fin = core(
@@ -314,11 +377,6 @@ class KimiDeltaAttention(nn.Module):
             )
             o.index_copy_(1, idx, o_r.to(o.dtype))
             state.index_copy_(0, sel, fin.to(state.dtype))
-            for m, n in enumerate(seqs):
-                if r < len(spans[n][2]):
-                    h = first[n] + r
-                    snaps[n].append(
-                        (fin[m : m + 1].float(), {x: hists[x][h : h + 1] for x in ("q", "k", "v")})
-                    )
+            book(r, seqs, fin, lambda m, n, r=r: first[n] + r)
         cache["snaps"] = snaps
         return o, state
