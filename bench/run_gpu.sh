@@ -70,7 +70,7 @@
 # per step) -> serve_burst.json, serve_burst_one.json; prefill_snap: the batch_prefill GPU tests, then prefix snapshots
 # inside packed pieces: diag_prefill.py at interval 64 (SNAP_PROFILE=' ' profiles it: diag_prefill_snap64.log), and 4 prompts of 2,048
 # tokens with the default interval and with none inside -> diag_prefill_{snap64,2k,2k_nosnap}.json; snap_mode: the
-# packed-snapshot GPU test with OPENK3_KDA_SNAP_MODE=prefix, then both snapshot modes at 8 x 512 tokens (interval 64)
+# packed-snapshot GPU test with OPENK3_KDA_SNAP_MODE=rounds, then both snapshot modes at 8 x 512 tokens (interval 64)
 # and 4 x 2,048 (interval 512) -> diag_snap64_{rounds,prefix}.json, diag_2k_{rounds,prefix}.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
@@ -267,11 +267,12 @@ if has prefill_snap; then
   done
 fi
 if has snap_mode; then
-  # the two ways packed pieces take snapshots inside (OPENK3_KDA_SNAP_MODE): the GPU test with "prefix", then
+  # the two ways packed pieces take snapshots inside (OPENK3_KDA_SNAP_MODE): the GPU test with "rounds" (the
+  # default is "prefix"), then
   # 8 x 512 tokens at interval 64 and 4 x 2,048 at the default interval, each in rounds and over the prefixes
-  OPENK3_KDA_SNAP_MODE=prefix timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_engine_gpu.py \
+  OPENK3_KDA_SNAP_MODE=rounds timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_engine_gpu.py \
     -k "batch_prefill and not no-prefix" >"$OUT_DIR/tests_snap_mode.log" 2>&1
-  echo "batch_prefill GPU test, prefix mode: exit $? ($(tail -1 "$OUT_DIR/tests_snap_mode.log"))"
+  echo "batch_prefill GPU test, rounds: exit $? ($(tail -1 "$OUT_DIR/tests_snap_mode.log"))"
   for m in rounds prefix; do
     echo "== snapshots: $m"
     OPENK3_KDA_SNAP_MODE=$m timeout "$T_E2E" python3 bench/diag_prefill.py --prompts 8 --prompt-len 512 \

@@ -129,16 +129,15 @@ def test_kda_snapshots_inside_a_chunk_equal_separate_runs(tiny, rel):
             layer(x[:, T0:], cache={k: v.clone() for k, v in start.items()} | {"snap_at": [0, 5]})
 
 
-@pytest.mark.parametrize("mode", [None, "rounds", "prefix"])
+@pytest.mark.parametrize("mode", ["rounds", "prefix"])
 def test_kda_snapshots_inside_packed_sequences_equal_separate_runs(tiny, rel, mode, monkeypatch):
     """cache["snap_at"] with cu_seqlens: one list of positions per packed sequence (one of them empty); each
     snapshot equals running that sequence's first p tokens alone from its own state, and the outputs and final
     caches equal the packed run without snapshots; with the recurrence in rounds and over the snapshots' prefixes
-    (kda.SNAP_MODE; None picks by segment length)."""
+    (kda.SNAP_MODE)."""
     import openk3.modules.kda as kda_mod
 
     monkeypatch.setattr(kda_mod, "SNAP_MODE", mode)
-    monkeypatch.setattr(kda_mod, "SNAP_ROUNDS_MAX_SEG", 20)  # auto: prefix here (a 24-token segment)
     cfg = tiny.config
     layer = tiny.model.layers[0].self_attn
     lens, T0 = [23, 9, 41], 4
@@ -168,7 +167,7 @@ def test_kda_snapshots_inside_packed_sequences_equal_separate_runs(tiny, rel, mo
                 assert state.shape == alone["state"].shape and rel(state, alone["state"]) < 1e-5, (n, p)
                 for name in ("q", "k", "v"):
                     assert rel(conv[name], alone[f"conv_{name}"]) < 1e-6, (n, p, name)
-        assert kda_mod._PLAN[0][3].mode == (mode or "prefix")
+        assert kda_mod._PLAN[0][3].mode == mode
         for bad in ([[1], [2]], [[0], [], [5]], [[5, 3], [], []], [1, 2, 3], [[], [9], []]):
             with pytest.raises(ValueError, match="snap_at"):
                 layer(
@@ -566,7 +565,7 @@ def test_prefill_defers_pieces_cut_short_by_the_leftover_budget(tiny, prefix, ba
     _check_against_full_forward(tiny, reqs)
 
 
-@pytest.mark.parametrize("prefix", [False, True, "prefix-mode"])
+@pytest.mark.parametrize("prefix", [False, True, "rounds"])
 def test_batch_prefill_equals_one_sequence_per_forward(tiny, prefix, monkeypatch):
     """EngineConfig.batch_prefill packs one piece of each prefilling request into one forward (varlen KDA from each
     sequence's own state and conv history, per-sequence MLA over its cached prefix): the logits equal the
@@ -574,10 +573,9 @@ def test_batch_prefill_equals_one_sequence_per_forward(tiny, prefix, monkeypatch
     pieces continue from cached state), a one-token prompt, prefix-cache hits and prompt logprobs."""
     kw = dict(page_size=5, max_seqs=6, max_tokens=2048, max_prefill_tokens=48, record_logits=True)
     kw |= dict(prefix_interval=16) if prefix else dict(prefix_cache=False)
-    if (
-        prefix == "prefix-mode"
-    ):  # packed snapshots from the prefixes' own pass (auto: in rounds at interval 16)
-        monkeypatch.setattr("openk3.modules.kda.SNAP_MODE", "prefix")
+    # packed snapshots from the recurrence in rounds (default: over the prefixes)
+    if prefix == "rounds":
+        monkeypatch.setattr("openk3.modules.kda.SNAP_MODE", "rounds")
     base = _prompts(21, [70])[0]
     prompts = _prompts(22, [2, 37, 90, 17]) + [base[:40] + _prompts(23, [9])[0]]
     params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True) for _ in prompts]

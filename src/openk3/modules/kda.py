@@ -76,15 +76,15 @@ def _snap_spans(
     return spans if any(at for _, _, at in spans) else []
 
 
-# How packed sequences get their snapshot states (``cache["snap_at"]`` with ``cu_seqlens``): "rounds" runs the
-# recurrence in rounds of segments split at the positions (one call per round); "prefix" runs it once over the
-# whole sequences, then once more over every snapshot's prefix [start, start + p) packed as extra sequences from
-# their sequence's initial state (one call, sum(p) more tokens). None: rounds when every segment is at most
-# SNAP_ROUNDS_MAX_SEG tokens (the fast core's token-recurrent kernel takes those cheaply), else prefix. A KDA call
-# over long segments is host-bound (fla's chunk path launches ~15 kernels), so fewer calls win there
-# (bench/NOTES.md v36). The environment variable OPENK3_KDA_SNAP_MODE sets it at import.
-SNAP_MODE: str | None = os.environ.get("OPENK3_KDA_SNAP_MODE") or None
-SNAP_ROUNDS_MAX_SEG = 64
+# How packed sequences get their snapshot states (``cache["snap_at"]`` with ``cu_seqlens``): "prefix" (default)
+# runs the recurrence once over the whole sequences, then once more over every snapshot's prefix [start, start + p)
+# packed as extra sequences from their sequence's initial state (two calls, sum(p) more tokens in the second);
+# "rounds" runs it in rounds of segments split at the positions (one call per round, no extra tokens). A KDA call
+# is host-bound at these sizes (fla's chunk path launches ~15 kernels), so fewer calls win: `medium` on an H100,
+# 8 x 512 tokens at interval 64: 115 ms per forward over the prefixes, 154 ms in rounds; 2 x 2,048 at interval
+# 512: 87 ms against 202 ms (79 / 72 ms without snapshots; bench/NOTES.md v36). Rounds grow linearly with the
+# snapshots per piece, prefixes quadratically. The environment variable OPENK3_KDA_SNAP_MODE sets it at import.
+SNAP_MODE: str = os.environ.get("OPENK3_KDA_SNAP_MODE") or "prefix"
 
 
 class _PackedSnapPlan:
@@ -100,8 +100,7 @@ class _PackedSnapPlan:
     ):
         N = len(spans)
         bounds = [[a] + [a + p for p in at] + [b] for a, b, at in spans]
-        longest = max(y - x for bd in bounds for x, y in zip(bd[:-1], bd[1:]))
-        self.mode = mode or ("rounds" if longest <= SNAP_ROUNDS_MAX_SEG else "prefix")
+        self.mode = mode
         if self.mode not in ("rounds", "prefix"):
             raise ValueError(f"snapshot mode must be 'rounds' or 'prefix', got {self.mode!r}")
         host: list[list[int]] = []
