@@ -100,13 +100,19 @@ def test_kda_decode_reference_matches_module(tiny, rel):
     assert torch.equal(conv[[1, 3]], untouched[0]) and torch.equal(state[[1, 3]], untouched[1])
 
 
-def test_kda_snapshots_inside_a_chunk_equal_separate_runs(tiny, rel):
+@pytest.mark.parametrize("B,mode", [(2, "prefix"), (1, "prefix"), (1, "rounds")])
+def test_kda_snapshots_inside_a_chunk_equal_separate_runs(tiny, rel, B, mode, monkeypatch):
     """cache["snap_at"]: the KDA layer hands back its state and conv histories after p tokens of the chunk (one
     of them inside the first W - 1 tokens, where the history still reaches into the chunk's initial state), equal
-    to running the first p tokens alone; the output and the final cache equal an unsplit run."""
+    to running the first p tokens alone; the output and the final cache equal an unsplit run. One sequence (B == 1)
+    takes the packed path's mode (kda.SNAP_MODE); a batch, and the "rounds" mode, run the recurrence in segments."""
+    import openk3.modules.kda as kda_mod
+
+    monkeypatch.setattr(kda_mod, "SNAP_MODE", mode)
+    monkeypatch.setattr(kda_mod, "_PLAN", [None])
     cfg = tiny.config
     layer = tiny.model.layers[0].self_attn
-    B, T0, T = 2, 5, 40
+    T0, T = 5, 40
     x = torch.randn(B, T0 + T, cfg.hidden_size)
     with torch.no_grad():
         start = {}
@@ -115,6 +121,7 @@ def test_kda_snapshots_inside_a_chunk_equal_separate_runs(tiny, rel):
         want = layer(x[:, T0:], cache=plain)
         split = {k: v.clone() for k, v in start.items()} | {"snap_at": [2, 17, 33]}
         got = layer(x[:, T0:], cache=split)
+        assert (kda_mod._PLAN[0] is not None) == (B == 1 and mode == "prefix")  # which path ran
         assert rel(got, want) < 1e-5
         for name in ("state", "conv_q", "conv_k", "conv_v"):
             assert rel(split[name], plain[name]) < 1e-5, name

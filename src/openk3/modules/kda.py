@@ -139,16 +139,21 @@ _PLAN: list = [None]  # (cu_seqlens, key, spans, plan) of the last packed forwar
 
 
 def _packed_plan(
-    snap_at: list, T: int, cu_seqlens: torch.Tensor, w: int, cu_seqlens_cpu: torch.Tensor | None
+    snap_at: list,
+    T: int,
+    cu_seqlens: torch.Tensor | None,
+    w: int,
+    cu_seqlens_cpu: torch.Tensor | None,
+    device: torch.device,
 ):
-    """(spans, plan) for packed sequences with ``snap_at``: reused while the same ``cu_seqlens`` tensor comes with
-    the same positions (the KDA layers of one forward)."""
-    key = (tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in snap_at), T, w, SNAP_MODE)
+    """(spans, plan) for packed sequences with ``snap_at`` (``cu_seqlens`` None: one sequence of T tokens): reused
+    while the same ``cu_seqlens`` tensor comes with the same positions (the KDA layers of one forward)."""
+    key = (tuple(tuple(x) if isinstance(x, (list, tuple)) else x for x in snap_at), T, w, SNAP_MODE, device)
     last = _PLAN[0]
     if last is not None and last[0] is cu_seqlens and last[1] == key:
         return last[2], last[3]
     spans = _snap_spans(snap_at, T, cu_seqlens, cu_seqlens_cpu)
-    plan = _PackedSnapPlan(spans, w, cu_seqlens.device, SNAP_MODE) if spans else None
+    plan = _PackedSnapPlan(spans, w, device, SNAP_MODE) if spans else None
     _PLAN[0] = (cu_seqlens, key, spans, plan)
     return spans, plan
 
@@ -238,9 +243,10 @@ class KimiDeltaAttention(nn.Module):
         use_cache = cache is not None
         snap_at = list(cache.get("snap_at") or ()) if use_cache else []
         # per sequence: its token range [a, b) in the packed axis and its snapshot positions (from a)
+        # (one sequence, B == 1, takes the packed path's prefix mode too: two calls instead of one per segment)
         plan = None
-        if snap_at and cu_seqlens is not None:
-            spans, plan = _packed_plan(snap_at, T, cu_seqlens, self.conv_size - 1, cu_seqlens_cpu)
+        if snap_at and (cu_seqlens is not None or (B == 1 and SNAP_MODE == "prefix")):
+            spans, plan = _packed_plan(snap_at, T, cu_seqlens, self.conv_size - 1, cu_seqlens_cpu, x.device)
         else:
             spans = _snap_spans(snap_at, T, cu_seqlens)
         hists: dict[str, list[torch.Tensor]] = {}
@@ -298,7 +304,7 @@ class KimiDeltaAttention(nn.Module):
                 cu_seqlens=cu_seqlens,
                 cu_seqlens_cpu=cu_seqlens_cpu,
             )
-        elif cu_seqlens is None:  # segments split at the positions, each from the previous one's state
+        elif plan is None:  # segments split at the positions, each from the previous one's state
             pieces, snaps = [], []
             for a, b in zip([0] + snap_at, snap_at + [T]):
                 seg = (t[:, a:b] for t in (q, k, v, z, beta_logits))
@@ -312,6 +318,8 @@ class KimiDeltaAttention(nn.Module):
             o, state = self._packed_snapshots(
                 core, (q, k, v, z, beta_logits), state, spans, plan, hists, cache, cu_seqlens, cu_seqlens_cpu
             )
+            if cu_seqlens is None:  # one sequence: its list
+                cache["snaps"] = cache["snaps"][0]
         if use_cache:
             for name in ("q", "k", "v"):
                 cache[f"conv_{name}"] = convs[name]
