@@ -87,7 +87,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=512,
         help="prefix-cache snapshot interval in tokens; smaller values reuse shorter shared prefixes, at the cost "
-        "of splitting each KDA layer's prefill recurrence there (default 512)",
+        "of more prefill work in each KDA layer (default 512)",
     )
     g.add_argument(
         "--cuda-graphs",

@@ -4,10 +4,10 @@ Each :meth:`Engine.step`:
 
 1. takes new requests and aborts (thread-safe inbox), admits waiting requests while a sequence slot and pages are
    free (restoring the longest cached prefix: KDA state snapshot + shared MLA pages);
-2. runs chunked prefill, at most ``max_prefill_tokens`` prompt tokens per step over all prefilling requests, one
-   sequence at a time through the model's own layers (with ``batch_prefill``, one piece of each request packed in
-   one forward); the KDA state is snapshotted at multiples of the prefix-cache interval (inside a one-sequence
-   chunk; a packed piece ends there);
+2. runs chunked prefill, at most ``max_prefill_tokens`` prompt tokens per step over all prefilling requests,
+   through the model's own layers: with ``batch_prefill`` (default) one piece of each request packed in one forward,
+   else one sequence at a time; the KDA state is snapshotted at multiples of the prefix-cache interval, inside the
+   pieces (see ``KimiDeltaAttention.forward``'s ``snap_at``);
 3. runs one batched decode step for every request whose cache holds all but its last token: the last token is fed,
    its latent written into the pages, and the next token sampled.
 
@@ -146,10 +146,10 @@ class EngineConfig:
     prefix_cache: bool = True
     # prefix-cache snapshot interval in tokens. It used to end a prefill chunk at every multiple, and an eager
     # prefill forward costs about the same host time whatever its length (`medium` on an H100: ~80 ms for 64 tokens
-    # or 511, bench/diag_prefill.py, bench/NOTES.md v35), so 64 made a 512-token prompt 8 forwards. Now a chunk
-    # takes its snapshots inside (the KDA recurrence runs in segments split there, the rest of the forward once,
-    # packed prefill included), so a smaller interval costs a few more recurrence launches per KDA layer, not whole
-    # forwards: 66 -> 71 ms per 511-token piece at 64 (v36)
+    # or 511, bench/diag_prefill.py, bench/NOTES.md v35), so 64 made a 512-token prompt 8 forwards. Now a piece
+    # takes its snapshots inside (the KDA layers run one more recurrence call over the snapshots' prefixes, the
+    # rest of the forward once): packed 8 x 512 tokens 79 -> 115 ms at interval 64, 2 x 2,048 tokens 72 -> 87 ms
+    # at 512 (v36)
     prefix_interval: int = 512
     prefix_cache_bytes: int | None = None  # default: max(64 MiB, 16 sequences' state)
     # prefill one piece of each of several requests in one forward: the pieces packed as varlen sequences, each KDA
