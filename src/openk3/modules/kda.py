@@ -85,6 +85,8 @@ def _snap_spans(
 # 512: 87 ms against 202 ms (79 / 72 ms without snapshots; bench/NOTES.md v36). Rounds grow linearly with the
 # snapshots per piece, prefixes quadratically. The environment variable OPENK3_KDA_SNAP_MODE sets it at import.
 SNAP_MODE: str = os.environ.get("OPENK3_KDA_SNAP_MODE") or "prefix"
+if SNAP_MODE not in ("prefix", "rounds"):
+    raise ValueError(f"OPENK3_KDA_SNAP_MODE must be 'prefix' or 'rounds', got {SNAP_MODE!r}")
 
 
 class _PackedSnapPlan:
@@ -95,9 +97,7 @@ class _PackedSnapPlan:
     initial history (W - 1 rows each); the packed tokens]`` that each snapshot's history holds (``hist_idx``
     [S, W - 1], S snapshots in sequence-major order)."""
 
-    def __init__(
-        self, spans: list[tuple[int, int, list[int]]], w: int, device: torch.device, mode: str | None
-    ):
+    def __init__(self, spans: list[tuple[int, int, list[int]]], w: int, device: torch.device, mode: str):
         N = len(spans)
         bounds = [[a] + [a + p for p in at] + [b] for a, b, at in spans]
         self.mode = mode
@@ -230,14 +230,15 @@ class KimiDeltaAttention(nn.Module):
         [B, H, K, K]) updated in place. Returns [B, T, D].
 
         ``cache["snap_at"]`` (positions 0 < p < T, increasing) also asks for the cache as it stands after the first
-        p tokens: ``cache["snaps"]`` becomes ``[(state, {"q": conv, "k": ..., "v": ...})]``, one per position. The
-        recurrence then runs in segments split there (each from the previous one's state); everything else runs
-        once over all T tokens. With ``cu_seqlens`` (B == 1, N packed sequences; the cache's entries have N rows)
-        ``snap_at`` is one such list per sequence, positions counted from the sequence's start, and ``snaps`` one
-        list per sequence (its tensors with a leading dimension of 1); the recurrence runs in rounds, the r-th segment of every sequence that has one in
-        round r (one varlen call each). ``cu_seqlens_cpu``: an optional host copy of ``cu_seqlens`` (the snapshot
-        plan and the fast core then read the lengths without a device sync; the core also picks its token-recurrent
-        kernel for short packed sequences)."""
+        p tokens: ``cache["snaps"]`` becomes ``[(state, {"q": conv, "k": ..., "v": ...})]``, one per position.
+        Everything but the recurrence runs once over all T tokens; the states at the positions come from SNAP_MODE
+        (default "prefix": one more recurrence call over the positions' prefixes; "rounds": the recurrence split
+        there, each segment from the previous one's state). A batch of several rows (B > 1, no ``cu_seqlens``)
+        always runs the split recurrence. With ``cu_seqlens`` (B == 1, N packed sequences; the cache's entries have
+        N rows) ``snap_at`` is one such list per sequence, positions counted from the sequence's start, and
+        ``snaps`` one list per sequence (its tensors with a leading dimension of 1). ``cu_seqlens_cpu``: an optional
+        host copy of ``cu_seqlens`` (the snapshot plan and the fast core then read the lengths without a device
+        sync; the core also picks its token-recurrent kernel for short packed sequences)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         use_cache = cache is not None
@@ -338,9 +339,9 @@ class KimiDeltaAttention(nn.Module):
             first.append(first[-1] + len(at))
         snaps = [[] for _ in spans]
 
-        def book(
-            r, seqs, fin, rows
-        ):  # fin[m]: sequence seqs[m]'s state at its r-th snapshot (rows: its hists row)
+        def book(r, seqs, fin, rows):
+            """fin[m]: sequence seqs[m]'s state at its r-th snapshot (r None: the next one); rows(m, n): its row in
+            hists."""
             for m, n in enumerate(seqs):
                 if r is None or r < len(spans[n][2]):
                     h = rows(m, n)
