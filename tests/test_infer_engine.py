@@ -136,15 +136,17 @@ def test_kda_snapshots_inside_a_chunk_equal_separate_runs(tiny, rel, B, mode, mo
             layer(x[:, T0:], cache={k: v.clone() for k, v in start.items()} | {"snap_at": [0, 5]})
 
 
-@pytest.mark.parametrize("mode", ["rounds", "prefix"])
+@pytest.mark.parametrize("mode", ["rounds", "prefix", "prefix-capped"])
 def test_kda_snapshots_inside_packed_sequences_equal_separate_runs(tiny, rel, mode, monkeypatch):
     """cache["snap_at"] with cu_seqlens: one list of positions per packed sequence (one of them empty); each
     snapshot equals running that sequence's first p tokens alone from its own state, and the outputs and final
     caches equal the packed run without snapshots; with the recurrence in rounds and over the snapshots' prefixes
-    (kda.SNAP_MODE)."""
+    (kda.SNAP_MODE); "prefix" turns to rounds where the prefixes would hold too many tokens."""
     import openk3.modules.kda as kda_mod
 
-    monkeypatch.setattr(kda_mod, "SNAP_MODE", mode)
+    monkeypatch.setattr(kda_mod, "SNAP_MODE", mode.split("-")[0])
+    if mode == "prefix-capped":  # the prefixes hold 1 + 16 + 3 + 8 + 32 + 40 = 100 tokens for 73: over 1.2x
+        monkeypatch.setattr(kda_mod, "SNAP_PREFIX_MAX_RATIO", 1.2)
     cfg = tiny.config
     layer = tiny.model.layers[0].self_attn
     lens, T0 = [23, 9, 41], 4
@@ -174,7 +176,7 @@ def test_kda_snapshots_inside_packed_sequences_equal_separate_runs(tiny, rel, mo
                 assert state.shape == alone["state"].shape and rel(state, alone["state"]) < 1e-5, (n, p)
                 for name in ("q", "k", "v"):
                     assert rel(conv[name], alone[f"conv_{name}"]) < 1e-6, (n, p, name)
-        assert kda_mod._PLAN[0][3].mode == mode
+        assert kda_mod._PLAN[0][3].mode == {"prefix-capped": "rounds"}.get(mode, mode)
         for bad in ([[1], [2]], [[0], [], [5]], [[5, 3], [], []], [1, 2, 3], [[], [9], []]):
             with pytest.raises(ValueError, match="snap_at"):
                 layer(

@@ -83,8 +83,11 @@ def _snap_spans(
 # is host-bound at these sizes (fla's chunk path launches ~15 kernels), so fewer calls win: `medium` on an H100,
 # 8 x 512 tokens at interval 64: 115 ms per forward over the prefixes, 154 ms in rounds; 2 x 2,048 at interval
 # 512: 87 ms against 202 ms (79 / 72 ms without snapshots; bench/NOTES.md v36). Rounds grow linearly with the
-# snapshots per piece, prefixes quadratically. The environment variable OPENK3_KDA_SNAP_MODE sets it at import.
+# snapshots per piece, prefixes quadratically: where the prefixes would hold more than SNAP_PREFIX_MAX_RATIO times
+# the tokens of the sequences themselves (measured up to 3.5x, where they still won), "prefix" runs in rounds. The
+# environment variable OPENK3_KDA_SNAP_MODE sets the mode at import.
 SNAP_MODE: str = os.environ.get("OPENK3_KDA_SNAP_MODE") or "prefix"
+SNAP_PREFIX_MAX_RATIO = 8.0
 if SNAP_MODE not in ("prefix", "rounds"):
     raise ValueError(f"OPENK3_KDA_SNAP_MODE must be 'prefix' or 'rounds', got {SNAP_MODE!r}")
 
@@ -100,6 +103,9 @@ class _PackedSnapPlan:
     def __init__(self, spans: list[tuple[int, int, list[int]]], w: int, device: torch.device, mode: str):
         N = len(spans)
         bounds = [[a] + [a + p for p in at] + [b] for a, b, at in spans]
+        extra = sum(p for _, _, at in spans for p in at)
+        if mode == "prefix" and extra > SNAP_PREFIX_MAX_RATIO * sum(b - a for a, b, _ in spans):
+            mode = "rounds"
         self.mode = mode
         if self.mode not in ("rounds", "prefix"):
             raise ValueError(f"snapshot mode must be 'rounds' or 'prefix', got {self.mode!r}")
