@@ -202,6 +202,28 @@ def test_prefix_snapshots_inside_one_prefill_chunk(tiny):
     assert again.prefix_hit == 64 and forwards[1:] == [(64, 72)]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+@pytest.mark.parametrize("outputs", [False, True])
+def test_prefix_cache_outputs_snapshots_generated_tokens(tiny, overlap, outputs):
+    """EngineConfig.prefix_cache_outputs: decode also leaves snapshots where the cache reaches a multiple of the
+    interval past the prompt, so a prompt that repeats the conversation so far (prompt + reply) restores from the
+    last one; the continuation equals an engine without prefix caching. Off: only the prompt's snapshot is hit."""
+    kw = dict(page_size=8, max_seqs=2, max_tokens=1024, record_logits=True, overlap=overlap)
+    eng = Engine(tiny, None, prefix_interval=16, prefix_cache_outputs=outputs, **kw)
+    prompt = _prompts(31, [20])[0]
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    (first,) = eng.generate([prompt], greedy)
+    # the cache held 20 + 40 - 1 = 59 tokens: snapshots at 16 (prefill), then 32 and 48 (decode)
+    assert eng.prefix.inserts == (3 if outputs else 1)
+    follow = prompt + first.output_ids[:35] + _prompts(32, [4])[0]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    (again,) = eng.generate([follow], params)
+    assert again.prefix_hit == (48 if outputs else 16)
+    (fresh,) = Engine(tiny, None, prefix_cache=False, **kw).generate([follow], params)
+    assert again.output_ids == fresh.output_ids
+    assert _rel(torch.stack(again.logits_log), torch.stack(fresh.logits_log)) < 1e-5
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_mla_decode_reference_matches_contiguous(rel, page_size):
     torch.manual_seed(1)

@@ -83,6 +83,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g.add_argument(
+        "--prefix-cache-outputs",
+        action="store_true",
+        help="also snapshot generated tokens at the prefix interval, so that a prompt repeating a conversation "
+        "so far (prompt and reply, token for token) reuses it (off by default)",
+    )
+    g.add_argument(
         "--prefix-interval",
         type=int,
         default=512,
@@ -303,6 +309,7 @@ def _load(args):
         max_model_len=args.max_model_len,
         max_prefill_tokens=args.max_prefill_tokens,
         prefix_cache=not args.no_prefix_cache,
+        prefix_cache_outputs=args.prefix_cache_outputs,
         prefix_interval=args.prefix_interval,
         batch_prefill=args.batch_prefill,
         use_cuda_graphs=args.cuda_graphs,

@@ -152,6 +152,11 @@ class EngineConfig:
     # at 512 (v36)
     prefix_interval: int = 512
     prefix_cache_bytes: int | None = None  # default: max(64 MiB, 16 sequences' state)
+    # also snapshot at the interval's multiples that decode reaches (generated tokens): a later prompt that repeats a
+    # conversation so far (its prompt and the reply, token for token) restores from there. Off by default: each such
+    # snapshot copies a sequence's whole KDA state during decode and competes with prompt snapshots for the budget;
+    # not yet measured on a GPU
+    prefix_cache_outputs: bool = False
     # prefill one piece of each of several requests in one forward: the pieces packed as varlen sequences, each KDA
     # layer from each sequence's own state and conv history, each MLA layer attending per sequence over its cached
     # prefix. A prefill forward is host-bound on a GPU (bench/NOTES.md v35), so this takes a burst of prompts in
@@ -1220,8 +1225,8 @@ class Engine:
     def _snapshot(self, req: Request, length: int, state: tuple | None = None) -> None:
         """Prefix snapshot of ``req``'s first ``length`` tokens (a multiple of the interval): the slot's KDA state,
         or ``state`` (``PrefixCache.insert``), and the pages of those tokens (their latents written already)."""
-        if req._keys is None:
-            req._keys = dict(self.prefix.block_keys(req.all_ids, len(req.all_ids) - 1))
+        if req._keys is None or length not in req._keys:  # (decode snapshots reach past the prompt)
+            req._keys = dict(self.prefix.block_keys(req.all_ids, len(req.all_ids)))
         self.prefix.insert(req._keys[length], req.all_ids, length, req.pages, req.slot, state=state)
 
     def _mla_prefix(self, li: int, req: Request, start: int) -> dict:
@@ -1437,9 +1442,21 @@ class Engine:
         self.metrics["decode_steps_total"] += 1
         for r in batch:
             r.num_computed += 1
+        self._decode_snapshots(batch)
         toks = self._sample_rows(batch, logits)
         lps = self._logprob_rows(batch, logits, toks)
         self._append_tokens(batch, toks.tolist(), logits, lps)
+
+    def _decode_snapshots(self, batch: list[Request]) -> None:
+        """``prefix_cache_outputs``: a prefix snapshot of each row of the decode step just launched whose cache now
+        ends on a multiple of the interval past its prompt (the slot holds exactly that state until the next step)."""
+        if self.prefix is None or not self.cfg.prefix_cache_outputs:
+            return
+        n = self.prefix.interval
+        for r in batch:
+            L = r.num_computed
+            if L % n == 0 and L >= r.num_prompt and r.slot is not None and len(r.all_ids) >= L:
+                self._snapshot(r, L)
 
     def _logprob_rows(self, batch: list[Request], logits: torch.Tensor, toks: torch.Tensor) -> tuple | None:
         """token_logprobs of the step's rows when any asks for them (params.logprobs), on the device."""
@@ -1533,6 +1550,9 @@ class Engine:
             self._append_tokens(pend.batch, pend.host.tolist(), pend.logits, pend.logprobs)
         if not batch:
             return
+        # (after step t's tokens: the ids that step t + 1 fed are known now; its states wait in the slots until
+        # step t + 2 is launched, and the snapshot's copies queue behind step t + 1 on the stream)
+        self._decode_snapshots([r for r in batch if not r.finished])
         # rows that stopped at step t: their step t+1 is discarded
         keep = [b for b, r in enumerate(batch) if not r.finished]
         if not keep:
