@@ -67,7 +67,8 @@
 # bench/diag_prefill.py (8 prompts of 512 tokens, each prefill forward timed; medium) with the defaults (packed),
 # with snapshots every 64 tokens, and one sequence per forward -> diag_prefill_{default,snap64,one}.json;
 # prefill_serve: the serve step's burst run with the defaults and with one sequence per prefill forward (512 tokens
-# per step) -> serve_burst.json, serve_burst_one.json; prefill_snap: the batch_prefill GPU tests, then prefix snapshots
+# per step) -> serve_burst.json, serve_burst_one.json; prefill_snap: the batch_prefill, recurrent-kernel and
+# prefix_cache_outputs GPU tests, then prefix snapshots
 # inside packed pieces: diag_prefill.py at interval 64 (SNAP_PROFILE=' ' profiles it: diag_prefill_snap64.log), and 4 prompts of 2,048
 # tokens with the default interval and with none inside -> diag_prefill_{snap64,2k,2k_nosnap}.json; snap_mode: the
 # packed-snapshot GPU test with OPENK3_KDA_SNAP_MODE=rounds, then both snapshot modes at 8 x 512 tokens (interval 64)
@@ -256,7 +257,7 @@ if has prefill_snap; then
   # snapshots inside packed pieces: 8 x 512 tokens with interval 64 (profiled), then 4 x 2,048 tokens with the
   # default interval (512: 3 snapshots inside each prompt, 2 prompts per forward) and with none inside (4096)
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_fast_ops.py tests/gpu/test_engine_gpu.py \
-    -k "batch_prefill or recurrent_inference" >"$OUT_DIR/tests_prefill.log" 2>&1
+    -k "batch_prefill or recurrent_inference or prefix_cache_outputs" >"$OUT_DIR/tests_prefill.log" 2>&1
   echo "batch_prefill GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill.log"))"
   timeout "$T_E2E" python3 bench/diag_prefill.py --prompts 8 --prompt-len 512 --preset medium --prefix-interval 64 \
     ${SNAP_PROFILE:---no-profile} --out "$OUT_DIR/diag_prefill_snap64.json" >"$OUT_DIR/diag_prefill_snap64.log" 2>&1

@@ -134,6 +134,26 @@ def test_engine_batch_prefill_bf16(prefix):
     assert e_packed < max(1.5 * e_full, 1.5 * e_one, 1e-2), (e_packed, e_one, e_full)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_engine_prefix_cache_outputs_bf16(overlap):
+    """EngineConfig.prefix_cache_outputs on CUDA with CUDA-graph decode (and overlap): the snapshots that decode
+    takes past the prompt restore a follow-up prompt (prompt + reply + new tokens), whose decode logits stay as close
+    to the fp32 reference as a bf16 full forward is."""
+    model = _model("small", pin_routing=True)
+    vocab = model.config.vocab_size
+    kw = dict(page_size=16, max_seqs=4, max_tokens=8192, record_logits=True, overlap=overlap)
+    eng = Engine(model, None, prefix_interval=32, prefix_cache_outputs=True, **kw)
+    prompt = _prompts(6, [40], vocab)[0]
+    (first,) = eng.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    follow = prompt + first.output_ids[:50] + _prompts(7, [5], vocab)[0]
+    (again,) = eng.generate([follow], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert again.prefix_hit == 64  # 32 from the prompt, 64 from decode
+    truth = _truth([again])
+    e_full = _err(_full_logits(model, [again]), truth)
+    e_eng = _err([torch.stack(again.logits_log)], truth)
+    assert e_eng < max(1.5 * e_full, 1e-2), (e_eng, e_full)
+
+
 @pytest.mark.parametrize(
     "fuse,fuse_ffn,fuse_res",
     [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
