@@ -1,5 +1,5 @@
-"""Where the engine's prefill time goes: each prefill forward (one chunk, or with ``--batch-prefill`` the packed
-pieces of several prompts) timed on its own (synchronised), cold and warm, beside
+"""Where the engine's prefill time goes: each prefill forward (the packed pieces of several prompts, the engine's
+default, or with ``--no-batch-prefill`` one prompt's chunk) timed on its own (synchronised), cold and warm, beside
 the model's plain forward over the same tokens, and a profile of one warm prompt (of the whole burst with packed
 prefill; top operations by device and by host time).
 
