@@ -340,25 +340,17 @@ class KimiDeltaAttention(nn.Module):
         round r runs the r-th segment of every sequence that has one as one varlen call, each from its state after
         round r - 1; "prefix": one call over the whole sequences, one over the snapshots' prefixes. Returns
         (o, states) and sets ``cache["snaps"]`` (one list per sequence)."""
+        snaps = [[] for _ in spans]
         first = [0]  # each sequence's first row in hists (its snapshots in order)
         for _, _, at in spans:
             first.append(first[-1] + len(at))
-        snaps = [[] for _ in spans]
 
-        def book(r, seqs, fin, rows):
-            """fin[m]: sequence seqs[m]'s state at its r-th snapshot (r None: the next one); rows(m, n): its row in
-            hists."""
-            for m, n in enumerate(seqs):
-                if r is None or r < len(spans[n][2]):
-                    h = rows(m, n)
-                    snaps[n].append(
-                        (fin[m : m + 1].float(), {x: hists[x][h : h + 1] for x in ("q", "k", "v")})
-                    )
-
-        if plan.mode == "prefix":
-            seqs, idx, cu, cu_cpu, sel = plan.prefix
+        def run(group, state):
+            """One varlen call over a plan group's segments, each from its sequence's row of ``state``; books a
+            snapshot for each segment that ends on one (in order: the group's rows are sequence-major, as hists)."""
+            seqs, idx, cu, cu_cpu, sel = group
             part = (t.index_select(1, idx) for t in tensors)
-            _, fin = core(
+            o_g, fin = core(
                 self,
                 *part,
                 initial_state=state.index_select(0, sel),
@@ -366,7 +358,17 @@ class KimiDeltaAttention(nn.Module):
                 cu_seqlens=cu,
                 cu_seqlens_cpu=cu_cpu,
             )
-            book(None, seqs, fin, lambda m, n: m)  # sequence-major, as hists
+            for m, n in enumerate(seqs):
+                k = len(snaps[n])
+                if k < len(spans[n][2]):  # sequence n's k-th snapshot: hists row first[n] + k
+                    h = first[n] + k
+                    snaps[n].append(
+                        (fin[m : m + 1].float(), {x: hists[x][h : h + 1] for x in ("q", "k", "v")})
+                    )
+            return idx, sel, o_g, fin
+
+        if plan.mode == "prefix":
+            run(plan.prefix, state)
             o, state = core(
                 self,
                 *tensors,
@@ -375,22 +377,12 @@ class KimiDeltaAttention(nn.Module):
                 cu_seqlens=cu_seqlens,
                 cu_seqlens_cpu=cu_seqlens_cpu,
             )
-            cache["snaps"] = snaps
-            return o, state
-        o = torch.empty_like(tensors[2])
-        state = state.clone()
-        for r, (seqs, idx, cu, cu_cpu, sel) in enumerate(plan.rounds):
-            part = (t.index_select(1, idx) for t in tensors)
-            o_r, fin = core(
-                self,
-                *part,
-                initial_state=state.index_select(0, sel),
-                output_final_state=True,
-                cu_seqlens=cu,
-                cu_seqlens_cpu=cu_cpu,
-            )
-            o.index_copy_(1, idx, o_r.to(o.dtype))
-            state.index_copy_(0, sel, fin.to(state.dtype))
-            book(r, seqs, fin, lambda m, n, r=r: first[n] + r)
+        else:
+            o = torch.empty_like(tensors[2])
+            state = state.clone()
+            for group in plan.rounds:
+                idx, sel, o_g, fin = run(group, state)
+                o.index_copy_(1, idx, o_g.to(o.dtype))
+                state.index_copy_(0, sel, fin.to(state.dtype))
         cache["snaps"] = snaps
         return o, state
