@@ -131,39 +131,21 @@ def kda_core_fla(
         # part-way through the chunk pipeline left wrong results behind: never try, take the exact reference core
         _warn_once(f"fla chunk_kda has no fp32 path for K={q.shape[-1]}; using the reference KDA core")
         return _reference(layer, q, k, v, z, beta_logits, initial_state, output_final_state, cu_seqlens)
+    kw.update(
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        cu_seqlens=cu_seqlens,
+    )
     if recurrent:
         # token recurrence: exact fp32 state update, no chunk padding; forward only (fla has no backward for it)
         kw.pop("safe_gate", None)
-        o, state = _fused_recurrent_kda(
-            q,
-            k,
-            v,
-            z,
-            beta_logits,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True,
-            cu_seqlens=cu_seqlens,
-            **kw,
-        )
-        return o, state
+        return _fused_recurrent_kda(q, k, v, z, beta_logits, **kw)
     if cu_seqlens is not None and cu_seqlens_cpu is not None:
         kw["cu_seqlens_cpu"] = cu_seqlens_cpu
     try:
-        o, state = _chunk_kda(
-            q,
-            k,
-            v,
-            z,
-            beta_logits,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True,
-            cu_seqlens=cu_seqlens,
-            **kw,
-        )
+        o, state = _chunk_kda(q, k, v, z, beta_logits, **kw)
     except Exception as e:
         # fla-core 0.6.0's chunk kernels need more shared memory than an H200 has for fp32 inputs with K = V = 128
         # (seen with autotuning capped, see limit_autotune); keep such models working on the exact reference.
