@@ -1248,38 +1248,12 @@ class Engine:
             self.pool.write_latent(self.pool.pool_index[li], rows, lat)
 
     def _prefill_chunk(self, req: Request, start: int, end: int) -> None:
-        """Prefill tokens [start, end) of one sequence through the model's own attention modules (chunked KDA / MHA
-        MLA paths and their fast backends), with per-layer dict caches built from and written back to the pool."""
-        pool, lay, s = self.pool, self.pool.layout, req.slot
-        caches: dict[int, dict] = {}
-        for li in lay.kda_layers:
-            j = pool.pool_index[li]
-            conv = pool.conv[j, s]
-            caches[li] = {
-                "conv_q": conv[0][None],
-                "conv_k": conv[1][None],
-                "conv_v": conv[2][None],
-                "state": pool.state[j, s][None],
-            }
-        for li in lay.mla_layers:
-            caches[li] = self._mla_prefix(li, req, start)
-        # prefix snapshots at the interval's multiples inside the chunk: the KDA layers run their recurrence in
-        # segments split there and hand back the state at each (the rest of the forward runs once)
-        inner = self._inner_snaps(start, end)
-        for li in lay.kda_layers:
-            caches[li]["snap_at"] = [p - start for p in inner]
-        ids = device_tensor([req.all_ids[start:end]], torch.long, self.device)
-        h = self._walk(
-            self.model.model.embed_tokens(ids), lambda i, layer, x: layer.self_attn(x, cache=caches[i])
-        )
-        if req.wants_prompt_logprobs():
-            self._prompt_logprobs(req, h[0], start, end)
-        for li in lay.kda_layers:
-            j, d = pool.pool_index[li], caches[li]
-            pool.conv[j, s].copy_(torch.stack([d["conv_q"][0], d["conv_k"][0], d["conv_v"][0]]))
-            pool.state[j, s].copy_(d["state"][0])
-        self._write_latents(req, start, end, {li: caches[li] for li in lay.mla_layers})
-        self._inner_snapshots(req, inner, [caches[li].get("snaps", []) for li in lay.kda_layers])
+        """Prefill tokens [start, end) of one sequence in one forward (``_prefill_pieces``)."""
+        self._prefill_pieces([(req, start, end)])
+
+    def _prefill_packed(self, pieces: list[tuple[Request, int, int]]) -> None:
+        """Prefill one piece of each of several sequences in one forward (``batch_prefill``; ``_prefill_pieces``)."""
+        self._prefill_pieces(pieces)
 
     def _inner_snaps(self, start: int, end: int) -> list[int]:
         """The interval's multiples strictly inside (start, end): where a chunk takes prefix snapshots inside."""
@@ -1302,35 +1276,41 @@ class Engine:
                 state, conv = pool.state[:, s].clone(), pool.conv[:, s].clone()
             self._snapshot(req, p, state=(state, conv))
 
-    def _prefill_packed(self, pieces: list[tuple[Request, int, int]]) -> None:
-        """Prefill one piece [start, end) of each of several sequences in one forward (``batch_prefill``): the
-        pieces packed along the token axis as varlen sequences (``cu_seqlens``) through the model's own layers.
-        Each KDA layer starts every sequence from its own state and conv history; each MLA layer projects all tokens
-        at once and attends per sequence over its cached prefix and its new tokens."""
+    def _prefill_pieces(self, pieces: list[tuple[Request, int, int]]) -> None:
+        """Prefill one piece [start, end) of each of ``pieces``' sequences in one forward through the model's own
+        layers (chunked KDA / MHA-form MLA paths and their fast backends), with per-layer dict caches built from
+        and written back to the pool. Several pieces are packed along the token axis as varlen sequences
+        (``cu_seqlens``): each KDA layer starts every sequence from its own state and conv history, each MLA layer
+        projects all tokens at once and attends per sequence over its cached prefix and its new tokens. A single
+        piece runs unpacked. Prefix snapshots at the interval's multiples inside the pieces come from the KDA
+        layers (``snap_at``)."""
         pool, lay = self.pool, self.pool.layout
+        one = len(pieces) == 1
         slots = torch.tensor([req.slot for req, _, _ in pieces], device=pool.state.device)
         offs = [0]
         for _, start, end in pieces:
             offs.append(offs[-1] + end - start)
-        cu_cpu = torch.tensor(offs, dtype=torch.long)
-        cu = cu_cpu.to(self.device)
+        cu_cpu = None if one else torch.tensor(offs, dtype=torch.long)
+        cu = None if one else cu_cpu.to(self.device)
         caches: dict[int, dict] = {}
         for li in lay.kda_layers:
             j = pool.pool_index[li]
             conv = pool.conv[j].index_select(0, slots)
             state = pool.state[j].index_select(0, slots)
             caches[li] = {"conv_q": conv[:, 0], "conv_k": conv[:, 1], "conv_v": conv[:, 2], "state": state}
-        # prefix snapshots inside the pieces, per sequence (the KDA layers run their recurrence in rounds)
         inner = [self._inner_snaps(start, end) for _, start, end in pieces]
-        if any(inner):
+        if any(inner):  # per sequence when packed, the one list otherwise
+            at = [[p - start for p in ps] for ps, (_, start, _) in zip(inner, pieces)]
             for li in lay.kda_layers:
-                caches[li]["snap_at"] = [[p - start for p in at] for at, (_, start, _) in zip(inner, pieces)]
+                caches[li]["snap_at"] = at[0] if one else at
         prior = {li: [self._mla_prefix(li, req, start) for req, start, _ in pieces] for li in lay.mla_layers}
 
         def attn(i, layer, x):
             mod = layer.self_attn
             if i in caches:
                 return mod(x, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, cache=caches[i])
+            if one:
+                return mod(x, cache=prior[i][0])
             T = x.shape[1]
             q = mod.project_q(x).view(1, T, mod.num_heads, mod.dn + mod.dr)
             c, kr = mod.latent(x)
@@ -1352,8 +1332,8 @@ class Engine:
             pool.state[j].index_copy_(0, slots, d["state"].to(pool.state.dtype))
         for n, (req, start, end) in enumerate(pieces):
             self._write_latents(req, start, end, {li: prior[li][n] for li in lay.mla_layers})
-            if inner[n]:
-                snaps = [caches[li]["snaps"][n] for li in lay.kda_layers]
+            if inner[n]:  # after the latents: a snapshot holds the pages of its tokens
+                snaps = [caches[li]["snaps"] if one else caches[li]["snaps"][n] for li in lay.kda_layers]
                 self._inner_snapshots(req, inner[n], snaps)
 
     def _prompt_logprobs(self, req: Request, h: torch.Tensor, start: int, end: int) -> None:
