@@ -246,7 +246,7 @@ if has prefill; then
     >"$OUT_DIR/tests_prefill.log" 2>&1
   echo "batch_prefill GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill.log"))"
   # the defaults (packed prefill, 4,096 tokens per step), then with snapshots every 64 tokens taken inside the
-  # packed pieces (the cost of the KDA recurrence in rounds), then one prompt per forward, 512 tokens per step
+  # packed pieces (their cost in the KDA layers), then one prompt per forward, 512 tokens per step
   for v in "default::" "snap64:--prefix-interval 64" "one:--no-batch-prefill --max-prefill-tokens 512"; do
     name=${v%%:*} args=${v#*:}
     timeout "$T_E2E" python3 bench/diag_prefill.py --prompts 8 --prompt-len 512 --preset medium --no-profile \
