@@ -3,7 +3,7 @@ default, or with ``--no-batch-prefill`` one prompt's chunk) timed on its own (sy
 the model's plain forward over the same tokens, and a profile of one warm prompt (of the whole burst with packed
 prefill; top operations by device and by host time).
 
-    python3 bench/diag_prefill.py [--prompts 8] [--prompt-len 512] [--no-profile]
+    python3 bench/diag_prefill.py [--prompts 8] [--prompt-len 512] [--no-profile] [--sync-report]
                                   [any `openk3 serve` model / engine option, e.g. --preset medium --max-prefill-tokens 2048]
 
 Prints a table per run (tokens per forward, forwards, pieces per forward, median / total ms, prompt tokens per
@@ -32,11 +32,63 @@ def _bucket(t: int) -> str:
     return "> 4096"
 
 
+def _sync_report(engine, params, rng, args, vocab) -> list:
+    """Run one more warm burst with the CUDA sync debug mode on inside the prefill forwards (not the decode steps,
+    whose token copy to the host is meant); print and return each synchronising source line with its count."""
+    import collections
+    import warnings
+
+    import torch
+
+    seen: collections.Counter = collections.Counter()
+    forwards = [0]
+
+    def watched(inner):
+        def run(*a):
+            forwards[0] += 1
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    inner(*a)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            for w in caught:
+                if "synchron" in str(w.message).lower():
+                    seen[
+                        f"{os.path.relpath(w.filename, ROOT) if w.filename.startswith(ROOT) else w.filename}"
+                        f":{w.lineno}"
+                    ] += 1
+
+        return run
+
+    saved = engine._prefill_chunk, engine._prefill_packed
+    engine._prefill_chunk, engine._prefill_packed = watched(saved[0]), watched(saved[1])
+    try:
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+        engine.generate(prompts, params)
+    finally:
+        engine._prefill_chunk, engine._prefill_packed = saved
+    print(f"\nhost synchronisations inside {forwards[0]} prefill forward(s): {sum(seen.values())}")
+    for where, n in seen.most_common():
+        print(f"  {n:4d}  {where}")
+    return [{"where": w, "count": n} for w, n in seen.most_common()]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument(
+        "--warm-runs", type=int, default=1, help="warm bursts to time (the median forward is reported)"
+    )
+    ap.add_argument(
+        "--sync-report",
+        action="store_true",
+        help="(CUDA) one more warm burst with torch.cuda.set_sync_debug_mode('warn') inside the prefill forwards: "
+        "where they synchronise with the host, per source line",
+    )
     ap.add_argument("--out", default=None)
     args, rest = ap.parse_known_args(argv)
     if args.prompts < 1 or args.prompt_len < 2:
@@ -75,7 +127,8 @@ def main(argv=None) -> int:
         f"{name} on {dev}: {args.prompts} prompts of {args.prompt_len} tokens, chunks of at most "
         f"{engine.cfg.max_prefill_tokens} tokens per step"
     )
-    for run in ("cold", "warm"):
+    warm_ms: list[float] = []
+    for run in ["cold"] + ["warm"] * max(1, args.warm_runs):
         records.clear()
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
         sync()
@@ -103,6 +156,12 @@ def main(argv=None) -> int:
                 f"{statistics.median(ms for *_, ms in xs):.2f} | {tot:.1f} | {1e3 * sum(n for n, _, _ in xs) / tot:.0f} |"
             )
         result[run] = {"wall_s": wall, "forwards": [{"pieces": p, "ms": ms} for p, ms in records]}
+        if run == "warm":
+            warm_ms += [ms for _, ms in records]
+    if args.warm_runs > 1:
+        med = statistics.median(warm_ms)
+        result["warm_forward_ms"] = warm_ms
+        print(f"\nwarm forwards over {args.warm_runs} bursts: median {med:.2f} ms, min {min(warm_ms):.2f} ms")
 
     # the model's own forward over one prompt (no cache, no pool): what a chunk could cost
     ids = torch.randint(3, vocab, (1, args.prompt_len - 1), device=dev)
@@ -117,6 +176,9 @@ def main(argv=None) -> int:
     fwd_ms = 1e3 * (time.perf_counter() - t0) / 3
     result["model_forward_ms"] = fwd_ms
     print(f"\nmodel forward, [1, {args.prompt_len - 1}] tokens, no cache: {fwd_ms:.2f} ms")
+
+    if args.sync_report and dev.type == "cuda":
+        result["syncs"] = _sync_report(engine, params, rng, args, vocab)
 
     if not args.no_profile:
         from torch.profiler import ProfilerActivity, profile

@@ -184,6 +184,85 @@ def test_kda_snapshots_inside_packed_sequences_equal_separate_runs(tiny, rel, mo
                 )
 
 
+@pytest.mark.parametrize("mode", ["rounds", "prefix"])
+def test_kda_snapshots_from_an_empty_cache(tiny, rel, mode, monkeypatch):
+    """cache["snap_at"] in a cache without a state or conv history (the sequences start from zeros): the same
+    outputs, final state and snapshots as with explicit zero states."""
+    import openk3.modules.kda as kda_mod
+
+    monkeypatch.setattr(kda_mod, "SNAP_MODE", mode)
+    cfg = tiny.config
+    layer = tiny.model.layers[0].self_attn
+    H, K, HK, W = layer.num_heads, layer.head_dim, layer.num_heads * layer.head_dim, layer.conv_size
+    x = torch.randn(1, 30, cfg.hidden_size)
+    cu = torch.tensor([0, 12, 30])
+    at = [[5], [4, 11]]
+    zeros = {"state": torch.zeros(2, H, K, K)} | {f"conv_{n}": torch.zeros(2, HK, W - 1) for n in "qkv"}
+    with torch.no_grad():
+        empty, given = {"snap_at": at}, zeros | {"snap_at": at}
+        got, want = layer(x, cu_seqlens=cu, cache=empty), layer(x, cu_seqlens=cu, cache=given)
+    assert rel(got, want) < 1e-6 and rel(empty["state"], given["state"]) < 1e-6
+    for a, b in zip(empty["snaps"], given["snaps"]):
+        assert len(a) == len(b) and all(rel(s, t) < 1e-6 for (s, _), (t, _) in zip(a, b))
+
+
+@pytest.mark.parametrize("full_rank_gate", [True, False])
+def test_kda_prefill_reads_the_fused_projections(rel, full_rank_gate):
+    """The engine hands each KDA layer its decode step's fused input buffer and the q / k / v conv weights in one
+    buffer (views: the modules' weights share their memory); the layer's forward then takes one GEMM and one conv
+    call, and equals the separate projections and convs (packed sequences with a cache and snapshots inside, and
+    one sequence without a cache); with autograd recording, the separate modules run."""
+    torch.manual_seed(1)
+    cfg = get_preset("tiny").replace(use_full_rank_gate=full_rank_gate)
+    model = K3ForCausalLM(cfg).eval()
+    Engine(model, None, max_seqs=2, max_tokens=64)
+    kda_layers = [layer.self_attn for layer in model.model.layers if layer.attn_type == "kda"]
+    assert kda_layers
+    for m in kda_layers:
+        buf, sizes = m.fused_input
+        assert m.q_proj.weight.data_ptr() == buf.data_ptr() and sum(sizes) == buf.shape[0]
+        assert m.fused_conv.shape[0] == 3 * m.num_heads * m.head_dim
+        assert m.v_conv1d.weight.data_ptr() == m.fused_conv[2 * m.num_heads * m.head_dim :].data_ptr()
+    m = kda_layers[0]
+    H, K, W = m.num_heads, m.head_dim, m.conv_size
+    x = torch.randn(1, 30, cfg.hidden_size)
+    cu = torch.tensor([0, 12, 30])
+    start = {"state": torch.randn(2, H, K, K) * 0.1} | {
+        f"conv_{n}": torch.randn(2, H * K, W - 1) for n in "qkv"
+    }
+
+    def run(fused: bool):
+        saved = m.fused_input, m.fused_conv
+        if not fused:
+            m.fused_input = m.fused_conv = None
+        try:
+            with torch.no_grad():
+                c = {k: v.clone() for k, v in start.items()} | {"snap_at": [[5], [4, 11]]}
+                y = m(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), cache=c)
+                y1 = m(x[:, :9])
+        finally:
+            m.fused_input, m.fused_conv = saved
+        return y, y1, c
+
+    (y, y1, c), (y_ref, y1_ref, c_ref) = run(True), run(False)
+    assert rel(y, y_ref) < 1e-5 and rel(y1, y1_ref) < 1e-5
+    for name in ("state", "conv_q", "conv_k", "conv_v"):
+        assert rel(c[name], c_ref[name]) < 1e-5, name
+    for a, b in zip(c["snaps"], c_ref["snaps"]):
+        for (s1, h1), (s2, h2) in zip(a, b):
+            assert rel(s1, s2) < 1e-5 and all(rel(h1[n], h2[n]) < 1e-6 for n in "qkv")
+    # a perturbed fused buffer shows (the fused path is the one that ran)
+    with torch.no_grad():
+        m.fused_input[0][-1].add_(1.0)
+        y_bad = m(x, cu_seqlens=cu, cache={k: v.clone() for k, v in start.items()})
+        m.fused_input[0][-1].sub_(1.0)
+    assert rel(y_bad, y_ref) > 1e-3
+    # while autograd records, the separate modules run (their weights get gradients)
+    x.requires_grad_(True)
+    m(x).sum().backward()
+    assert m.q_proj.weight.grad is not None and m.v_conv1d.weight.grad is not None
+
+
 def test_prefix_snapshots_inside_one_prefill_chunk(tiny):
     """With a snapshot interval shorter than the prefill budget, a prompt is prefilled in one forward and still
     leaves a snapshot at every multiple of the interval."""

@@ -73,9 +73,11 @@ def causal_conv1d_fla(
     cu_seqlens: torch.Tensor | None = None,
     activation: str | None = "silu",
     output_final_state: bool = False,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as :func:`openk3.ops.conv.causal_conv1d`: ``x: [B, T, C]``, ``weight: [C, W]`` or ``[C, 1, W]``
-    (last tap on the current token), ``initial_state: [N, C, W-1]``, ``cu_seqlens: [N+1]`` (B == 1). Returns
+    (last tap on the current token), ``initial_state: [N, C, W-1]``, ``cu_seqlens: [N+1]`` (B == 1; with a host
+    copy ``cu_seqlens_cpu`` fla builds its chunk indices without reading the device tensor back). Returns
     ``(y [B, T, C] in x.dtype, final_state [N, C, W-1] fp32 or None)``."""
     if weight.dim() == 3:
         weight = weight.squeeze(1)
@@ -93,6 +95,7 @@ def causal_conv1d_fla(
             cu_seqlens=cu_seqlens,
             activation=activation,
             output_final_state=output_final_state,
+            cu_seqlens_cpu=cu_seqlens_cpu,
         )
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None and initial_state.shape != (N, C, W - 1):
@@ -112,6 +115,7 @@ def causal_conv1d_fla(
         activation=activation,
         backend="triton",
         cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=None if cu_seqlens is None or cu_seqlens_cpu is None else cu_seqlens_cpu.long(),
     )
     if output_final_state:
         final = conv_state_from_fla(final).float()

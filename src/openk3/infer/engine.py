@@ -176,7 +176,9 @@ class EngineConfig:
     record_logits: bool = False  # keep each decode step's logits on the request (tests / debugging)
     # decode step: each attention layer's input projections (KDA q/k/v/f_a/b/g, MLA q/latent/gate) as one GEMM over
     # their weights stored side by side (fewer, larger kernels; no extra memory: the model's projection weights become
-    # views into the concatenated buffer)
+    # views into the concatenated buffer). Prefill's KDA layers read the same buffer (one GEMM instead of six) and
+    # their q / k / v conv weights side by side too (one conv call instead of three): fewer launches for a
+    # prefill forward that is bound by the host's launch rate (bench/NOTES.md v37)
     fuse_projections: bool = True
     # decode step: each FFN's input projections (dense gate/up; MoE latent down projection and the shared experts'
     # gate/up, the router excluded) as one GEMM the same way, and its output projections (latent up projection,
@@ -610,6 +612,7 @@ class Engine:
         self._fused_ffn: dict[int, tuple[torch.Tensor, list[int]]] = {}
         if cfg.fuse_projections:
             self._build_fused_projections(self._input_projections, self._fused)
+            self._fuse_kda_prefill()
         self._fused_ffn_out: dict[int, torch.Tensor] = {}
         if cfg.fuse_ffn_projections:
             self._build_fused_projections(lambda layer: layer.ffn_input_projections(), self._fused_ffn)
@@ -747,6 +750,23 @@ class Engine:
             buf = _share_buffer(mods, 0)
             if buf is not None:
                 out[i] = (buf, [m.weight.shape[0] for m in mods])
+
+    @torch.no_grad()
+    def _fuse_kda_prefill(self) -> None:
+        """Hand each KDA layer its fused input projections (``KimiDeltaAttention.fused_input``: the decode step's
+        buffer, whose row blocks are q, k, v, f_a, b, g) and its q / k / v conv weights in one buffer
+        (``fused_conv``, the conv modules' weights re-pointed to its views), for the model's own forward in
+        prefill."""
+        for i, layer in enumerate(self.model.model.layers):
+            m = layer.self_attn
+            if layer.attn_type != "kda" or i not in self._fused:
+                continue
+            buf, sizes = self._fused[i]
+            HK = m.num_heads * m.head_dim
+            if len(sizes) != 6 or sizes[:3] != [HK] * 3:
+                continue
+            m.fused_input = (buf, list(sizes))
+            m.fused_conv = _share_buffer([m.q_conv1d, m.k_conv1d, m.v_conv1d], 0)
 
     @torch.no_grad()
     def _plan_router_shared(self) -> dict[int, tuple]:
@@ -1286,12 +1306,12 @@ class Engine:
         layers (``snap_at``)."""
         pool, lay = self.pool, self.pool.layout
         one = len(pieces) == 1
-        slots = torch.tensor([req.slot for req, _, _ in pieces], device=pool.state.device)
+        slots = device_tensor([req.slot for req, _, _ in pieces], torch.long, pool.state.device)
         offs = [0]
         for _, start, end in pieces:
             offs.append(offs[-1] + end - start)
         cu_cpu = None if one else torch.tensor(offs, dtype=torch.long)
-        cu = None if one else cu_cpu.to(self.device)
+        cu = None if one else device_tensor(cu_cpu, torch.long, self.device)
         caches: dict[int, dict] = {}
         for li in lay.kda_layers:
             j = pool.pool_index[li]

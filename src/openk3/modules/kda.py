@@ -77,8 +77,8 @@ def _snap_spans(
 
 
 # How packed sequences get their snapshot states (``cache["snap_at"]`` with ``cu_seqlens``): "prefix" (default)
-# runs the recurrence once over the whole sequences, then once more over every snapshot's prefix [start, start + p)
-# packed as extra sequences from their sequence's initial state (two calls, sum(p) more tokens in the second);
+# runs the recurrence over the whole sequences and, packed as extra sequences of the same call, over every
+# snapshot's prefix [start, start + p) from its sequence's initial state (one call, sum(p) more tokens);
 # "rounds" runs it in rounds of segments split at the positions (one call per round, no extra tokens). A KDA call
 # is host-bound at these sizes (fla's chunk path launches ~15 kernels), so fewer calls win: `medium` on an H100,
 # 8 x 512 tokens at interval 64: 115 ms per forward over the prefixes, 154 ms in rounds; 2 x 2,048 at interval
@@ -95,8 +95,9 @@ if SNAP_MODE not in ("prefix", "rounds"):
 class _PackedSnapPlan:
     """Index tensors for the recurrence of packed sequences with snapshots inside (built once per forward and
     shared by its KDA layers, with one host-to-device copy). ``mode`` "rounds": per round, the sequences in it,
-    their tokens (``idx``), their ``cu_seqlens`` (device and host) and rows (``sel``); "prefix": the same for the
-    snapshots' prefixes packed as sequences (``prefix``). For the conv histories, the rows of ``[every sequence's
+    their tokens (``idx``), their ``cu_seqlens`` (device and host) and rows (``sel``); "prefix": the same for one
+    call over the N sequences themselves followed by the snapshots' prefixes packed as further sequences
+    (``prefix``; its first ``num_tokens`` tokens and N rows are the sequences as they are packed). For the conv histories, the rows of ``[every sequence's
     initial history (W - 1 rows each); the packed tokens]`` that each snapshot's history holds (``hist_idx``
     [S, W - 1], S snapshots in sequence-major order)."""
 
@@ -116,9 +117,9 @@ class _PackedSnapPlan:
             for r in range(max(len(x) for x in bounds) - 1):
                 seqs = [n for n, x in enumerate(bounds) if len(x) - 1 > r]
                 groups.append((seqs, [(bounds[n][r], bounds[n][r + 1]) for n in seqs]))
-        else:  # one group: every snapshot's prefix, from its sequence's start
-            seqs = [n for n, (_, _, at) in enumerate(spans) for _ in at]
-            groups = [(seqs, [(a, a + p) for a, _, at in spans for p in at])]
+        else:  # one group: the sequences themselves, then every snapshot's prefix from its sequence's start
+            seqs = list(range(N)) + [n for n, (_, _, at) in enumerate(spans) for _ in at]
+            groups = [(seqs, [(a, b) for a, b, _ in spans] + [(a, a + p) for a, _, at in spans for p in at])]
         for seqs, segs in groups:
             cu = [0]
             for a, b in segs:
@@ -130,7 +131,8 @@ class _PackedSnapPlan:
             for p in at:  # the W - 1 inputs before position p, oldest first
                 rows += [n * w + c if c < w else N * w + a + c - w for c in range(p, p + w)]
         host.append(rows)
-        flat = torch.tensor([x for h in host for x in h], dtype=torch.long).to(device)
+        # (non-blocking: a copy from pageable memory that does not wait for the work queued on the device)
+        flat = torch.tensor([x for h in host for x in h], dtype=torch.long).to(device, non_blocking=True)
         parts = list(flat.split([len(h) for h in host]))
         self.hist_idx = parts.pop().view(-1, w)
         groups = [
@@ -139,6 +141,7 @@ class _PackedSnapPlan:
         ]
         self.rounds = groups if self.mode == "rounds" else []
         self.prefix = groups[0] if self.mode == "prefix" else None
+        self.num_seqs, self.num_tokens = N, sum(b - a for a, b, _ in spans)
 
 
 _PLAN: list = [None]  # (cu_seqlens, key, spans, plan) of the last packed forward with snapshots
@@ -201,6 +204,12 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(K))
         self.o_proj = nn.Linear(HK, d, bias=False)
+        # Inference only (set by the engine; ignored while autograd records): (buffer, sizes) holding the weights of
+        # q_proj, k_proj, v_proj, f_a_proj, b_proj and g_proj (or g_a_proj) as rows of one tensor that those modules'
+        # weights are views of, so that one GEMM forms all projections; and the q / k / v conv weights as one
+        # [3 * HK, 1, W] tensor (their views too), so that one depthwise conv call convolves all three.
+        self.fused_input: tuple[torch.Tensor, list[int]] | None = None
+        self.fused_conv: torch.Tensor | None = None
         self.mark_fp32_parameters()
 
     def mark_fp32_parameters(self) -> None:
@@ -238,8 +247,8 @@ class KimiDeltaAttention(nn.Module):
         ``cache["snap_at"]`` (positions 0 < p < T, increasing) also asks for the cache as it stands after the first
         p tokens: ``cache["snaps"]`` becomes ``[(state, {"q": conv, "k": ..., "v": ...})]``, one per position.
         Everything but the recurrence runs once over all T tokens; the states at the positions come from SNAP_MODE
-        (default "prefix": one more recurrence call over the positions' prefixes; "rounds": the recurrence split
-        there, each segment from the previous one's state). A batch of several rows (B > 1, no ``cu_seqlens``)
+        (default "prefix": the positions' prefixes packed beside the sequences in one recurrence call; "rounds":
+        the recurrence split there, each segment from the previous one's state). A batch of several rows (B > 1, no ``cu_seqlens``)
         always runs the split recurrence. With ``cu_seqlens`` (B == 1, N packed sequences; the cache's entries have
         N rows) ``snap_at`` is one such list per sequence, positions counted from the sequence's start, and
         ``snaps`` one list per sequence (its tensors with a leading dimension of 1). ``cu_seqlens_cpu``: an optional
@@ -250,34 +259,57 @@ class KimiDeltaAttention(nn.Module):
         use_cache = cache is not None
         snap_at = list(cache.get("snap_at") or ()) if use_cache else []
         # per sequence: its token range [a, b) in the packed axis and its snapshot positions (from a)
-        # (one sequence, B == 1, takes the packed path's prefix mode too: two calls instead of one per segment)
+        # (one sequence, B == 1, takes the packed path's prefix mode too: one call instead of one per segment)
         plan = None
         if snap_at and (cu_seqlens is not None or (B == 1 and SNAP_MODE == "prefix")):
             spans, plan = _packed_plan(snap_at, T, cu_seqlens, self.conv_size - 1, cu_seqlens_cpu, x.device)
         else:
             spans = _snap_spans(snap_at, T, cu_seqlens)
-        hists: dict[str, list[torch.Tensor]] = {}
-        convs = {}
-        outs = []
         conv_be = _backend.resolve("conv", x.is_cuda, self.conv_backend)
         conv_fn = FAST_CONV.get(conv_be, causal_conv1d) if conv_be != "reference" else causal_conv1d
-        for name, proj, conv in (
-            ("q", self.q_proj, self.q_conv1d),
-            ("k", self.k_proj, self.k_conv1d),
-            ("v", self.v_proj, self.v_conv1d),
-        ):
-            xp = proj(x)
-            init = cache.get(f"conv_{name}") if use_cache else None
+        # inference with the projections reading x in one buffer (set by the engine, see `fused_input`): one GEMM
+        # for them all, and q, k, v through one conv call when their conv weights share a buffer too
+        fused = self.fused_input if not torch.is_grad_enabled() else None
+        if fused is not None:
+            full = torch.nn.functional.linear(x, fused[0])
+            xq, xk, xv, fa, b_logits, g_in = full.split(fused[1], dim=-1)
+            if self.fused_conv is not None:  # [q | k | v] channels side by side: one depthwise conv
+                groups = [("qkv", full[..., : 3 * H * K], self.fused_conv)]
+            else:
+                groups = [("q", xq, self.q_conv1d.weight), ("k", xk, self.k_conv1d.weight)]
+                groups.append(("v", xv, self.v_conv1d.weight))
+        else:
+            fa = b_logits = g_in = None
+            groups = [
+                ("q", self.q_proj(x), self.q_conv1d.weight),
+                ("k", self.k_proj(x), self.k_conv1d.weight),
+                ("v", self.v_proj(x), self.v_conv1d.weight),
+            ]
+        hists: dict[str, torch.Tensor | list[torch.Tensor]] = {}
+        convs = {}
+        outs = {}
+        for name, xp, weight in groups:
+            names = ("q", "k", "v") if name == "qkv" else (name,)
+            init = None
+            if use_cache and all(cache.get(f"conv_{n}") is not None for n in names):
+                init = (
+                    torch.cat([cache[f"conv_{n}"] for n in names], dim=1)
+                    if len(names) > 1
+                    else cache[f"conv_{name}"]
+                )
             y, fin = conv_fn(
                 xp,
-                conv.weight,
+                weight,
                 initial_state=init,
                 cu_seqlens=cu_seqlens,
                 activation="silu",
                 output_final_state=use_cache,
+                cu_seqlens_cpu=cu_seqlens_cpu,
             )
-            outs.append(y.view(B, T, H, K))
-            convs[name] = fin
+            HK = y.shape[-1] // len(names)
+            for j, n in enumerate(names):
+                outs[n] = y[..., j * HK : (j + 1) * HK].view(B, T, H, K)
+                convs[n] = None if fin is None else fin[:, j * HK : (j + 1) * HK]
             if spans:  # the conv history after p tokens: the W - 1 inputs before position p, oldest first
                 w = self.conv_size - 1
                 rows = B if plan is None else len(spans)
@@ -288,13 +320,17 @@ class KimiDeltaAttention(nn.Module):
                 )
                 if plan is None:  # every row: [B, C, W-1 + T]
                     seq = torch.cat([prev, xp.float().transpose(1, 2)], dim=-1)
-                    hists[name] = [seq[..., p : p + w].clone() for p in snap_at]
+                    h = [seq[..., p : p + w].clone() for p in snap_at]
+                    for j, n in enumerate(names):
+                        hists[n] = [t[:, j * HK : (j + 1) * HK] for t in h]
                 else:  # all snapshots of all sequences in one gather: [S, C, W-1]
                     src = torch.cat([prev.transpose(1, 2).reshape(-1, xp.shape[-1]), xp[0].float()])
-                    hists[name] = src[plan.hist_idx].transpose(1, 2)
-        q, k, v = outs
-        z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
-        beta_logits = self.b_proj(x)
+                    h = src[plan.hist_idx].transpose(1, 2)
+                    for j, n in enumerate(names):
+                        hists[n] = h[:, j * HK : (j + 1) * HK]
+        q, k, v = outs["q"], outs["k"], outs["v"]
+        z = self.f_b_proj(fa if fa is not None else self.f_a_proj(x)).view(B, T, H, K)
+        beta_logits = b_logits if b_logits is not None else self.b_proj(x)
         be = _backend.resolve("kda", x.is_cuda, self.backend)
         core = _kda_core_reference if be == "reference" else FAST_KDA[be]
         state = cache.get("state") if use_cache else None
@@ -323,7 +359,7 @@ class KimiDeltaAttention(nn.Module):
             cache["snaps"] = snaps
         else:
             o, state = self._packed_snapshots(
-                core, (q, k, v, z, beta_logits), state, spans, plan, hists, cache, cu_seqlens, cu_seqlens_cpu
+                core, (q, k, v, z, beta_logits), state, spans, plan, hists, cache
             )
             if cu_seqlens is None:  # one sequence: its list
                 cache["snaps"] = cache["snaps"][0]
@@ -331,23 +367,31 @@ class KimiDeltaAttention(nn.Module):
             for name in ("q", "k", "v"):
                 cache[f"conv_{name}"] = convs[name]
             cache["state"] = state.float()
-        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        if g_in is not None:
+            gate = g_in if self.full_rank_gate else self.g_b_proj(g_in)
+        else:
+            gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         o = gated_norm(o.to(x.dtype), self.o_norm.weight, gate.view(B, T, H, K), self.eps, self.norm_backend)
         return self.o_proj(o.reshape(B, T, H * K))
 
-    def _packed_snapshots(self, core, tensors, state, spans, plan, hists, cache, cu_seqlens, cu_seqlens_cpu):
+    def _packed_snapshots(self, core, tensors, state, spans, plan, hists, cache):
         """The recurrence of packed sequences with snapshots inside them (``plan.mode``, see SNAP_MODE): "rounds":
         round r runs the r-th segment of every sequence that has one as one varlen call, each from its state after
-        round r - 1; "prefix": one call over the whole sequences, one over the snapshots' prefixes. Returns
-        (o, states) and sets ``cache["snaps"]`` (one list per sequence)."""
+        round r - 1; "prefix": one varlen call over the whole sequences and, as further sequences, the snapshots'
+        prefixes. Returns (o, states) and sets ``cache["snaps"]`` (one list per sequence)."""
         snaps = [[] for _ in spans]
         first = [0]  # each sequence's first row in hists (its snapshots in order)
         for _, _, at in spans:
             first.append(first[-1] + len(at))
 
-        def run(group, state):
+        if state is None:  # no cache state given: every sequence starts from zeros
+            B, H, K = len(spans), self.num_heads, self.head_dim
+            state = tensors[0].new_zeros(B, H, K, K, dtype=torch.float32)
+
+        def run(group, state, skip=0):
             """One varlen call over a plan group's segments, each from its sequence's row of ``state``; books a
-            snapshot for each segment that ends on one (in order: the group's rows are sequence-major, as hists)."""
+            snapshot for each segment after the first ``skip`` that ends on one (in order: those rows are
+            sequence-major, as hists)."""
             seqs, idx, cu, cu_cpu, sel = group
             part = (t.index_select(1, idx) for t in tensors)
             o_g, fin = core(
@@ -359,6 +403,8 @@ class KimiDeltaAttention(nn.Module):
                 cu_seqlens_cpu=cu_cpu,
             )
             for m, n in enumerate(seqs):
+                if m < skip:
+                    continue
                 k = len(snaps[n])
                 if k < len(spans[n][2]):  # sequence n's k-th snapshot: hists row first[n] + k
                     h = first[n] + k
@@ -367,16 +413,11 @@ class KimiDeltaAttention(nn.Module):
                     )
             return idx, sel, o_g, fin
 
-        if plan.mode == "prefix":
-            run(plan.prefix, state)
-            o, state = core(
-                self,
-                *tensors,
-                initial_state=state,
-                output_final_state=True,
-                cu_seqlens=cu_seqlens,
-                cu_seqlens_cpu=cu_seqlens_cpu,
-            )
+        if (
+            plan.mode == "prefix"
+        ):  # one call: the sequences, then the prefixes (their final states: the snapshots)
+            _, _, o, state = run(plan.prefix, state, skip=plan.num_seqs)
+            o, state = o[:, : plan.num_tokens], state[: plan.num_seqs]
         else:
             o = torch.empty_like(tensors[2])
             state = state.clone()

@@ -14,12 +14,14 @@ def causal_conv1d(
     cu_seqlens: torch.Tensor | None = None,
     activation: str | None = "silu",
     output_final_state: bool = False,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal conv: ``y[t, c] = sum_j w[c, j] * x[t - (W-1) + j, c]`` then SiLU.
 
     x: [B, T, C]; weight: [C, W] or [C, 1, W] (last tap multiplies the current token);
     initial_state: [N, C, W-1] -- the W-1 previous *inputs* (oldest first), N = B or number of sequences;
-    cu_seqlens: [N+1] packed boundaries (B == 1): history resets at each boundary.
+    cu_seqlens: [N+1] packed boundaries (B == 1): history resets at each boundary; ``cu_seqlens_cpu`` an optional
+    host copy of them (read instead of the device tensor, no synchronisation).
     Returns (y [B, T, C] in x.dtype, final_state [N, C, W-1] or None). Computed in fp32.
     """
     if weight.dim() == 3:
@@ -34,7 +36,7 @@ def causal_conv1d(
         segs = [(slice(None), 0, T)]
         N = B
     else:
-        bounds = cu_seqlens.tolist()
+        bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
         segs = [(slice(0, 1), bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
         N = len(segs)
     if initial_state is not None and initial_state.shape != (N, C, W - 1):
