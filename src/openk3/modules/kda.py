@@ -81,9 +81,10 @@ def _snap_spans(
 # snapshot's prefix [start, start + p) from its sequence's initial state (one call, sum(p) more tokens);
 # "rounds" runs it in rounds of segments split at the positions (one call per round, no extra tokens). A KDA call
 # is host-bound at these sizes (fla's chunk path launches ~15 kernels), so fewer calls win: `medium` on an H100,
-# 8 x 512 tokens at interval 64: 115 ms per forward over the prefixes, 154 ms in rounds; 2 x 2,048 at interval
-# 512: 87 ms against 202 ms (79 / 72 ms without snapshots; bench/NOTES.md v36). Rounds grow linearly with the
-# snapshots per piece, prefixes quadratically: where the prefixes would hold more than SNAP_PREFIX_MAX_RATIO times
+# 8 x 512 tokens at interval 64: 115 ms per forward over the prefixes (then still a second call), 154 ms in
+# rounds; 2 x 2,048 at interval 512: 87 ms against 202 ms (79 / 72 ms without snapshots; bench/NOTES.md v36). With
+# the prefixes in the sequences' own call, 2 x 2,048 took 69.8 ms against 94.6 for two calls (v37). Rounds grow
+# linearly with the snapshots per piece, prefixes quadratically: where the prefixes would hold more than SNAP_PREFIX_MAX_RATIO times
 # the tokens of the sequences themselves (measured up to 3.5x, where they still won), "prefix" runs in rounds. The
 # environment variable OPENK3_KDA_SNAP_MODE sets the mode at import.
 SNAP_MODE: str = os.environ.get("OPENK3_KDA_SNAP_MODE") or "prefix"
