@@ -257,6 +257,20 @@ def test_kda_prefill_reads_the_fused_projections(rel, full_rank_gate):
         y_bad = m(x, cu_seqlens=cu, cache={k: v.clone() for k, v in start.items()})
         m.fused_input[0][-1].sub_(1.0)
     assert rel(y_bad, y_ref) > 1e-3
+    # a weight replaced after the engine set the buffers: the stale buffer is not used
+    old = m.k_proj.weight
+    m.k_proj.weight = torch.nn.Parameter(old.detach() * 2)
+    try:
+        assert m._fused_buffers() is None
+        with torch.no_grad():
+            y_new = m(x, cu_seqlens=cu, cache={k: v.clone() for k, v in start.items()})
+        assert rel(y_new, y_ref) > 1e-3
+        m.fused_input, m.fused_conv = None, None
+        with torch.no_grad():
+            y_sep = m(x, cu_seqlens=cu, cache={k: v.clone() for k, v in start.items()})
+        assert rel(y_new, y_sep) < 1e-6
+    finally:
+        m.k_proj.weight = old
     # while autograd records, the separate modules run (their weights get gradients)
     x.requires_grad_(True)
     m(x).sum().backward()

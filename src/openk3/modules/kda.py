@@ -213,6 +213,34 @@ class KimiDeltaAttention(nn.Module):
         self.fused_conv: torch.Tensor | None = None
         self.mark_fp32_parameters()
 
+    def _fused_buffers(self) -> tuple[torch.Tensor, list[int], torch.Tensor | None] | None:
+        """(input buffer, row sizes, conv buffer or None) where ``fused_input`` is set and the modules' weights
+        still are its row blocks in order (and the conv weights ``fused_conv``'s), checked by address; None
+        otherwise (e.g. a weight replaced or the model moved after the engine set them), so that a stale buffer is
+        never used."""
+        if self.fused_input is None:
+            return None
+        buf, sizes = self.fused_input
+
+        def views(b, mods, rows):
+            if b is None:
+                return False
+            ptr, step = b.data_ptr(), b[:1].numel() * b.element_size()
+            for m, n in zip(mods, rows):
+                w = m.weight
+                if w.data_ptr() != ptr or w.shape[0] != n or w.dtype != b.dtype or w.device != b.device:
+                    return False
+                ptr += n * step
+            return True
+
+        g = self.g_proj if self.full_rank_gate else self.g_a_proj
+        mods = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, g)
+        if len(sizes) != len(mods) or not views(buf, mods, sizes):
+            return None
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        conv = self.fused_conv if views(self.fused_conv, convs, [sizes[0]] * 3) else None
+        return buf, sizes, conv
+
     def mark_fp32_parameters(self) -> None:
         """Flag the parameters SPEC.md §5.3 keeps in fp32 (``K3ForCausalLM.to_dtype`` and loading honour it)."""
         for p in (
@@ -270,12 +298,12 @@ class KimiDeltaAttention(nn.Module):
         conv_fn = FAST_CONV.get(conv_be, causal_conv1d) if conv_be != "reference" else causal_conv1d
         # inference with the projections reading x in one buffer (set by the engine, see `fused_input`): one GEMM
         # for them all, and q, k, v through one conv call when their conv weights share a buffer too
-        fused = self.fused_input if not torch.is_grad_enabled() else None
+        fused = self._fused_buffers() if not torch.is_grad_enabled() else None
         if fused is not None:
             full = torch.nn.functional.linear(x, fused[0])
             xq, xk, xv, fa, b_logits, g_in = full.split(fused[1], dim=-1)
-            if self.fused_conv is not None:  # [q | k | v] channels side by side: one depthwise conv
-                groups = [("qkv", full[..., : 3 * H * K], self.fused_conv)]
+            if fused[2] is not None:  # [q | k | v] channels side by side: one depthwise conv
+                groups = [("qkv", full[..., : 3 * H * K], fused[2])]
             else:
                 groups = [("q", xq, self.q_conv1d.weight), ("k", xk, self.k_conv1d.weight)]
                 groups.append(("v", xv, self.v_conv1d.weight))
