@@ -73,9 +73,10 @@
 # tokens with the default interval and with none inside -> diag_prefill_{snap64,2k,2k_nosnap}.json; snap_mode: the
 # packed-snapshot GPU test with OPENK3_KDA_SNAP_MODE=rounds, then both snapshot modes at 8 x 512 tokens (interval 64)
 # and 4 x 2,048 (interval 512) -> diag_snap64_{rounds,prefix}.json, diag_2k_{rounds,prefix}.json;
-# prefill_host: the batch_prefill GPU tests, then diag_prefill.py at 2 x 2,048 and 8 x 512 tokens with this tree and
-# with OLD_TREE (another tree, when set) in the same call, and where the prefill forwards synchronise
-# (--sync-report) -> diag_host_{old,new}_{2k,8x512}.json, diag_host_sync.json.
+# prefill_host: the batch_prefill GPU tests (SKIP_TESTS=1 skips them), then diag_prefill.py at 2 x 2,048 and 8 x 512
+# tokens (PH_SHAPES, also 64x64; PH_RUNS warm bursts, default 5) with this tree and with OLD_TREE (another tree, when
+# set) in the same call, a profile of each at 8 x 512 and where the prefill forwards synchronise (--sync-report;
+# PH_PROFILE=0 skips both) -> diag_host_{old,new}_{2k,8x512,64x64}.json, diag_host_sync.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -295,25 +296,30 @@ if has prefill_host; then
       >"$OUT_DIR/tests_prefill_host.log" 2>&1
     echo "batch_prefill GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill_host.log"))"
   fi
-  for shape in "2k:--prompts 2 --prompt-len 2048" "8x512:--prompts 8 --prompt-len 512"; do
+  declare -A SHAPE=([2k]="--prompts 2 --prompt-len 2048" [8x512]="--prompts 8 --prompt-len 512"
+    [64x64]="--prompts 64 --prompt-len 64")
+  for name in ${PH_SHAPES:-2k 8x512}; do
+    shape="$name:${SHAPE[$name]}"
     for tree in ${OLD_TREE:+old} new; do
       top=$ROOT
       [[ $tree == old ]] && top=$OLD_TREE
       echo "== $tree tree, ${shape%%:*}"
       PYTHONPATH=$top/src:${PYTHONPATH:-} timeout "$T_E2E" python3 "$top/bench/diag_prefill.py" --preset medium \
-        --warm-runs 5 --no-profile ${shape#*:} --out "$OUT_DIR/diag_host_${tree}_${shape%%:*}.json" 2>&1 \
+        --warm-runs "${PH_RUNS:-5}" --no-profile ${shape#*:} --out "$OUT_DIR/diag_host_${tree}_${shape%%:*}.json" 2>&1 \
         | grep "^warm forwards\|forward,\|rror"
     done
   done
-  for tree in ${OLD_TREE:+old} new; do  # where the host time goes (profiled, 8 x 512)
+  for tree in $([[ ${PH_PROFILE:-1} == 1 ]] && echo ${OLD_TREE:+old} new); do  # host time, profiled, 8 x 512
     top=$ROOT
     [[ $tree == old ]] && top=$OLD_TREE
     PYTHONPATH=$top/src:${PYTHONPATH:-} timeout "$T_E2E" python3 "$top/bench/diag_prefill.py" --preset medium \
       --prompts 8 --prompt-len 512 --out "$OUT_DIR/diag_host_${tree}_prof.json" >"$OUT_DIR/diag_host_${tree}_prof.log" 2>&1
     echo "== $tree tree, profiled 8 x 512: $(grep -m2 "^Self" "$OUT_DIR/diag_host_${tree}_prof.log" | tr '\n' ' ')"
   done
-  timeout "$T_E2E" python3 bench/diag_prefill.py --preset medium --no-profile --prompts 2 --prompt-len 2048 \
-    --sync-report --out "$OUT_DIR/diag_host_sync.json" 2>&1 | sed -n '/host synchronisations/,/^wrote/p'
+  if [[ ${PH_PROFILE:-1} == 1 ]]; then
+    timeout "$T_E2E" python3 bench/diag_prefill.py --preset medium --no-profile --prompts 2 --prompt-len 2048 \
+      --sync-report --out "$OUT_DIR/diag_host_sync.json" 2>&1 | sed -n '/host synchronisations/,/^wrote/p'
+  fi
 fi
 if has prefill_serve; then
   # the defaults (packed prefill, 4,096 tokens per step), then one prompt per prefill forward, 512 per step

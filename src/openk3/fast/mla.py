@@ -111,8 +111,12 @@ def _mha_varlen(q, k, v, *, scale, cu_seqlens, mode):
     kind = varlen_kind()
     if kind == "flex":
         return mha_flex(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
-    cu = cu_seqlens.to(device=q.device, dtype=torch.long)
-    bounds = cu.tolist()
+    if cu_seqlens.device.type == "cpu":  # a host copy: the bounds without reading the device back
+        bounds = cu_seqlens.tolist()
+        cu = cu_seqlens.to(dtype=torch.long).to(q.device, non_blocking=True)
+    else:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.long)
+        bounds = cu.tolist()
     if kind == "varlen":
         Dqk, Dv = q.shape[-1], v.shape[-1]
         vp = F.pad(v[0], (0, Dqk - Dv)) if Dv < Dqk else v[0]

@@ -1301,7 +1301,8 @@ class Engine:
         layers (chunked KDA / MHA-form MLA paths and their fast backends), with per-layer dict caches built from
         and written back to the pool. Several pieces are packed along the token axis as varlen sequences
         (``cu_seqlens``): each KDA layer starts every sequence from its own state and conv history, each MLA layer
-        projects all tokens at once and attends per sequence over its cached prefix and its new tokens. A single
+        projects all tokens at once and attends per sequence over its cached prefix and its new tokens (where every
+        piece starts its sequence, in one varlen attention call over all of them). A single
         piece runs unpacked. Prefix snapshots at the interval's multiples inside the pieces come from the KDA
         layers (``snap_at``)."""
         pool, lay = self.pool, self.pool.layout
@@ -1324,6 +1325,7 @@ class Engine:
             for li in lay.kda_layers:
                 caches[li]["snap_at"] = at[0] if one else at
         prior = {li: [self._mla_prefix(li, req, start) for req, start, _ in pieces] for li in lay.mla_layers}
+        fresh = not one and all(start == 0 for _, start, _ in pieces)
 
         def attn(i, layer, x):
             mod = layer.self_attn
@@ -1334,6 +1336,11 @@ class Engine:
             T = x.shape[1]
             q = mod.project_q(x).view(1, T, mod.num_heads, mod.dn + mod.dr)
             c, kr = mod.latent(x)
+            if fresh:  # every piece starts its sequence: one varlen (block-diagonal causal) attention for all
+                o = mod.attend(q, c, kr, x.dtype, cu_seqlens=cu_cpu)
+                for n, (a, b) in enumerate(zip(offs[:-1], offs[1:])):  # the latents to write to the pages
+                    prior[i][n]["c"], prior[i][n]["kr"] = c[:, a:b], kr[:, a:b]
+                return mod.output(o, x)
             o = [
                 mod.attend(q[:, a:b], c[:, a:b], kr[:, a:b], x.dtype, cache=prior[i][n])
                 for n, (a, b) in enumerate(zip(offs[:-1], offs[1:]))
