@@ -84,9 +84,9 @@ def _snap_spans(
 # 8 x 512 tokens at interval 64: 115 ms per forward over the prefixes (then still a second call), 154 ms in
 # rounds; 2 x 2,048 at interval 512: 87 ms against 202 ms (79 / 72 ms without snapshots; bench/NOTES.md v36). With
 # the prefixes in the sequences' own call, 2 x 2,048 took 69.8 ms against 94.6 for two calls (v37). Rounds grow
-# linearly with the snapshots per piece, prefixes quadratically: where the prefixes would hold more than SNAP_PREFIX_MAX_RATIO times
-# the tokens of the sequences themselves (measured up to 3.5x, where they still won), "prefix" runs in rounds. The
-# environment variable OPENK3_KDA_SNAP_MODE sets the mode at import.
+# linearly with the snapshots per piece, prefixes quadratically: where the prefixes would hold more than
+# SNAP_PREFIX_MAX_RATIO times the tokens of the sequences themselves (measured up to 3.5x, where they still won),
+# "prefix" runs in rounds. The environment variable OPENK3_KDA_SNAP_MODE sets the mode at import.
 SNAP_MODE: str = os.environ.get("OPENK3_KDA_SNAP_MODE") or "prefix"
 SNAP_PREFIX_MAX_RATIO = 8.0
 if SNAP_MODE not in ("prefix", "rounds"):
@@ -98,9 +98,9 @@ class _PackedSnapPlan:
     shared by its KDA layers, with one host-to-device copy). ``mode`` "rounds": per round, the sequences in it,
     their tokens (``idx``), their ``cu_seqlens`` (device and host) and rows (``sel``); "prefix": the same for one
     call over the N sequences themselves followed by the snapshots' prefixes packed as further sequences
-    (``prefix``; its first ``num_tokens`` tokens and N rows are the sequences as they are packed). For the conv histories, the rows of ``[every sequence's
-    initial history (W - 1 rows each); the packed tokens]`` that each snapshot's history holds (``hist_idx``
-    [S, W - 1], S snapshots in sequence-major order)."""
+    (``prefix``; its first ``num_tokens`` tokens and N rows are the sequences as they are packed). For the conv
+    histories, the rows of ``[every sequence's initial history (W - 1 rows each); the packed tokens]`` that each
+    snapshot's history holds (``hist_idx`` [S, W - 1], S snapshots in sequence-major order)."""
 
     def __init__(self, spans: list[tuple[int, int, list[int]]], w: int, device: torch.device, mode: str):
         N = len(spans)
@@ -205,10 +205,10 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(K))
         self.o_proj = nn.Linear(HK, d, bias=False)
-        # Inference only (set by the engine; ignored while autograd records): (buffer, sizes) holding the weights of
-        # q_proj, k_proj, v_proj, f_a_proj, b_proj and g_proj (or g_a_proj) as rows of one tensor that those modules'
-        # weights are views of, so that one GEMM forms all projections; and the q / k / v conv weights as one
-        # [3 * HK, 1, W] tensor (their views too), so that one depthwise conv call convolves all three.
+        # Inference only (set by the engine; ignored while autograd records): (buffer, sizes) holding the weights
+        # of q_proj, k_proj, v_proj, f_a_proj, b_proj and g_proj (or g_a_proj) as rows of one tensor that those
+        # modules' weights are views of, so that one GEMM forms all projections; and the q / k / v conv weights as
+        # one [3 * HK, 1, W] tensor (their views too), so that one depthwise conv call convolves all three.
         self.fused_input: tuple[torch.Tensor, list[int]] | None = None
         self.fused_conv: torch.Tensor | None = None
         self.mark_fp32_parameters()
@@ -277,12 +277,13 @@ class KimiDeltaAttention(nn.Module):
         p tokens: ``cache["snaps"]`` becomes ``[(state, {"q": conv, "k": ..., "v": ...})]``, one per position.
         Everything but the recurrence runs once over all T tokens; the states at the positions come from SNAP_MODE
         (default "prefix": the positions' prefixes packed beside the sequences in one recurrence call; "rounds":
-        the recurrence split there, each segment from the previous one's state). A batch of several rows (B > 1, no ``cu_seqlens``)
-        always runs the split recurrence. With ``cu_seqlens`` (B == 1, N packed sequences; the cache's entries have
-        N rows) ``snap_at`` is one such list per sequence, positions counted from the sequence's start, and
-        ``snaps`` one list per sequence (its tensors with a leading dimension of 1). ``cu_seqlens_cpu``: an optional
-        host copy of ``cu_seqlens`` (the snapshot plan and the fast core then read the lengths without a device
-        sync; the core also picks its token-recurrent kernel for short packed sequences)."""
+        the recurrence split there, each segment from the previous one's state). A batch of several rows (B > 1,
+        no ``cu_seqlens``) always runs the split recurrence. With ``cu_seqlens`` (B == 1, N packed sequences; the
+        cache's entries have N rows) ``snap_at`` is one such list per sequence, positions counted from the
+        sequence's start, and ``snaps`` one list per sequence (its tensors with a leading dimension of 1).
+        ``cu_seqlens_cpu``: an optional host copy of ``cu_seqlens`` (the snapshot plan, the conv and the fast core
+        then read the lengths without a device sync; the core also picks its token-recurrent kernel for short
+        packed sequences)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         use_cache = cache is not None
@@ -442,9 +443,8 @@ class KimiDeltaAttention(nn.Module):
                     )
             return idx, sel, o_g, fin
 
-        if (
-            plan.mode == "prefix"
-        ):  # one call: the sequences, then the prefixes (their final states: the snapshots)
+        if plan.mode == "prefix":
+            # one call: the sequences, then the prefixes (their final states: the snapshots)
             _, _, o, state = run(plan.prefix, state, skip=plan.num_seqs)
             o, state = o[:, : plan.num_tokens], state[: plan.num_seqs]
         else:
