@@ -63,12 +63,26 @@ def test_sample_matches_transformers_processors(V):
     assert rows == 12 * B
 
 
+def _near_top_p_boundary(logits: torch.Tensor, p: float, tol: float = 3e-7) -> torch.Tensor:
+    """Tokens whose fate under top-p is not decided in fp32: the probability mass of the tokens more likely than
+    them (computed in fp64) lies within ``tol`` of ``p``, where fp32 sums in any order (ours descending,
+    transformers' ascending) may fall on either side."""
+    z = logits.double()
+    vals, idx = z.sort(dim=-1, descending=True)
+    probs = torch.softmax(vals, dim=-1)
+    before = probs.cumsum(-1) - probs
+    near = (before - p).abs() < tol
+    return torch.zeros_like(near).scatter(1, idx, near)
+
+
 def test_filters_keep_what_transformers_keeps():
-    """The kept sets of top-k and top-p (no ties in fp32 random logits) equal transformers' at many settings."""
+    """The kept sets of top-k and top-p (no ties in fp32 random logits) equal transformers' at many settings,
+    except for tokens whose preceding mass is within 3e-7 of p (fp32 rounding decides those; a handful in all)."""
     from openk3.infer.sampling import apply_temperature, top_k_filter, top_p_filter
 
     torch.manual_seed(3)
     x = torch.randn(64, 500) * 3
+    undecided = 0
     for t in (0.5, 1.0, 2.0):
         for k in (1, 3, 40, 499):
             for p in (0.05, 0.3, 0.9, 0.999):
@@ -76,5 +90,9 @@ def test_filters_keep_what_transformers_keeps():
                 hf = LogitsProcessorList(
                     [TemperatureLogitsWarper(t), TopKLogitsWarper(k), TopPLogitsWarper(p)]
                 )(torch.zeros(64, 1, dtype=torch.long), x.clone())
-                assert torch.equal(torch.isfinite(ours), torch.isfinite(hf)), (t, k, p)
-                assert torch.equal(ours[torch.isfinite(ours)], hf[torch.isfinite(hf)]), (t, k, p)
+                decided = ~_near_top_p_boundary(top_k_filter(apply_temperature(x, t), k), p)
+                undecided += int((~decided & torch.isfinite(top_k_filter(apply_temperature(x, t), k))).sum())
+                assert torch.equal(torch.isfinite(ours) & decided, torch.isfinite(hf) & decided), (t, k, p)
+                both = torch.isfinite(ours) & torch.isfinite(hf)
+                assert torch.equal(ours[both], hf[both]), (t, k, p)
+    assert undecided <= 8, undecided  # the exclusion stays a handful of boundary tokens (4 here) out of ~1.5M
