@@ -336,10 +336,11 @@ class KimiDeltaAttention(nn.Module):
                 output_final_state=use_cache,
                 cu_seqlens_cpu=cu_seqlens_cpu,
             )
-            HK = y.shape[-1] // len(names)
-            for j, n in enumerate(names):
-                outs[n] = y[..., j * HK : (j + 1) * HK].view(B, T, H, K)
-                convs[n] = None if fin is None else fin[:, j * HK : (j + 1) * HK]
+            HK = y.shape[-1] // len(names)  # one channel block of HK per name
+            for n, part in zip(names, y.split(HK, dim=-1)):
+                outs[n] = part.view(B, T, H, K)
+            for n, part in zip(names, fin.split(HK, dim=1) if fin is not None else [None] * len(names)):
+                convs[n] = part
             if spans:  # the conv history after p tokens: the W - 1 inputs before position p, oldest first
                 w = self.conv_size - 1
                 rows = B if plan is None else len(spans)
@@ -350,14 +351,12 @@ class KimiDeltaAttention(nn.Module):
                 )
                 if plan is None:  # every row: [B, C, W-1 + T]
                     seq = torch.cat([prev, xp.float().transpose(1, 2)], dim=-1)
-                    h = [seq[..., p : p + w].clone() for p in snap_at]
+                    h = [seq[..., p : p + w].clone().split(HK, dim=1) for p in snap_at]
                     for j, n in enumerate(names):
-                        hists[n] = [t[:, j * HK : (j + 1) * HK] for t in h]
+                        hists[n] = [t[j] for t in h]
                 else:  # all snapshots of all sequences in one gather: [S, C, W-1]
                     src = torch.cat([prev.transpose(1, 2).reshape(-1, xp.shape[-1]), xp[0].float()])
-                    h = src[plan.hist_idx].transpose(1, 2)
-                    for j, n in enumerate(names):
-                        hists[n] = h[:, j * HK : (j + 1) * HK]
+                    hists.update(zip(names, src[plan.hist_idx].transpose(1, 2).split(HK, dim=1)))
         q, k, v = outs["q"], outs["k"], outs["v"]
         z = self.f_b_proj(fa if fa is not None else self.f_a_proj(x)).view(B, T, H, K)
         beta_logits = b_logits if b_logits is not None else self.b_proj(x)
