@@ -1,5 +1,6 @@
 """MLA forms, AttnRes reads and block sizes, MoE routing, SiTU -- reference ops against independent formulas."""
 
+import json
 import math
 import os
 import subprocess
@@ -404,27 +405,58 @@ def test_attnres_kernel_knobs_reject_bad_values(monkeypatch):
     assert A._regs("p2_fwd", 2) == {}
     monkeypatch.setattr(A, "INTERPRET", True)
     assert A._regs("p2_bwd_norm", 2) == {}
-    for var, val in [
+    bad = [
         ("OPENK3_ATTNRES_DOT", "fp64"),
         ("OPENK3_ATTNRES_DV_STAGES", "-1"),
         ("OPENK3_ATTNRES_P2_ROWS", "0"),
         ("OPENK3_ATTNRES_DIRECT_MAX", "three"),
         ("OPENK3_ATTNRES_MAXNREG", "p2_bwd_norm=lots"),
-    ]:
-        _assert_import_refuses("import openk3.fast.attnres", var, val)
+    ]
+    _assert_imports_refuse("openk3.fast.attnres", bad)
 
 
-def _run_with_env(code: str, var: str, val: str):
-    """``python -c code`` in a fresh process with the environment variable ``var`` set to ``val``."""
-    return subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, var: val}, capture_output=True, text=True
+# Runs in one fresh process: for each case, every openk3 module is dropped from sys.modules and the module imported
+# again with one environment variable set (torch and triton stay loaded, so a case costs the import of openk3 alone,
+# not a new interpreter). Prints one JSON line: per case, ["ok", repr of the shown expression] or [error type, message].
+_IMPORT_CASES = r"""
+import importlib, json, os, sys
+mod, cases = sys.argv[1], json.loads(sys.argv[2])
+out = []
+for var, val, show in cases:
+    for name in [n for n in sys.modules if n == "openk3" or n.startswith("openk3.")]:
+        del sys.modules[name]
+    old = os.environ.get(var)
+    os.environ[var] = val
+    try:
+        m = importlib.import_module(mod)
+        out.append(["ok", repr(eval(show, {"m": m}))])
+    except Exception as e:
+        out.append([type(e).__name__, str(e)])
+    finally:
+        if old is None:
+            del os.environ[var]
+        else:
+            os.environ[var] = old
+print("CASES" + json.dumps(out))
+"""
+
+
+def _import_cases(mod: str, cases: list[tuple[str, str, str]]) -> list[list[str]]:
+    """Imports ``mod`` afresh once per (variable, value, expression) case, in one new process; the results in order."""
+    env = {k: v for k, v in os.environ.items() if k not in {c[0] for c in cases}}
+    res = subprocess.run(
+        [sys.executable, "-c", _IMPORT_CASES, mod, json.dumps(cases)], env=env, capture_output=True, text=True
     )
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.split("CASES")[-1])
+    assert len(out) == len(cases)
+    return out
 
 
-def _assert_import_refuses(code: str, var: str, val: str) -> None:
-    """``code`` (an import) fails with a ValueError naming ``var`` when it is set to ``val``."""
-    res = _run_with_env(code, var, val)
-    assert res.returncode != 0 and var in res.stderr and "ValueError" in res.stderr, (var, res.stderr[-300:])
+def _assert_imports_refuse(mod: str, bad: list[tuple[str, str]]) -> None:
+    """Importing ``mod`` with each (variable, value) set fails with a ValueError naming the variable."""
+    for (var, val), (kind, msg) in zip(bad, _import_cases(mod, [(v, x, "0") for v, x in bad])):
+        assert kind == "ValueError" and var in msg, (var, val, kind, msg[-300:])
 
 
 def test_moe_small_knobs_reject_bad_values():
@@ -432,19 +464,23 @@ def test_moe_small_knobs_reject_bad_values():
     0 / 1 land in the switches."""
     pytest.importorskip("triton")
 
-    def imp(var, val, show="0"):
-        code = f"from openk3.fast import moe_small as m; print(int(m.FUSE_SELECT), int(m.SELECT_TOPK['on']), {show})"
-        return _run_with_env(code, var, val)
-
-    for var, val in [
+    bad = [
         ("OPENK3_MOE_FUSE_SELECT", "yes"),
         ("OPENK3_MOE_SELECT_TOPK", "2"),
         ("OPENK3_MOE_SELECT_TOPK", "true"),
         ("OPENK3_MOE_SMALL_N", "-4"),
         ("OPENK3_MOE_UP_TILE", "3,0,1"),
         ("OPENK3_MOE_DOWN_COMBINE", "one"),
-    ]:
-        _assert_import_refuses("import openk3.fast.moe_small", var, val)
-    assert imp("OPENK3_MOE_SELECT_TOPK", "0").stdout.split() == ["1", "0", "0"]
-    assert imp("OPENK3_MOE_FUSE_SELECT", " 0 ").stdout.split() == ["0", "1", "0"]
-    assert imp("OPENK3_MOE_UP_TILE", "4,0,1", "m.UP_TILE[0]").stdout.split() == ["1", "1", "4"]
+    ]
+    _assert_imports_refuse("openk3.fast.moe_small", bad)
+    show = "(int(m.FUSE_SELECT), int(m.SELECT_TOPK['on']), {})"
+    good = [
+        ("OPENK3_MOE_SELECT_TOPK", "0", show.format(0)),
+        ("OPENK3_MOE_FUSE_SELECT", " 0 ", show.format(0)),
+        ("OPENK3_MOE_UP_TILE", "4,0,1", show.format("m.UP_TILE[0]")),
+        ("OPENK3_MOE_UP_TILE", "", show.format("m.UP_TILE[0]")),
+    ]
+    got = _import_cases("openk3.fast.moe_small", good)
+    assert [g[0] for g in got] == ["ok"] * 4, got
+    assert [g[1] for g in got[:3]] == ["(1, 0, 0)", "(0, 1, 0)", "(1, 1, 4)"]
+    assert got[3][1] != got[2][1]  # the module was imported afresh: the previous case's tile did not stay
