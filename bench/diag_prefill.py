@@ -3,7 +3,7 @@ default, or with ``--no-batch-prefill`` one prompt's chunk) timed on its own (sy
 the model's plain forward over the same tokens, and a profile of one warm prompt (of the whole burst with packed
 prefill; top operations by device and by host time).
 
-    python3 bench/diag_prefill.py [--prompts 8] [--prompt-len 512] [--no-profile] [--sync-report]
+    python3 bench/diag_prefill.py [--prompts 8] [--prompt-len 512] [--no-profile] [--sync-report] [--host-profile]
                                   [any `openk3 serve` model / engine option, e.g. --preset medium --max-prefill-tokens 2048]
 
 Prints a table per run (tokens per forward, forwards, pieces per forward, median / total ms, prompt tokens per
@@ -75,6 +75,62 @@ def _sync_report(engine, params, rng, args, vocab) -> list:
     return [{"where": w, "count": n} for w, n in seen.most_common()]
 
 
+def _host_profile(engine, params, rng, args, vocab, sync) -> dict:
+    """Run one more warm burst with cProfile on inside the prefill forwards only; print the top functions by own
+    time and by cumulative time (per forward) and return them."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    forwards = [0]
+
+    def profiled(inner):
+        def run(*a):
+            forwards[0] += 1
+            sync()
+            prof.enable()
+            try:
+                inner(*a)
+            finally:
+                prof.disable()
+            sync()
+
+        return run
+
+    saved = engine._prefill_chunk, engine._prefill_packed
+    engine._prefill_chunk, engine._prefill_packed = profiled(saved[0]), profiled(saved[1])
+    try:
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+        engine.generate(prompts, params)
+    finally:
+        engine._prefill_chunk, engine._prefill_packed = saved
+    stats = pstats.Stats(prof)
+    n = max(1, forwards[0])
+
+    def where(key):
+        path, line, fn = key
+        path = os.path.relpath(path, ROOT) if path.startswith(ROOT) else path.split("site-packages/")[-1]
+        return f"{path}:{line}({fn})"
+
+    rows = [
+        {"fn": where(k), "calls": v[1] / n, "own_ms": 1e3 * v[2] / n, "cum_ms": 1e3 * v[3] / n}
+        for k, v in stats.stats.items()
+    ]
+    total = sum(r["own_ms"] for r in rows)
+    print(
+        f"\nhost profile: {forwards[0]} prefill forward(s), {total:.1f} ms of profiled host time per forward"
+    )
+    out = {"forwards": forwards[0], "own_ms_per_forward": total}
+    for key, title in (("own_ms", "own"), ("cum_ms", "cumulative")):
+        top = sorted(rows, key=lambda r: -r[key])[:30]
+        print(f"\ntop functions by {title} time, per forward:")
+        print("| ms | calls | function |\n| --- | --- | --- |")
+        for r in top:
+            print(f"| {r[key]:.2f} | {r['calls']:.0f} | {r['fn']} |")
+        out[title] = top
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=8)
@@ -88,6 +144,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="(CUDA) one more warm burst with torch.cuda.set_sync_debug_mode('warn') inside the prefill forwards: "
         "where they synchronise with the host, per source line",
+    )
+    ap.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="one more warm burst with cProfile on inside the prefill forwards: where their host time goes, by "
+        "Python function (the GPU runs behind; a function's own time includes the launches it makes)",
     )
     ap.add_argument("--out", default=None)
     args, rest = ap.parse_known_args(argv)
@@ -179,6 +241,9 @@ def main(argv=None) -> int:
 
     if args.sync_report and dev.type == "cuda":
         result["syncs"] = _sync_report(engine, params, rng, args, vocab)
+
+    if args.host_profile:
+        result["host_profile"] = _host_profile(engine, params, rng, args, vocab, sync)
 
     if not args.no_profile:
         from torch.profiler import ProfilerActivity, profile
