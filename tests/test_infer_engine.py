@@ -689,6 +689,44 @@ def test_prefill_defers_pieces_cut_short_by_the_leftover_budget(tiny, prefix, ba
     _check_against_full_forward(tiny, reqs)
 
 
+def test_prefill_reads_and_norms_through_read_normed(tiny, monkeypatch):
+    """With fuse_read_norm (the default) the prefill forward takes each AttnRes read and the RMSNorm after it through
+    the reader's ``read_normed`` (one launch with the fast reader), as the model's own forward does; without it, the
+    read then the norm. The tokens and logits agree either way (the reference reader: the same operations)."""
+    from openk3.ops.attnres.reference import AttnResReader
+
+    in_prefill, calls = [False], []
+    inner = AttnResReader.read_normed
+
+    def spy(self, *a):
+        calls.append(in_prefill[0])
+        return inner(self, *a)
+
+    monkeypatch.setattr(AttnResReader, "read_normed", spy)
+    prompts = _prompts(31, [23, 9, 40])
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    runs = {}
+    for fuse in (True, False):
+        eng = Engine(tiny, None, fuse_read_norm=fuse, prefix_cache=False, record_logits=True)
+        prefill = eng._prefill_pieces
+
+        def watched(*a, prefill=prefill):
+            in_prefill[0] = True
+            try:
+                return prefill(*a)
+            finally:
+                in_prefill[0] = False
+
+        eng._prefill_pieces = watched
+        calls.clear()
+        runs[fuse] = (eng.generate(prompts, params), calls.count(True))
+    fused, unfused = runs[True][1], runs[False][1]
+    assert fused >= 2 * len(tiny.model.layers) and unfused == 0, (fused, unfused)
+    for a, b in zip(runs[True][0], runs[False][0]):
+        assert a.output_ids == b.output_ids
+        assert _rel(torch.stack(a.logits_log), torch.stack(b.logits_log)) < 1e-6
+
+
 @pytest.mark.parametrize("prefix", [False, True, "rounds"])
 def test_batch_prefill_equals_one_sequence_per_forward(tiny, prefix, monkeypatch):
     """EngineConfig.batch_prefill packs one piece of each prefilling request into one forward (varlen KDA from each

@@ -81,6 +81,40 @@ def test_rms_norm_fla(dtype, wdtype, shape, check):
     _norm_case(rms_norm_fla, rms_norm, [x, w], check, tag, dtype)
 
 
+@pytest.mark.parametrize(
+    "dtype,wdtype",
+    [
+        pytest.param(torch.float32, torch.float32, id="fp32"),
+        pytest.param(torch.bfloat16, torch.bfloat16, id="bf16"),
+        pytest.param(torch.bfloat16, torch.float32, id="bf16-fp32gain"),
+    ],
+)
+@pytest.mark.parametrize("shape", [(1, 4094, 2048), (1, 1, 2048), (3, 77, 200), (1000, 512), (5, 17, 2304)])
+def test_rms_norm_no_grad_row_kernel(dtype, wdtype, shape, check):
+    """Without autograd ``rms_norm_fla`` runs openk3's row kernel (the reference's roundings): against the same-dtype
+    reference to fp32 summation order (bf16: a rare one-ulp flip of the output), and against fp64 as the fla path."""
+    from openk3.fast import norm as FN
+    from openk3.infer import glue
+    from openk3.ops.norm import rms_norm
+
+    g = _fresh()
+    D = shape[-1]
+    x = _rand(*shape, dtype=dtype, scale=3.0, g=g)
+    w = (1 + 0.2 * _rand(D, g=g)).to(wdtype)
+    calls = []
+    inner = glue.add_rms_norm
+    glue.add_rms_norm = lambda *a: calls.append(1) or inner(*a)
+    try:
+        with torch.no_grad():
+            y = FN.rms_norm_fla(x, w, EPS)
+    finally:
+        glue.add_rms_norm = inner
+    assert calls == [1] and y.dtype == dtype and y.shape == x.shape
+    tag = f"norm.rows.{str(dtype)[6:]}.w{str(wdtype)[6:]}.{'x'.join(map(str, shape))}"
+    check(f"{tag}.y_vs_same_dtype_ref", y, rms_norm(x, w, EPS), 1e-6 if dtype == torch.float32 else 4e-3)
+    check(f"{tag}.y", y, rms_norm(x.double(), w.double(), EPS), NORM_TOL[dtype][0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(2, 333, 16, 128), (1, 1, 16, 128), (1, 77, 3, 200), (2, 65, 4, 1024)])
 def test_gated_rms_norm_fla(dtype, shape, check):

@@ -62,9 +62,29 @@ SCRIPT = textwrap.dedent(
         assert torch.equal(res[0][1], res[1][1]), "final state"
         worst = max([worst] + [rel(a, b) for a, b in zip(res[0], res[1])])
 
+    import openk3.fast.norm as FN
+    from openk3.infer import glue
+
+    row_calls = []
+    row_kernel = glue.add_rms_norm
+    glue.add_rms_norm = lambda *a: row_calls.append(1) or row_kernel(*a)
     for D in (200, 640):
         x, w = torch.randn(3, 7, D) * 3, 1 + 0.2 * torch.randn(D)
-        worst = max(worst, rel(rms_norm_fla(x, w, 1e-5), rms_norm(x, w, 1e-5)))
+        # with a gradient wanted: fla's kernel; without: openk3's row kernel (the reference's roundings)
+        xg = x.clone().requires_grad_()
+        worst = max(worst, rel(rms_norm_fla(xg, w, 1e-5), rms_norm(x, w, 1e-5)))
+        assert not row_calls
+        with torch.no_grad():
+            worst = max(worst, rel(rms_norm_fla(x, w, 1e-5), rms_norm(x, w, 1e-5)))
+            assert len(row_calls) == 1
+            # rows that are no [-1, D] view, or the switch off: fla's kernel
+            xt = torch.randn(D, 3, 7).permute(1, 2, 0)
+            worst = max(worst, rel(rms_norm_fla(xt, w, 1e-5), rms_norm(xt, w, 1e-5)))
+            FN.NO_GRAD_KERNEL = False
+            worst = max(worst, rel(rms_norm_fla(x, w, 1e-5), rms_norm(x, w, 1e-5)))
+            FN.NO_GRAD_KERNEL = True
+            assert len(row_calls) == 1
+        row_calls.clear()
     for D in (128, 640):
         x, gate, w = torch.randn(2, 5, 3, D) * 3, torch.randn(2, 5, 3, D), 1 + 0.2 * torch.randn(D)
         worst = max(worst, rel(gated_rms_norm_fla(x, w, gate, 1e-5), gated_rms_norm(x, w, gate, 1e-5)))

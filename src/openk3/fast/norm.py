@@ -18,12 +18,20 @@ Numerics against the references:
 
 Autotuning: both kernels use Triton's autotuner, so ``OPENK3_AUTOTUNE_MAX`` (see ``openk3.fast.kda.limit_autotune``)
 caps their configs too.
+
+Without autograd (inference: the engine's prefill, ``torch.no_grad`` forwards), ``rms_norm`` takes one launch of
+openk3's own row kernel instead (``openk3.infer.glue.add_rms_norm`` with no parts: one program per row, the
+reference's roundings, so it equals ``openk3.ops.norm.rms_norm`` up to fp32 summation order). fla's wrapper is an
+autograd function behind an autotuner and a compiler guard, ~0.1-0.3 ms of host time per call on the GPU machines,
+which a prefill forward of ~60 norms, bound by the host, pays in full. ``NO_GRAD_KERNEL`` (``OPENK3_NORM_NO_GRAD=0``
+turns it off) switches this.
 """
 
 from __future__ import annotations
 
 import torch
 
+from openk3.fast._triton import env_flag
 from openk3.ops.norm import gated_rms_norm, rms_norm
 
 _fla = False
@@ -40,6 +48,8 @@ except Exception as e:  # ImportError, or a Triton/driver problem at import time
         if isinstance(e, ImportError)
         else f"fla-core unusable ({type(e).__name__}: {e})"
     )
+
+NO_GRAD_KERNEL = env_flag("OPENK3_NORM_NO_GRAD", True)
 
 _MAX_ROW_BYTES = 65536  # fla's fused norms keep one row in registers/shared memory, at most 64 KiB
 
@@ -61,7 +71,26 @@ def rms_norm_fla(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
     before the single rounding (see the module docstring for the one-rounding difference in bf16)."""
     if _use_reference(x):
         return rms_norm(x, weight, eps)
-    return _fla_rms_norm(x, weight, None, eps=float(eps))
+    y = _no_grad_rms_norm(x, weight, eps) if NO_GRAD_KERNEL else None
+    return y if y is not None else _fla_rms_norm(x, weight, None, eps=float(eps))
+
+
+def _no_grad_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    """``rms_norm(x, weight, eps)`` in one launch of the row kernel where no gradient is wanted and ``x``'s rows are
+    a [-1, D] view (with a gain of shape [D]); None otherwise (the caller takes fla's kernel)."""
+    if weight is None or weight.shape != x.shape[-1:] or x.dim() < 1:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    from openk3.infer.glue import add_rms_norm, triton_add_norm_ok
+
+    try:
+        rows = x.view(-1, x.shape[-1])
+    except RuntimeError:  # rows not evenly strided
+        return None
+    if rows.stride(-1) != 1 or not triton_add_norm_ok(rows) or weight.device != x.device:
+        return None
+    return add_rms_norm(rows, [], weight, eps)[0].view(x.shape)
 
 
 def gated_rms_norm_fla(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:

@@ -125,7 +125,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--fuse-read-norm",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="decode: each AttnRes read and the RMSNorm after it in one launch (Triton reader); default on",
+        help="decode steps and prefill forwards: each AttnRes read and the RMSNorm after it in one launch (Triton "
+        "reader); default on",
     )
     g.add_argument(
         "--fuse-kda-lowrank",

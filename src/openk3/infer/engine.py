@@ -188,9 +188,9 @@ class EngineConfig:
     # the residual adds of the decode step folded into the last GEMM of the attention and FFN outputs (addmm: one
     # rounding instead of two) where gemv_residual does not take them. Off: within 1-2 % either way on an H200
     fuse_residual: bool = False
-    # decode step: each AttnRes read followed by its layer's RMSNorm as one launch (the fast reader writes the normed
-    # rows; `TritonAttnResReader.read_normed`), one norm kernel less per read. H200, batch 1: medium forward
-    # 1.66 -> 1.61 ms, 48B shape within noise (bench/NOTES.md v9)
+    # decode step and prefill forward: each AttnRes read followed by its layer's RMSNorm as one launch (the fast
+    # reader writes the normed rows; `TritonAttnResReader.read_normed`), one norm kernel less per read. H200, batch
+    # 1: medium forward 1.66 -> 1.61 ms, 48B shape within noise (bench/NOTES.md v9)
     fuse_read_norm: bool = True
     # decode step, at most KDA_LOWRANK_MAX_ROWS rows: the KDA step kernel applies the low-rank up projections itself,
     # the decay's f_b_proj and (low-rank gates) g_b_proj (`kda_decode_triton(z_lowrank=, gate_lowrank=)`), one GEMV
@@ -1348,7 +1348,8 @@ class Engine:
             return mod.output(torch.cat(o, dim=1), x)
 
         ids = [t for req, start, end in pieces for t in req.all_ids[start:end]]
-        h = self._walk(self.model.model.embed_tokens(device_tensor([ids], torch.long, self.device)), attn)
+        emb = self.model.model.embed_tokens(device_tensor([ids], torch.long, self.device))
+        h = self._walk(emb, attn, read_norm=self.cfg.fuse_read_norm)
         for n, (req, start, end) in enumerate(pieces):
             if req.wants_prompt_logprobs():
                 self._prompt_logprobs(req, h[0, offs[n] : offs[n + 1]], start, end)
