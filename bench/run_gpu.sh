@@ -73,7 +73,7 @@
 # tokens with the default interval and with none inside -> diag_prefill_{snap64,2k,2k_nosnap}.json; snap_mode: the
 # packed-snapshot GPU test with OPENK3_KDA_SNAP_MODE=rounds, then both snapshot modes at 8 x 512 tokens (interval 64)
 # and 4 x 2,048 (interval 512) -> diag_snap64_{rounds,prefix}.json, diag_2k_{rounds,prefix}.json;
-# prefill_host: the batch_prefill GPU tests (SKIP_TESTS=1 skips them), then diag_prefill.py at 2 x 2,048 and 8 x 512
+# prefill_host: the batch_prefill and RMSNorm GPU tests (PH_K: another -k expression; SKIP_TESTS=1 skips them), then diag_prefill.py at 2 x 2,048 and 8 x 512
 # tokens (PH_SHAPES, also 64x64; PH_RUNS warm bursts, default 5) with this tree and with OLD_TREE (another tree, when
 # set) in the same call, a profile of each at 8 x 512 and where the prefill forwards synchronise (--sync-report;
 # PH_PROFILE=0 skips both) -> diag_host_{old,new}_{2k,8x512,64x64}.json, diag_host_sync.json.
@@ -248,7 +248,7 @@ fi
 if has prefill; then
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_engine_gpu.py -k batch_prefill \
     >"$OUT_DIR/tests_prefill.log" 2>&1
-  echo "batch_prefill GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill.log"))"
+  echo "prefill_host GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill.log"))"
   # the defaults (packed prefill, 4,096 tokens per step), then with snapshots every 64 tokens taken inside the
   # packed pieces (their cost in the KDA layers), then one prompt per forward, 512 tokens per step
   for v in "default::" "snap64:--prefix-interval 64" "one:--no-batch-prefill --max-prefill-tokens 512"; do
@@ -262,7 +262,7 @@ if has prefill_snap; then
   # default interval (512: 3 snapshots inside each prompt, 2 prompts per forward) and with none inside (4096)
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_fast_ops.py tests/gpu/test_engine_gpu.py \
     -k "batch_prefill or recurrent_inference or prefix_cache_outputs" >"$OUT_DIR/tests_prefill.log" 2>&1
-  echo "batch_prefill GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill.log"))"
+  echo "prefill_host GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill.log"))"
   timeout "$T_E2E" python3 bench/diag_prefill.py --prompts 8 --prompt-len 512 --preset medium --prefix-interval 64 \
     ${SNAP_PROFILE:---no-profile} --out "$OUT_DIR/diag_prefill_snap64.json" >"$OUT_DIR/diag_prefill_snap64.log" 2>&1
   grep "^| \|^cold\|^warm\|forward\|rror" "$OUT_DIR/diag_prefill_snap64.log"
@@ -292,9 +292,9 @@ if has prefill_host; then
   # tree (e.g. `git archive HEAD~3 src bench | tar -x -C .scratch/old`), with that one in the same call; then
   # where this tree's prefill forwards synchronise with the host (--sync-report)
   if [[ ${SKIP_TESTS:-0} != 1 ]]; then
-    timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_engine_gpu.py -k batch_prefill \
-      >"$OUT_DIR/tests_prefill_host.log" 2>&1
-    echo "batch_prefill GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill_host.log"))"
+    timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_engine_gpu.py tests/gpu/test_fast_norm_conv.py \
+      -k "${PH_K:-batch_prefill or rms_norm}" >"$OUT_DIR/tests_prefill_host.log" 2>&1
+    echo "prefill_host GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill_host.log"))"
   fi
   declare -A SHAPE=([2k]="--prompts 2 --prompt-len 2048" [8x512]="--prompts 8 --prompt-len 512"
     [64x64]="--prompts 64 --prompt-len 64")
