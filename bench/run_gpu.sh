@@ -248,7 +248,7 @@ fi
 if has prefill; then
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_engine_gpu.py -k batch_prefill \
     >"$OUT_DIR/tests_prefill.log" 2>&1
-  echo "prefill_host GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill.log"))"
+  echo "batch_prefill GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill.log"))"
   # the defaults (packed prefill, 4,096 tokens per step), then with snapshots every 64 tokens taken inside the
   # packed pieces (their cost in the KDA layers), then one prompt per forward, 512 tokens per step
   for v in "default::" "snap64:--prefix-interval 64" "one:--no-batch-prefill --max-prefill-tokens 512"; do
@@ -262,7 +262,7 @@ if has prefill_snap; then
   # default interval (512: 3 snapshots inside each prompt, 2 prompts per forward) and with none inside (4096)
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_fast_ops.py tests/gpu/test_engine_gpu.py \
     -k "batch_prefill or recurrent_inference or prefix_cache_outputs" >"$OUT_DIR/tests_prefill.log" 2>&1
-  echo "prefill_host GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill.log"))"
+  echo "batch_prefill GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill.log"))"
   timeout "$T_E2E" python3 bench/diag_prefill.py --prompts 8 --prompt-len 512 --preset medium --prefix-interval 64 \
     ${SNAP_PROFILE:---no-profile} --out "$OUT_DIR/diag_prefill_snap64.json" >"$OUT_DIR/diag_prefill_snap64.log" 2>&1
   grep "^| \|^cold\|^warm\|forward\|rror" "$OUT_DIR/diag_prefill_snap64.log"
