@@ -47,6 +47,38 @@ def test_mla_mha_matches_naive_softmax(rel):
             assert rel(out[0, t], torch.einsum("hs,shd->hd", w, v[0, s : t + 1])) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_mha_takes_flash_varlen_only_in_half_precision(dtype, monkeypatch, rel):
+    """``fast.mla.mha_sdpa`` with ``cu_seqlens`` (packed documents; the engine's fresh packed prefill): the flash
+    varlen kernel, which takes only fp16 / bf16, for half precision; a loop of causal SDPA per document otherwise
+    (fp32 used to reach the flash kernel and fail on CUDA). A stand-in varlen kernel records its calls."""
+    from openk3.fast import mla as FM
+
+    calls = []
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal):
+        assert is_causal
+        calls.append(q.dtype)
+        b = cu_q.tolist()
+        outs = []
+        for a, e in zip(b, b[1:]):
+            qt, kt, vt = (x[a:e].transpose(0, 1).float() for x in (q, k, v))
+            o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+            outs.append(o.transpose(0, 1).to(q.dtype))
+        return torch.cat(outs)
+
+    monkeypatch.setattr(FM, "_varlen_attn", fake_varlen)
+    monkeypatch.setattr(FM, "_VARLEN_PARAMS", {"scale", "is_causal"})
+    monkeypatch.setattr(FM, "VARLEN_MODE", "varlen")
+    q, k = torch.randn(1, 11, 2, 8).to(dtype), torch.randn(1, 11, 2, 8).to(dtype)
+    v = torch.randn(1, 11, 2, 6).to(dtype)
+    cu = torch.tensor([0, 4, 5, 11])
+    out = FM.mha_sdpa(q, k, v, scale=0.3, cu_seqlens=cu)
+    ref = mla_mha_attention(q.float(), k.float(), v.float(), scale=0.3, cu_seqlens=cu)
+    assert out.dtype == dtype and calls == ([] if dtype == torch.float32 else [dtype])
+    assert rel(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_attnres_read_formula(rel):
     S, N, D = 4, 6, 16
     vals = [torch.randn(N, D) * (i + 1) for i in range(S)]

@@ -117,7 +117,7 @@ def _mha_varlen(q, k, v, *, scale, cu_seqlens, mode):
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.long)
         bounds = cu.tolist()
-    if kind == "varlen":
+    if kind == "varlen" and q.dtype in (torch.bfloat16, torch.float16):  # (flash: half precision only)
         Dqk, Dv = q.shape[-1], v.shape[-1]
         vp = F.pad(v[0], (0, Dqk - Dv)) if Dv < Dqk else v[0]
         cu32 = cu.to(torch.int32)
