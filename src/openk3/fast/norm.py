@@ -10,6 +10,7 @@ Numerics against the references:
 * ``rms_norm``: the reference casts the normalised value to ``x.dtype`` *before* multiplying by the gain (the released
   models' order), fla multiplies by the gain in fp32 and rounds once. In fp32 the two agree to rounding (~1e-7
   relative); in bf16 they differ by one bf16 rounding of the output (~1e-3 relative), and fla's is the more exact.
+  Without autograd the row kernel below runs instead, with the reference's order.
 * ``gated_rms_norm``: both compute ``RMSNorm(x) * weight * sigmoid(gate)`` in fp32 and round once (fla applies the
   sigmoid gate after the norm, like the reference).
 * Gradients are accumulated in fp32 and returned in each input's dtype (an fp32 gain with bf16 activations gets an
@@ -67,8 +68,9 @@ def _use_reference(x: torch.Tensor) -> bool:
 
 
 def rms_norm_fla(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """``x: [..., D]``, ``weight: [D]`` (any float dtype) or None. Returns ``x.dtype``; the gain is applied in fp32
-    before the single rounding (see the module docstring for the one-rounding difference in bf16)."""
+    """``x: [..., D]``, ``weight: [D]`` (any float dtype) or None. Returns ``x.dtype``. With autograd, fla's kernel:
+    the gain is applied in fp32 before the single rounding (see the module docstring for the one-rounding difference
+    in bf16); without it (``NO_GRAD_KERNEL``), openk3's row kernel with the reference's roundings."""
     if _use_reference(x):
         return rms_norm(x, weight, eps)
     y = _no_grad_rms_norm(x, weight, eps) if NO_GRAD_KERNEL else None
@@ -78,7 +80,7 @@ def rms_norm_fla(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
 def _no_grad_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
     """``rms_norm(x, weight, eps)`` in one launch of the row kernel where no gradient is wanted and ``x``'s rows are
     a [-1, D] view (with a gain of shape [D]); None otherwise (the caller takes fla's kernel)."""
-    if weight is None or weight.shape != x.shape[-1:] or x.dim() < 1:
+    if weight is None or weight.shape != x.shape[-1:]:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
