@@ -32,6 +32,33 @@ def _bucket(t: int) -> str:
     return "> 4096"
 
 
+def _where(path: str) -> str:
+    """A source path relative to the checkout, or from site-packages on."""
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT) else path.split("site-packages/")[-1]
+
+
+def _burst_with(engine, params, rng, args, vocab, wrap) -> int:
+    """Run one more warm burst of ``args.prompts`` prompts with each prefill forward (one prompt's chunk or packed
+    pieces) run through ``wrap(forward)``; the engine's own methods are put back after. Returns the forwards."""
+    forwards = [0]
+
+    def wrapped(inner):
+        def run(*a):
+            forwards[0] += 1
+            wrap(inner, *a)
+
+        return run
+
+    saved = engine._prefill_chunk, engine._prefill_packed
+    engine._prefill_chunk, engine._prefill_packed = wrapped(saved[0]), wrapped(saved[1])
+    try:
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+        engine.generate(prompts, params)
+    finally:
+        engine._prefill_chunk, engine._prefill_packed = saved
+    return forwards[0]
+
+
 def _sync_report(engine, params, rng, args, vocab) -> list:
     """Run one more warm burst with the CUDA sync debug mode on inside the prefill forwards (not the decode steps,
     whose token copy to the host is meant); print and return each synchronising source line with its count."""
@@ -41,35 +68,21 @@ def _sync_report(engine, params, rng, args, vocab) -> list:
     import torch
 
     seen: collections.Counter = collections.Counter()
-    forwards = [0]
 
-    def watched(inner):
-        def run(*a):
-            forwards[0] += 1
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    inner(*a)
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-            for w in caught:
-                if "synchron" in str(w.message).lower():
-                    seen[
-                        f"{os.path.relpath(w.filename, ROOT) if w.filename.startswith(ROOT) else w.filename}"
-                        f":{w.lineno}"
-                    ] += 1
+    def watched(inner, *a):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                inner(*a)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        for w in caught:
+            if "synchron" in str(w.message).lower():
+                seen[f"{_where(w.filename)}:{w.lineno}"] += 1
 
-        return run
-
-    saved = engine._prefill_chunk, engine._prefill_packed
-    engine._prefill_chunk, engine._prefill_packed = watched(saved[0]), watched(saved[1])
-    try:
-        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
-        engine.generate(prompts, params)
-    finally:
-        engine._prefill_chunk, engine._prefill_packed = saved
-    print(f"\nhost synchronisations inside {forwards[0]} prefill forward(s): {sum(seen.values())}")
+    forwards = _burst_with(engine, params, rng, args, vocab, watched)
+    print(f"\nhost synchronisations inside {forwards} prefill forward(s): {sum(seen.values())}")
     for where, n in seen.most_common():
         print(f"  {n:4d}  {where}")
     return [{"where": w, "count": n} for w, n in seen.most_common()]
@@ -82,45 +95,30 @@ def _host_profile(engine, params, rng, args, vocab, sync) -> dict:
     import pstats
 
     prof = cProfile.Profile()
-    forwards = [0]
 
-    def profiled(inner):
-        def run(*a):
-            forwards[0] += 1
-            sync()
-            prof.enable()
-            try:
-                inner(*a)
-            finally:
-                prof.disable()
-            sync()
+    def profiled(inner, *a):
+        sync()
+        prof.enable()
+        try:
+            inner(*a)
+        finally:
+            prof.disable()
+        sync()
 
-        return run
-
-    saved = engine._prefill_chunk, engine._prefill_packed
-    engine._prefill_chunk, engine._prefill_packed = profiled(saved[0]), profiled(saved[1])
-    try:
-        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
-        engine.generate(prompts, params)
-    finally:
-        engine._prefill_chunk, engine._prefill_packed = saved
-    stats = pstats.Stats(prof)
-    n = max(1, forwards[0])
-
-    def where(key):
-        path, line, fn = key
-        path = os.path.relpath(path, ROOT) if path.startswith(ROOT) else path.split("site-packages/")[-1]
-        return f"{path}:{line}({fn})"
-
+    forwards = _burst_with(engine, params, rng, args, vocab, profiled)
+    n = max(1, forwards)
     rows = [
-        {"fn": where(k), "calls": v[1] / n, "own_ms": 1e3 * v[2] / n, "cum_ms": 1e3 * v[3] / n}
-        for k, v in stats.stats.items()
+        {
+            "fn": f"{_where(path)}:{line}({fn})",
+            "calls": v[1] / n,
+            "own_ms": 1e3 * v[2] / n,
+            "cum_ms": 1e3 * v[3] / n,
+        }
+        for (path, line, fn), v in pstats.Stats(prof).stats.items()
     ]
     total = sum(r["own_ms"] for r in rows)
-    print(
-        f"\nhost profile: {forwards[0]} prefill forward(s), {total:.1f} ms of profiled host time per forward"
-    )
-    out = {"forwards": forwards[0], "own_ms_per_forward": total}
+    print(f"\nhost profile: {forwards} prefill forward(s), {total:.1f} ms of profiled host time per forward")
+    out = {"forwards": forwards, "own_ms_per_forward": total}
     for key, title in (("own_ms", "own"), ("cum_ms", "cumulative")):
         top = sorted(rows, key=lambda r: -r[key])[:30]
         print(f"\ntop functions by {title} time, per forward:")
