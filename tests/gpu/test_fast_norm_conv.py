@@ -60,14 +60,15 @@ def _norm_case(fast_fn, ref_fn, ins, check, tag, dtype):
     check(f"{tag}.y_vs_same_dtype_ref", y, runs["ref"][0], same)
 
 
-@pytest.mark.parametrize(
-    "dtype,wdtype",
-    [
-        pytest.param(torch.float32, torch.float32, id="fp32"),
-        pytest.param(torch.bfloat16, torch.bfloat16, id="bf16"),
-        pytest.param(torch.bfloat16, torch.float32, id="bf16-fp32gain"),
-    ],
-)
+# (activation dtype, gain dtype) of the RMSNorm tests
+RMS_DTYPES = [
+    pytest.param(torch.float32, torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, torch.bfloat16, id="bf16"),
+    pytest.param(torch.bfloat16, torch.float32, id="bf16-fp32gain"),
+]
+
+
+@pytest.mark.parametrize("dtype,wdtype", RMS_DTYPES)
 @pytest.mark.parametrize("shape", [(2, 333, 2048), (1, 1, 2048), (3, 77, 200), (1000, 512), (5, 17, 768)])
 def test_rms_norm_fla(dtype, wdtype, shape, check):
     from openk3.fast.norm import rms_norm_fla
@@ -81,14 +82,7 @@ def test_rms_norm_fla(dtype, wdtype, shape, check):
     _norm_case(rms_norm_fla, rms_norm, [x, w], check, tag, dtype)
 
 
-@pytest.mark.parametrize(
-    "dtype,wdtype",
-    [
-        pytest.param(torch.float32, torch.float32, id="fp32"),
-        pytest.param(torch.bfloat16, torch.bfloat16, id="bf16"),
-        pytest.param(torch.bfloat16, torch.float32, id="bf16-fp32gain"),
-    ],
-)
+@pytest.mark.parametrize("dtype,wdtype", RMS_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 4094, 2048), (1, 1, 2048), (3, 77, 200), (1000, 512), (5, 17, 2304)])
 def test_rms_norm_no_grad_row_kernel(dtype, wdtype, shape, check):
     """Without autograd ``rms_norm_fla`` runs openk3's row kernel (the reference's roundings): against the same-dtype
