@@ -74,9 +74,11 @@
 # packed-snapshot GPU test with OPENK3_KDA_SNAP_MODE=rounds, then both snapshot modes at 8 x 512 tokens (interval 64)
 # and 4 x 2,048 (interval 512) -> diag_snap64_{rounds,prefix}.json, diag_2k_{rounds,prefix}.json;
 # prefill_host: the batch_prefill and RMSNorm GPU tests (PH_K: another -k expression; SKIP_TESTS=1 skips them), then diag_prefill.py at 2 x 2,048 and 8 x 512
-# tokens (PH_SHAPES, also 64x64; PH_RUNS warm bursts, default 5) with this tree and with OLD_TREE (another tree, when
-# set) in the same call, a profile of each at 8 x 512 and where the prefill forwards synchronise (--sync-report;
-# PH_PROFILE=0 skips both) -> diag_host_{old,new}_{2k,8x512,64x64}.json, diag_host_sync.json.
+# tokens (PH_SHAPES, also 64x64; PH_RUNS warm bursts, default 5) with this tree, with OLD_TREE (another tree, when
+# set) and with this tree and the engine flags PH_BASE_ARGS (when set, e.g. "--no-prefill-graphs") in the same call,
+# a profile of each at 8 x 512 and where the prefill forwards synchronise (--sync-report; PH_PROFILE=0 skips both)
+# -> diag_host_{old,base,new}_{2k,8x512,64x64}.json, diag_host_sync.json; PH_SERVE=1 adds the serving burst of
+# prefill_serve with PH_BASE_ARGS and without -> serve_burst_{base,new}.json.
 # Logs and JSON land in OUT_DIR:
 #   tests.log (tests/gpu + the compiled decode-kernel tests), decode.json (bench/bench_decode.py, with the launch
 #   sweeps), e2e_decode.json + profile_*.txt (bench/bench_e2e_decode.py --profile), e2e_ab.json (ab:
@@ -293,22 +295,33 @@ if has prefill_host; then
   # where this tree's prefill forwards synchronise with the host (--sync-report)
   if [[ ${SKIP_TESTS:-0} != 1 ]]; then
     timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_engine_gpu.py tests/gpu/test_fast_norm_conv.py \
-      -k "${PH_K:-batch_prefill or rms_norm}" >"$OUT_DIR/tests_prefill_host.log" 2>&1
+      -k "${PH_K:-batch_prefill or rms_norm or chunk_graphs or prefill_graphs}" >"$OUT_DIR/tests_prefill_host.log" 2>&1
     echo "prefill_host GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill_host.log"))"
   fi
   declare -A SHAPE=([2k]="--prompts 2 --prompt-len 2048" [8x512]="--prompts 8 --prompt-len 512"
     [64x64]="--prompts 64 --prompt-len 64")
   for name in ${PH_SHAPES:-2k 8x512}; do
     shape="$name:${SHAPE[$name]}"
-    for tree in ${OLD_TREE:+old} new; do
+    for tree in ${OLD_TREE:+old} ${PH_BASE_ARGS:+base} new; do
       top=$ROOT
+      extra=""
       [[ $tree == old ]] && top=$OLD_TREE
-      echo "== $tree tree, ${shape%%:*}"
+      [[ $tree == base ]] && extra=$PH_BASE_ARGS
+      echo "== $tree tree $extra, ${shape%%:*}"
       PYTHONPATH=$top/src:${PYTHONPATH:-} timeout "$T_E2E" python3 "$top/bench/diag_prefill.py" --preset medium \
-        --warm-runs "${PH_RUNS:-5}" --no-profile ${shape#*:} --out "$OUT_DIR/diag_host_${tree}_${shape%%:*}.json" 2>&1 \
-        | grep "^warm forwards\|forward,\|rror"
+        --warm-runs "${PH_RUNS:-5}" --no-profile ${shape#*:} $extra \
+        --out "$OUT_DIR/diag_host_${tree}_${shape%%:*}.json" 2>&1 | grep "^warm forwards\|forward,\|rror"
     done
   done
+  if [[ ${PH_SERVE:-0} == 1 ]]; then  # the serving burst, with PH_BASE_ARGS and without
+    for tree in ${PH_BASE_ARGS:+base} new; do
+      extra=""
+      [[ $tree == base ]] && extra=$PH_BASE_ARGS
+      echo "== serve burst, this tree $extra"
+      timeout "${T_SERVE:-240}" python3 bench/bench_serve.py --requests 64 --prompt-len 512 --max-tokens 128 \
+        --preset medium $extra --out "$OUT_DIR/serve_burst_${tree}.json" 2>&1 | grep "^| \|throughput\|serving\|rror"
+    done
+  fi
   for tree in $([[ ${PH_PROFILE:-1} == 1 ]] && echo ${OLD_TREE:+old} new); do  # host time, profiled, 8 x 512
     top=$ROOT
     [[ $tree == old ]] && top=$OLD_TREE

@@ -387,3 +387,187 @@ def test_bad_inputs_raise(fn):
         for bad in (0, -16, 16.0, True):
             with pytest.raises(ValueError, match="chunk_size"):
                 fn(q, k, v, g, beta, chunk_size=bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# openk3.fast.kda.ChunkGraphs: the padded fixed-shape call behind the prefill's graph-captured chunk calls. fla's chunk
+# kernels do not run on the CPU (not even interpreted), so a small sequence-aware recurrence with fla's argument
+# contract stands in for them here; tests/gpu/test_fast_ops.py runs fla itself, captured and replayed.
+
+
+def _stand_in_chunk(q, k, v, g, beta, *, A_log, dt_bias, initial_state=None, output_final_state=False,
+                    cu_seqlens=None, use_graph=False, max_num_seqs=None, **_):  # fmt: skip
+    """``s <- s * sigmoid(g_t + dt_bias) + sigmoid(beta_t) k_t v_t^T``, ``o_t = exp(A_log) q_t s`` per sequence
+    (``cu_seqlens`` or each batch row); tokens in no sequence get NaN outputs. In fla's graph form the sequence
+    count must be the padded ``max_num_seqs``."""
+    B, T, Hq, Kq = q.shape
+    Vq = v.shape[-1]
+    if use_graph:
+        assert cu_seqlens is not None and cu_seqlens.shape[0] - 1 == max_num_seqs
+    if cu_seqlens is None:
+        seqs = [(b, b, 0, T) for b in range(B)]
+    else:
+        cu = cu_seqlens.tolist()
+        assert B == 1 and cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])) and cu[-1] <= T
+        seqs = [(n, 0, a, b) for n, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
+    o = torch.full((B, T, Hq, Vq), float("nan"), dtype=q.dtype)
+    finals = []
+    for n, b, t0, t1 in seqs:
+        s = torch.zeros(Hq, Kq, Vq) if initial_state is None else initial_state[n].clone()
+        for t in range(t0, t1):
+            decay = torch.sigmoid(g[b, t].float() + dt_bias.view(Hq, Kq))
+            kv = (
+                torch.sigmoid(beta[b, t].float())[:, None, None]
+                * k[b, t].float()[:, :, None]
+                * v[b, t].float()[:, None]
+            )
+            s = s * decay[..., None] + kv
+            o[b, t] = (torch.einsum("hk,hkv->hv", q[b, t].float(), s) * A_log.exp()[:, None]).to(q.dtype)
+        finals.append(s)
+    return o, (torch.stack(finals) if output_final_state else None)
+
+
+def _graph_inputs(T, Hq=2, Kq=8, Vq=4, B=1, N=None, dtype=F32):
+    q, k, g = (torch.randn(B, T, Hq, Kq, dtype=dtype) for _ in range(3))
+    v = torch.randn(B, T, Hq, Vq, dtype=dtype)
+    beta = torch.randn(B, T, Hq, dtype=dtype)
+    kw = {
+        "use_gate_in_kernel": True,
+        "A_log": torch.randn(Hq),
+        "dt_bias": torch.randn(Hq * Kq),
+        "lower_bound": -5.0,
+        "safe_gate": True,
+        "use_qk_l2norm_in_kernel": True,
+        "use_beta_sigmoid_in_kernel": True,
+        "initial_state": torch.randn(N or B, Hq, Kq, Vq),
+        "output_final_state": True,
+    }
+    return (q, k, v, g, beta), kw
+
+
+def _padded_vs_direct(graphs, xs, kw, lens=None):
+    """The runner's result and the stand-in's direct one for packed sequences of lengths ``lens`` (or per row)."""
+    kw = dict(kw)
+    cu_cpu = None
+    if lens is not None:
+        cu_cpu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.long)
+        kw["cu_seqlens"] = cu_cpu.clone()
+    got = graphs.run(*xs, kw, cu_cpu)
+    assert got is not None
+    want = _stand_in_chunk(*xs, **kw)
+    return got, want
+
+
+def test_chunk_graphs_padded_call_matches_direct(monkeypatch):
+    """The bucket's padded call (tokens to a power of two, empty sequences to a power of two, per-layer parameters
+    copied in) gives the direct call's outputs and final states, bit for bit, for packed sequences of several
+    layouts in one bucket, for batch rows without cu_seqlens, and with the padding tokens of the buffers poisoned
+    with NaN between calls."""
+    import openk3.fast.kda as FK
+
+    monkeypatch.setattr(FK, "_chunk_kda", _stand_in_chunk)
+    graphs = FK.ChunkGraphs(max_tokens=512, max_seqs=8, min_tokens=64, capture=False)
+    for lens in ([5, 40, 17], [60, 2], [1, 1, 1, 1, 1], [130]):
+        xs, kw = _graph_inputs(sum(lens), N=len(lens))
+        (o, s), (o2, s2) = _padded_vs_direct(graphs, xs, kw, lens)
+        assert torch.equal(o, o2) and torch.equal(s, s2), lens
+        # whatever the buffers hold past the tokens must not reach an output
+        for e in graphs.entries.values():
+            for name in ("q", "k", "v", "g", "beta"):
+                e.bufs[name][0, sum(lens) :] = float("nan")
+            e.bufs["h0"][len(lens) :] = float("nan")
+    assert sorted(k[:2] for k in graphs.entries) == [(64, 2), (64, 4), (64, 8), (256, 1)]
+    # batch rows, no cu_seqlens (each row a sequence)
+    xs, kw = _graph_inputs(30, B=3)
+    (o, s), (o2, s2) = _padded_vs_direct(graphs, xs, kw)
+    assert o.shape == (3, 30, 2, 4) and torch.equal(o, o2) and torch.equal(s, s2)
+    # no final state asked for, no initial state
+    xs, kw = _graph_inputs(70, N=2)
+    kw.update(initial_state=None, output_final_state=False)
+    (o, s), (o2, s2) = _padded_vs_direct(graphs, xs, kw, [35, 35])
+    assert s is None and s2 is None and torch.equal(o, o2)
+    assert graphs.stats == {"replays": 0, "captures": 0, "eager": 4 + 1 + 1}
+
+
+def test_chunk_graphs_declines_what_it_cannot_take(monkeypatch):
+    """Calls past the buckets, packed calls without a host copy of cu_seqlens and initial states of another
+    sequence count go back to the caller (None) untouched; bad limits are refused."""
+    import openk3.fast.kda as FK
+
+    monkeypatch.setattr(FK, "_chunk_kda", _stand_in_chunk)
+    graphs = FK.ChunkGraphs(max_tokens=100, max_seqs=4, min_tokens=16, capture=False)
+    assert graphs.max_tokens == 128 and graphs.bucket(128, 4) == (128, 4) and graphs.bucket(129, 1) is None
+    assert graphs.bucket(10, 5) is None and graphs.bucket(0, 1) is None
+    xs, kw = _graph_inputs(200, N=1)
+    assert graphs.run(*xs, {**kw, "cu_seqlens": torch.tensor([0, 200])}, torch.tensor([0, 200])) is None
+    xs, kw = _graph_inputs(20, N=5)
+    cu = torch.tensor([0, 4, 8, 12, 16, 20])
+    assert graphs.run(*xs, {**kw, "cu_seqlens": cu}, cu) is None  # 5 sequences > 4
+    xs, kw = _graph_inputs(20, N=2)
+    cu = torch.tensor([0, 4, 20])
+    assert graphs.run(*xs, {**kw, "cu_seqlens": cu}, None) is None  # no host copy: no sync to read it
+    assert graphs.run(*xs, {**kw, "cu_seqlens": cu, "initial_state": kw["initial_state"][:1]}, cu) is None
+    assert not graphs.entries
+    gpu = FK.ChunkGraphs(max_tokens=100)  # capturing needs CUDA tensors
+    assert gpu.run(*xs, {**kw, "cu_seqlens": cu}, cu) is None
+    for bad in (dict(max_tokens=0), dict(max_tokens=8, max_seqs=0), dict(max_tokens=8, min_tokens=0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            FK.ChunkGraphs(**bad)
+
+
+def test_kda_core_takes_chunk_graphs_only_inside_the_scope(monkeypatch):
+    """kda_core_fla hands an inference chunk call to the runner of this thread's ``chunk_graphs`` scope: not outside
+    it, not from another thread, not with autograd, not for the short calls of the token-recurrent kernel."""
+    import threading
+
+    import openk3.fast.kda as FK
+    from openk3.config import get_preset
+    from openk3.modules.kda import KimiDeltaAttention
+
+    layer = KimiDeltaAttention(get_preset("tiny"), 0)
+    H, Kd = layer.num_heads, layer.head_dim
+    seen = []
+    monkeypatch.setattr(
+        FK, "_chunk_kda", lambda q, *a, **k: seen.append(("eager chunk", q.shape[1])) or (q, None)
+    )
+    monkeypatch.setattr(
+        FK, "_fused_recurrent_kda", lambda q, *a, **k: seen.append(("recurrent", q.shape[1])) or (q, None)
+    )
+
+    class Runner:
+        def run(self, q, k, v, g, beta, kw, cu_cpu=None):
+            seen.append(("graph", q.shape[1], kw["output_final_state"], cu_cpu))
+            return "graph"
+
+    def call(T, grad=False):
+        xs = [torch.randn(1, T, H, Kd, requires_grad=grad) for _ in range(4)]
+        beta = torch.randn(1, T, H)
+        with torch.set_grad_enabled(grad):
+            return FK.kda_core_fla(
+                layer, *xs, beta, initial_state=None, output_final_state=True, cu_seqlens=None
+            )
+
+    T = FK.RECURRENT_MAX_LEN + 1
+    runner = Runner()
+    with FK.chunk_graphs(runner):
+        assert call(T) == "graph"
+        call(T, grad=True)
+        call(FK.RECURRENT_MAX_LEN)
+        box = []
+        t = threading.Thread(target=lambda: box.append(getattr(FK._ACTIVE, "graphs", None)))
+        t.start()
+        t.join()
+        assert box == [None]
+        with FK.chunk_graphs(None):
+            assert getattr(FK._ACTIVE, "graphs", None) is None
+            call(T)
+        assert FK._ACTIVE.graphs is runner
+    assert getattr(FK._ACTIVE, "graphs", None) is None
+    call(T)
+    assert seen == [
+        ("graph", T, True, None),
+        ("eager chunk", T),
+        ("recurrent", T - 1),
+        ("eager chunk", T),
+        ("eager chunk", T),
+    ]

@@ -795,3 +795,95 @@ def test_engine_gluon_mla_decode(graphs, fuse_glue, walk, heads, monkeypatch):
     e_full = _err(_full_logits(model, reqs), truth)
     e_eng = _err([torch.stack(r.logits_log) for r in reqs], truth)
     assert e_eng < max(1.5 * e_full, 1e-2), (e_eng, e_full)
+
+
+def _chunk_kw(layer, h0):
+    from openk3.fast.kda import gate_kwargs
+
+    kw = gate_kwargs(layer)
+    kw.update(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True)  # fmt: skip
+    return kw
+
+
+def test_chunk_graphs_replay_matches_eager_fla(monkeypatch):
+    """openk3.fast.kda.ChunkGraphs on fla's chunk_kda: graph replays of packed bf16 calls of several layouts in one
+    bucket (and a second bucket), with the buffers' padding poisoned with NaN between calls, equal the eager
+    varlen call (outputs and final states); a bucket whose capture fails is left eager and not retried."""
+    import openk3.fast.kda as FK
+
+    model = _model("small")
+    layers = [lay.self_attn for lay in model.model.layers if lay.attn_type == "kda"]
+    H, K = layers[0].num_heads, layers[0].head_dim
+    graphs = FK.ChunkGraphs(max_tokens=1024, max_seqs=8)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    layouts = ([300, 20, 77], [5, 200, 1], [64, 64, 64, 64], [397], [1000, 24])
+    worst = 0.0
+    for n, lens in enumerate(layouts):
+        layer = layers[n % len(layers)]  # per-layer A_log / dt_bias go through the same graph
+        T, N = sum(lens), len(lens)
+        q, k, v, z = (torch.randn(1, T, H, K, device=DEV, generator=g).bfloat16() for _ in range(4))
+        beta = torch.randn(1, T, H, device=DEV, generator=g).bfloat16()
+        h0 = 0.1 * torch.randn(N, H, K, K, device=DEV, generator=g)
+        cu_cpu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+        kw = _chunk_kw(layer, h0)
+        with torch.no_grad():
+            got = graphs.run(q, k, v, z, beta, {**kw, "cu_seqlens": cu_cpu.to(DEV)}, cu_cpu)
+            want = FK._chunk_kda(q, k, v, z, beta, **kw, cu_seqlens=cu_cpu.to(DEV), cu_seqlens_cpu=cu_cpu)
+        assert got is not None, graphs.failed
+        errs = (_rel(got[0].float(), want[0].float()), _rel(got[1], want[1]))
+        worst = max(worst, *errs)
+        assert errs[0] < 2e-3 and errs[1] < 1e-4, (lens, errs)
+        for e in graphs.entries.values():
+            for name in ("q", "k", "v", "g", "beta"):
+                e.bufs[name][0, T:] = float("nan")
+            e.bufs["h0"][N:] = float("nan")
+    print("worst relative difference, graph replay vs eager:", worst)
+    assert graphs.stats["captures"] == 4 and graphs.stats["replays"] == len(
+        layouts
+    )  # (512,4) (256,4) (512,1) (1024,2)
+    calls = []
+
+    def fail(*a):
+        calls.append(1)
+        raise RuntimeError("no capture")
+
+    monkeypatch.setattr(FK.ChunkGraphs, "_capture", fail)
+    q = torch.randn(1, 40, H, K, device=DEV).bfloat16()
+    kw = _chunk_kw(layers[0], torch.zeros(3, H, K, K, device=DEV))
+    cu = torch.tensor([0, 10, 20, 40])
+    with pytest.warns(RuntimeWarning, match="not captured"):
+        assert graphs.run(q, q, q, q, q[..., 0], {**kw, "cu_seqlens": cu.to(DEV)}, cu) is None
+    assert graphs.run(q, q, q, q, q[..., 0], {**kw, "cu_seqlens": cu.to(DEV)}, cu) is None
+    assert len(calls) == 1 and len(graphs.failed) == 1
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix"])
+def test_engine_prefill_graphs(prefix):
+    """EngineConfig.prefill_graphs: packed prefill of ragged prompts (and with prefix caching, snapshots inside the
+    pieces and a restored prefix) with the KDA chunk calls replayed from graphs gives decode logits as close to the
+    fp32 reference as the eager prefill's, and the graphs were used."""
+    model = _model("small", pin_routing=True)
+    vocab = model.config.vocab_size
+    base = _prompts(2, [300], vocab)[0]
+    prompts = _prompts(3, [5, 130, 17, 1, 200, 90], vocab) + [base[:200] + _prompts(4, [40], vocab)[0]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kw = dict(page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, max_prefill_tokens=256)
+    kw |= dict(prefix_interval=64) if prefix else dict(prefix_cache=False)
+    runs = []
+    for graphs in (False, True):
+        eng = Engine(model, None, prefill_graphs=graphs, **kw)
+        eng.generate([_prompts(5, [20], vocab)[0], base], params)
+        runs.append(eng.generate(prompts, params))
+        st = eng.stats()
+        if graphs:
+            assert st["prefill_graph_replays"] > 0 and st["prefill_graph_captures"] > 0, st
+        else:
+            assert "prefill_graph_replays" not in st
+    eager, graphed = runs
+    truth = _truth(graphed)
+    e_graph = _err([torch.stack(r.logits_log) for r in graphed], truth)
+    e_eager = _err([torch.stack(r.logits_log) for r in eager], _truth(eager))
+    same = sum(a.output_ids == b.output_ids for a, b in zip(eager, graphed))
+    print(f"graphs {e_graph:.3e}, eager {e_eager:.3e}, same greedy tokens {same}/{len(prompts)}")
+    assert e_graph < max(1.5 * e_eager, 1e-2), (e_graph, e_eager)

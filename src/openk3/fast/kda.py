@@ -7,7 +7,9 @@ Plugs into :data:`openk3.modules.kda.FAST_KDA` under the name ``"fla"`` with the
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 
@@ -142,6 +144,11 @@ def kda_core_fla(
         # token recurrence: exact fp32 state update, no chunk padding; forward only (fla has no backward for it)
         kw.pop("safe_gate", None)
         return _fused_recurrent_kda(q, k, v, z, beta_logits, **kw)
+    graphs = getattr(_ACTIVE, "graphs", None)
+    if graphs is not None and not needs_grad:
+        res = graphs.run(q, k, v, z, beta_logits, kw, cu_seqlens_cpu)
+        if res is not None:
+            return res
     if cu_seqlens is not None and cu_seqlens_cpu is not None:
         kw["cu_seqlens_cpu"] = cu_seqlens_cpu
     try:
@@ -165,3 +172,181 @@ def _warn_once(msg: str) -> None:
         import warnings
 
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+# ------------------------------------------------------------------------------------------ graph-captured chunks
+_ACTIVE = threading.local()
+
+
+@contextlib.contextmanager
+def chunk_graphs(graphs: ChunkGraphs | None):
+    """Inside the block, this thread's inference calls of :func:`kda_core_fla` that take fla's chunk path replay
+    ``graphs``' CUDA graphs (:class:`ChunkGraphs`) where they can; ``None`` leaves them eager."""
+    old = getattr(_ACTIVE, "graphs", None)
+    _ACTIVE.graphs = graphs
+    try:
+        yield
+    finally:
+        _ACTIVE.graphs = old
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class _Entry:
+    """One bucket's static inputs, its graph and the graph's outputs."""
+
+    __slots__ = ("bufs", "graph", "out")
+
+    def __init__(self, bufs: dict):
+        self.bufs, self.graph, self.out = bufs, None, None
+
+
+class ChunkGraphs:
+    """fla's ``chunk_kda`` forward captured in CUDA graphs, one per bucket of (tokens, sequences), for inference
+    calls (the engine's prefill). An eager ``chunk_kda`` call is ~10 autotuned Triton launches plus fla's host-side
+    preparation of the chunk list, and a prefill forward pays that host time in every KDA layer while the GPU waits
+    (bench/NOTES.md v38); a replay is one launch.
+
+    A call of ``T`` tokens in ``N`` packed sequences runs in the graph of the bucket ``(Tb, Nb)``: ``T`` rounded up
+    to a power of two (at least ``min_tokens``) and ``N`` to a power of two. Its inputs are copied into the
+    bucket's static buffers (tokens past ``T`` keep whatever they held), ``cu_seqlens`` is padded with empty
+    sequences to ``Nb + 1`` entries, and the graph runs fla's fixed-shape form (``use_graph=True``: the chunk list
+    built on the device, chunks past the real ones skipped), so the padding tokens belong to no sequence and
+    reach no output. The outputs are copied out of the graph's memory before the call returns. The first call of a
+    bucket runs it twice eagerly (fla's autotuning and compiles), captures it and replays it.
+
+    Calls it does not take return None from :meth:`run` and run eagerly: more than ``max_tokens`` tokens or
+    ``max_seqs`` sequences, packed sequences without a host copy of ``cu_seqlens``, a bucket whose capture failed
+    (``failed`` holds why). Every layer with the same shapes and gate constants shares a bucket's graph: its
+    per-layer parameters (``A_log``, ``dt_bias``) are inputs too. ``capture=False`` runs the same padded
+    fixed-shape call eagerly instead of replaying a graph (any device: tests, debugging)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int = 256, min_tokens: int = 256, capture: bool = True):
+        if max_tokens < 1 or max_seqs < 1 or min_tokens < 1:
+            raise ValueError(
+                f"ChunkGraphs: max_tokens {max_tokens}, max_seqs {max_seqs}, min_tokens {min_tokens} must be >= 1"
+            )
+        self.min_tokens = _pow2(min_tokens)
+        self.max_tokens = max(_pow2(max_tokens), self.min_tokens)
+        self.max_seqs = _pow2(max_seqs)
+        self.entries: dict[tuple, _Entry] = {}
+        self.failed: dict[tuple, str] = {}
+        self.capture = bool(capture)
+        self.pool = None
+        self.stats = {"replays": 0, "captures": 0, "eager": 0}
+
+    def bucket(self, T: int, N: int) -> tuple[int, int] | None:
+        """``(Tb, Nb)`` for ``T`` tokens in ``N`` sequences, or None past the limits."""
+        Tb, Nb = max(self.min_tokens, _pow2(T)), _pow2(N)
+        if T < 1 or N < 1 or Tb > self.max_tokens or Nb > self.max_seqs:
+            return None
+        return Tb, Nb
+
+    def run(self, q, k, v, g, beta, kw: dict, cu_seqlens_cpu=None) -> tuple | None:
+        """``chunk_kda(q, k, v, g, beta, **kw)`` (``kw`` as :func:`kda_core_fla` forms it: in-kernel gate, L2 norm
+        and beta sigmoid) through a graph: ``(o, final_state or None)``, or None where the call runs eagerly."""
+        if _chunk_kda is None or (self.capture and not q.is_cuda):
+            return None
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        cu = kw.get("cu_seqlens")
+        if cu is not None:
+            if cu_seqlens_cpu is None or B != 1:
+                return None
+            offs = [int(x) for x in cu_seqlens_cpu.tolist()]
+        else:
+            offs = [b * T for b in range(B + 1)]
+        N = len(offs) - 1
+        h0 = kw.get("initial_state")
+        if h0 is not None and h0.shape != (N, H, K, V):
+            return None
+        bk = self.bucket(B * T, N)
+        if bk is None:
+            self.stats["eager"] += 1
+            return None
+        Tb, Nb = bk
+        final = bool(kw.get("output_final_state"))
+        key = (Tb, Nb, H, K, V, q.dtype, q.device, h0 is not None, final, kw.get("lower_bound"),
+               bool(kw.get("safe_gate")), kw["A_log"].dtype, tuple(kw["A_log"].shape), kw["dt_bias"].dtype,
+               tuple(kw["dt_bias"].shape))  # fmt: skip
+        if key in self.failed:
+            self.stats["eager"] += 1
+            return None
+        e = self.entries.get(key)
+        if e is None:
+            e = _Entry(self._buffers(Tb, Nb, q, v, kw, h0 is not None))
+        b = e.bufs
+        n = B * T
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            b[name][0, :n].view(x.shape).copy_(x)
+        b["A_log"].copy_(kw["A_log"])
+        b["dt_bias"].copy_(kw["dt_bias"])
+        if h0 is not None:
+            b["h0"][:N].copy_(h0)
+        pad = offs + [offs[-1]] * (Nb - N)
+        b["cu"].copy_(torch.tensor(pad, dtype=torch.long), non_blocking=True)
+        if not self.capture:  # the padded call itself
+            self.entries[key] = e
+            out = self._call(e, kw, final)
+            self.stats["eager"] += 1
+        else:
+            if e.graph is None:
+                try:
+                    self._capture(e, kw, final)
+                except Exception as err:
+                    # the bucket stays eager (the caller runs this call eagerly)
+                    why = self.failed[key] = f"{type(err).__name__}: {err}"
+                    _warn_once(f"KDA chunk graph for {Tb} tokens / {Nb} sequences not captured ({why})")
+                    self.stats["eager"] += 1
+                    return None
+                self.entries[key] = e
+                self.stats["captures"] += 1
+            e.graph.replay()
+            self.stats["replays"] += 1
+            out = e.out
+        # copied out of the bucket's buffers, which the next call overwrites
+        return out[0][0, :n].reshape(B, T, H, V).clone(), (out[1][:N].clone() if final else None)
+
+    def _buffers(self, Tb, Nb, q, v, kw, has_h0: bool) -> dict:
+        H, K, V, dev = q.shape[2], q.shape[3], v.shape[-1], q.device
+        b = {
+            name: torch.zeros(1, Tb, H, d, dtype=q.dtype, device=dev)
+            for name, d in (("q", K), ("k", K), ("v", V), ("g", K))
+        }
+        b["beta"] = torch.zeros(1, Tb, H, dtype=q.dtype, device=dev)
+        b["A_log"] = torch.empty_like(kw["A_log"])
+        b["dt_bias"] = torch.empty_like(kw["dt_bias"])
+        b["h0"] = torch.zeros(Nb, H, K, V, dtype=torch.float32, device=dev) if has_h0 else None
+        b["cu"] = torch.zeros(Nb + 1, dtype=torch.long, device=dev)
+        return b
+
+    def _call(self, e: _Entry, kw: dict, final: bool):
+        b = e.bufs
+        args = {
+            key: kw[key]
+            for key in ("use_gate_in_kernel", "lower_bound", "safe_gate", "use_qk_l2norm_in_kernel",
+                        "use_beta_sigmoid_in_kernel")
+            if key in kw
+        }  # fmt: skip
+        return _chunk_kda(
+            b["q"], b["k"], b["v"], b["g"], b["beta"], A_log=b["A_log"], dt_bias=b["dt_bias"],
+            initial_state=b["h0"], output_final_state=final, cu_seqlens=b["cu"], use_graph=True,
+            max_num_seqs=b["cu"].shape[0] - 1, **args,
+        )  # fmt: skip
+
+    def _capture(self, e: _Entry, kw: dict, final: bool) -> None:
+        dev = e.bufs["q"].device
+        s = torch.cuda.Stream(dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s):
+            for _ in range(2):  # autotuning and compiles outside the graph
+                self._call(e, kw, final)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: CUDA calls from other threads (the server's) must not break the capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = self._call(e, kw, final)
+        self.pool = graph.pool()
+        e.graph, e.out = graph, out

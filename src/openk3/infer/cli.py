@@ -81,6 +81,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="prefill a piece of each of several prompts in one forward (packed varlen sequences; default on). "
         "--no-batch-prefill: one prompt per prefill forward",
     )
+    g.add_argument(
+        "--prefill-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CUDA: the prefill forward's KDA chunk calls replayed from CUDA graphs, one per bucket of tokens and "
+        "prompts, captured on first use (default on)",
+    )
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g.add_argument(
         "--prefix-cache-outputs",
@@ -313,6 +320,7 @@ def _load(args):
         prefix_cache_outputs=args.prefix_cache_outputs,
         prefix_interval=args.prefix_interval,
         batch_prefill=args.batch_prefill,
+        prefill_graphs=args.prefill_graphs,
         use_cuda_graphs=args.cuda_graphs,
         fuse_projections=args.fuse_projections,
         fuse_ffn_projections=args.fuse_ffn_projections,

@@ -266,6 +266,11 @@ class EngineConfig:
     # but the shared experts' chain ran after it, on the critical path: 48B shape at batch 1 2.37 -> 2.49 ms per
     # step, `medium` 1.17 either way (bench/NOTES.md v19)
     graph_priority: bool = False
+    # prefill forward on CUDA: each KDA layer's chunked recurrence (fla's chunk_kda, ~10 Triton launches and its
+    # chunk-list preparation on the host) replayed from a CUDA graph per bucket of (tokens, sequences) instead of run
+    # eagerly (`openk3.fast.kda.ChunkGraphs`; buckets up to max_prefill_tokens, captured on first use). Same values
+    # as the eager call. A prefill forward is bound by the host (bench/NOTES.md v38); this takes its largest share
+    prefill_graphs: bool = True
 
 
 # EngineConfig.mla_backend values (None: the MLA step that decode_backend resolves)
@@ -662,6 +667,13 @@ class Engine:
                 self.graphs_enabled = False
         self._graphs: dict[int, tuple] = {}
         self._graph_pool = None
+        # prefill_graphs: the KDA layers' chunk calls of a prefill forward from CUDA graphs
+        self._chunk_graphs = None
+        if cfg.prefill_graphs and self.device.type == "cuda" and self.pool.layout.kda_layers:
+            from openk3.fast import kda as _fast_kda
+
+            if _fast_kda.available()[0]:
+                self._chunk_graphs = _fast_kda.ChunkGraphs(cfg.max_prefill_tokens, max_seqs=cfg.max_seqs)
         # overlap: the decode step whose sampled tokens are still on the device
         self._pending: _Pending | None = None
         self._max_pages_per_seq = self.pool.pages_for(self.max_model_len)
@@ -814,7 +826,13 @@ class Engine:
 
         lay = CacheLayout.from_config(self.mcfg)
         snaps = self.cfg.prefix_cache_bytes or max(64 << 20, 16 * lay.bytes_per_sequence())
-        return snaps + (2 << 30)
+        graphs = 0
+        if self.cfg.prefill_graphs and lay.kda_layers:
+            # prefill_graphs: each bucket's static inputs and the shared graph pool's intermediates, ~40 bytes per
+            # token and channel at the largest bucket (fla's chunk forward keeps ~30)
+            tokens = 1 << max(0, self.cfg.max_prefill_tokens - 1).bit_length()
+            graphs = 40 * tokens * self.mcfg.kda_num_heads * self.mcfg.kda_head_dim
+        return snaps + graphs + (2 << 30)
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -1349,7 +1367,8 @@ class Engine:
 
         ids = [t for req, start, end in pieces for t in req.all_ids[start:end]]
         emb = self.model.model.embed_tokens(device_tensor([ids], torch.long, self.device))
-        h = self._walk(emb, attn, read_norm=self.cfg.fuse_read_norm)
+        with self._chunk_graph_scope():
+            h = self._walk(emb, attn, read_norm=self.cfg.fuse_read_norm)
         for n, (req, start, end) in enumerate(pieces):
             if req.wants_prompt_logprobs():
                 self._prompt_logprobs(req, h[0, offs[n] : offs[n + 1]], start, end)
@@ -1363,6 +1382,14 @@ class Engine:
             if inner[n]:  # after the latents: a snapshot holds the pages of its tokens
                 snaps = [caches[li]["snaps"] if one else caches[li]["snaps"][n] for li in lay.kda_layers]
                 self._inner_snapshots(req, inner[n], snaps)
+
+    def _chunk_graph_scope(self):
+        """The prefill forward's KDA chunk calls through ``prefill_graphs``' CUDA graphs (a no-op without them)."""
+        if self._chunk_graphs is None:
+            return contextlib.nullcontext()
+        from openk3.fast.kda import chunk_graphs
+
+        return chunk_graphs(self._chunk_graphs)
 
     def _prompt_logprobs(self, req: Request, h: torch.Tensor, start: int, end: int) -> None:
         """Record the prompt tokens' logprobs that positions [start, end) predict (``h``: their final hidden
@@ -2109,7 +2136,14 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ stats
     def counter_names(self) -> set[str]:
         """The keys of :meth:`stats` that only ever grow (Prometheus counters); the rest are gauges."""
-        return set(self.metrics) | {"prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_tokens"}
+        return set(self.metrics) | {
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "prefix_cache_hit_tokens",
+            "prefill_graph_replays",
+            "prefill_graph_captures",
+            "prefill_graph_eager_calls",
+        }
 
     def stats(self) -> dict:
         m = dict(self.metrics)
@@ -2132,6 +2166,15 @@ class Engine:
                 "cuda_graphs": int(self.graphs_enabled),
             }
         )
+        if self._chunk_graphs is not None:
+            st = self._chunk_graphs.stats
+            m.update(
+                {
+                    "prefill_graph_replays": st["replays"],
+                    "prefill_graph_captures": st["captures"],
+                    "prefill_graph_eager_calls": st["eager"],
+                }
+            )
         if self.prefix is not None:
             m.update(
                 {
