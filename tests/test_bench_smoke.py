@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -226,3 +227,11 @@ def test_diag_prefill_cpu(tmp_path, packed):
         assert (max(len(f["pieces"]) for f in data[run]["forwards"]) > 1) == packed
     assert data["model_forward_ms"] > 0
     assert "| tokens per forward |" in r.stdout and "top operations by device time" in r.stdout
+
+
+def test_diag_kda_graphs_needs_cuda():
+    """bench/diag_kda_graphs.py times fla's kernels and CUDA graphs: without a GPU it says so and exits non-zero."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the script would run")
+    r = _run(["bench/diag_kda_graphs.py", "--shapes", "64x1"])
+    assert r.returncode != 0 and "needs CUDA" in r.stderr, r.stderr[-2000:]

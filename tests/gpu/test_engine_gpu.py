@@ -850,8 +850,8 @@ def test_chunk_graphs_replay_matches_eager_fla(monkeypatch):
 
     monkeypatch.setattr(FK.ChunkGraphs, "_capture", fail)
     q = torch.randn(1, 40, H, K, device=DEV).bfloat16()
-    kw = _chunk_kw(layers[0], torch.zeros(3, H, K, K, device=DEV))
-    cu = torch.tensor([0, 10, 20, 40])
+    kw = _chunk_kw(layers[0], torch.zeros(5, H, K, K, device=DEV))
+    cu = torch.tensor([0, 8, 16, 24, 32, 40])  # a bucket not captured yet: (256, 8)
     with pytest.warns(RuntimeWarning, match="not captured"):
         assert graphs.run(q, q, q, q, q[..., 0], {**kw, "cu_seqlens": cu.to(DEV)}, cu) is None
     assert graphs.run(q, q, q, q, q[..., 0], {**kw, "cu_seqlens": cu.to(DEV)}, cu) is None
@@ -868,8 +868,10 @@ def test_engine_prefill_graphs(prefix):
     base = _prompts(2, [300], vocab)[0]
     prompts = _prompts(3, [5, 130, 17, 1, 200, 90], vocab) + [base[:200] + _prompts(4, [40], vocab)[0]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    kw = dict(page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, max_prefill_tokens=256)
-    kw |= dict(prefix_interval=64) if prefix else dict(prefix_cache=False)
+    kw = dict(page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, max_prefill_tokens=128)
+    # (pieces with a snapshot inside run their KDA recurrence over the snapshots' prefixes too, past the buckets:
+    # eager; at an interval of one step's budget most pieces have none inside)
+    kw |= dict(prefix_interval=128) if prefix else dict(prefix_cache=False)
     runs = []
     for graphs in (False, True):
         eng = Engine(model, None, prefill_graphs=graphs, **kw)
@@ -881,6 +883,8 @@ def test_engine_prefill_graphs(prefix):
         else:
             assert "prefill_graph_replays" not in st
     eager, graphed = runs
+    if prefix:
+        assert graphed[-1].prefix_hit == eager[-1].prefix_hit == 128
     truth = _truth(graphed)
     e_graph = _err([torch.stack(r.logits_log) for r in graphed], truth)
     e_eager = _err([torch.stack(r.logits_log) for r in eager], _truth(eager))
