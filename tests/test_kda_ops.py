@@ -507,9 +507,9 @@ def test_chunk_graphs_declines_what_it_cannot_take(monkeypatch):
     cu = torch.tensor([0, 4, 20])
     assert graphs.run(*xs, {**kw, "cu_seqlens": cu}, None) is None  # no host copy: no sync to read it
     assert graphs.run(*xs, {**kw, "cu_seqlens": cu, "initial_state": kw["initial_state"][:1]}, cu) is None
-    assert not graphs.entries
-    gpu = FK.ChunkGraphs(max_tokens=100)  # capturing needs CUDA tensors
-    assert gpu.run(*xs, {**kw, "cu_seqlens": cu}, cu) is None
+    assert not graphs.entries and graphs.stats == {"replays": 0, "captures": 0, "eager": 4}
+    gpu = FK.ChunkGraphs(max_tokens=100)  # capturing needs CUDA tensors (a CPU call is not a prefill chunk call)
+    assert gpu.run(*xs, {**kw, "cu_seqlens": cu}, cu) is None and gpu.stats["eager"] == 0
     for bad in (dict(max_tokens=0), dict(max_tokens=8, max_seqs=0), dict(max_tokens=8, min_tokens=0)):
         with pytest.raises(ValueError, match="must be >= 1"):
             FK.ChunkGraphs(**bad)

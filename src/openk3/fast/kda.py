@@ -246,9 +246,16 @@ class ChunkGraphs:
 
     def run(self, q, k, v, g, beta, kw: dict, cu_seqlens_cpu=None) -> tuple | None:
         """``chunk_kda(q, k, v, g, beta, **kw)`` (``kw`` as :func:`kda_core_fla` forms it: in-kernel gate, L2 norm
-        and beta sigmoid) through a graph: ``(o, final_state or None)``, or None where the call runs eagerly."""
+        and beta sigmoid) through a graph: ``(o, final_state or None)``, or None where the call runs eagerly
+        (counted in ``stats["eager"]``, as are the calls of ``capture=False``)."""
         if _chunk_kda is None or (self.capture and not q.is_cuda):
             return None
+        res = self._run(q, k, v, g, beta, kw, cu_seqlens_cpu)
+        if res is None or not self.capture:
+            self.stats["eager"] += 1
+        return res
+
+    def _run(self, q, k, v, g, beta, kw, cu_seqlens_cpu):
         B, T, H, K = q.shape
         V = v.shape[-1]
         cu = kw.get("cu_seqlens")
@@ -264,7 +271,6 @@ class ChunkGraphs:
             return None
         bk = self.bucket(B * T, N)
         if bk is None:
-            self.stats["eager"] += 1
             return None
         Tb, Nb = bk
         final = bool(kw.get("output_final_state"))
@@ -272,7 +278,6 @@ class ChunkGraphs:
                bool(kw.get("safe_gate")), kw["A_log"].dtype, tuple(kw["A_log"].shape), kw["dt_bias"].dtype,
                tuple(kw["dt_bias"].shape))  # fmt: skip
         if key in self.failed:
-            self.stats["eager"] += 1
             return None
         e = self.entries.get(key)
         if e is None:
@@ -290,7 +295,6 @@ class ChunkGraphs:
         if not self.capture:  # the padded call itself
             self.entries[key] = e
             out = self._call(e, kw, final)
-            self.stats["eager"] += 1
         else:
             if e.graph is None:
                 try:
@@ -299,7 +303,6 @@ class ChunkGraphs:
                     # the bucket stays eager (the caller runs this call eagerly)
                     why = self.failed[key] = f"{type(err).__name__}: {err}"
                     _warn_once(f"KDA chunk graph for {Tb} tokens / {Nb} sequences not captured ({why})")
-                    self.stats["eager"] += 1
                     return None
                 self.entries[key] = e
                 self.stats["captures"] += 1
