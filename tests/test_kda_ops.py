@@ -477,6 +477,11 @@ def test_chunk_graphs_padded_call_matches_direct(monkeypatch):
                 e.bufs[name][0, sum(lens) :] = float("nan")
             e.bufs["h0"][len(lens) :] = float("nan")
     assert sorted(k[:2] for k in graphs.entries) == [(64, 2), (64, 4), (64, 8), (256, 1)]
+    # one set of static inputs per shape: the 64-token buckets share their token buffers, not their states
+    by_tb = {}
+    for key, e in graphs.entries.items():
+        by_tb.setdefault(key[0], set()).add((e.bufs["q"].data_ptr(), e.bufs["h0"].data_ptr()))
+    assert len({q for q, _ in by_tb[64]}) == 1 and len({h for _, h in by_tb[64]}) == 3
     # batch rows, no cu_seqlens (each row a sequence)
     xs, kw = _graph_inputs(30, B=3)
     (o, s), (o2, s2) = _padded_vs_direct(graphs, xs, kw)
@@ -508,7 +513,9 @@ def test_chunk_graphs_declines_what_it_cannot_take(monkeypatch):
     assert graphs.run(*xs, {**kw, "cu_seqlens": cu}, None) is None  # no host copy: no sync to read it
     assert graphs.run(*xs, {**kw, "cu_seqlens": cu, "initial_state": kw["initial_state"][:1]}, cu) is None
     assert not graphs.entries and graphs.stats == {"replays": 0, "captures": 0, "eager": 4}
-    gpu = FK.ChunkGraphs(max_tokens=100)  # capturing needs CUDA tensors (a CPU call is not a prefill chunk call)
+    gpu = FK.ChunkGraphs(
+        max_tokens=100
+    )  # capturing needs CUDA tensors (a CPU call is not a prefill chunk call)
     assert gpu.run(*xs, {**kw, "cu_seqlens": cu}, cu) is None and gpu.stats["eager"] == 0
     for bad in (dict(max_tokens=0), dict(max_tokens=8, max_seqs=0), dict(max_tokens=8, min_tokens=0)):
         with pytest.raises(ValueError, match="must be >= 1"):

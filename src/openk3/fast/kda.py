@@ -232,6 +232,7 @@ class ChunkGraphs:
         self.max_tokens = max(_pow2(max_tokens), self.min_tokens)
         self.max_seqs = _pow2(max_seqs)
         self.entries: dict[tuple, _Entry] = {}
+        self._static: dict[tuple, torch.Tensor] = {}  # the buckets' static inputs, one per shape (_buffers)
         self.failed: dict[tuple, str] = {}
         self.capture = bool(capture)
         self.pool = None
@@ -313,16 +314,25 @@ class ChunkGraphs:
         return out[0][0, :n].reshape(B, T, H, V).clone(), (out[1][:N].clone() if final else None)
 
     def _buffers(self, Tb, Nb, q, v, kw, has_h0: bool) -> dict:
+        """A bucket's static inputs. Buckets share them where their shapes agree (the token buffers between buckets
+        of the same token count, the initial states and ``cu_seqlens`` between those of the same sequence count):
+        calls run one after another and every call fills what it reads, so one set per shape is enough."""
         H, K, V, dev = q.shape[2], q.shape[3], v.shape[-1], q.device
+
+        def shared(name, shape, dtype):
+            key = (name, tuple(shape), dtype, dev)
+            if key not in self._static:
+                self._static[key] = torch.zeros(shape, dtype=dtype, device=dev)
+            return self._static[key]
+
         b = {
-            name: torch.zeros(1, Tb, H, d, dtype=q.dtype, device=dev)
-            for name, d in (("q", K), ("k", K), ("v", V), ("g", K))
+            name: shared(name, (1, Tb, H, d), q.dtype) for name, d in (("q", K), ("k", K), ("v", V), ("g", K))
         }
-        b["beta"] = torch.zeros(1, Tb, H, dtype=q.dtype, device=dev)
-        b["A_log"] = torch.empty_like(kw["A_log"])
-        b["dt_bias"] = torch.empty_like(kw["dt_bias"])
-        b["h0"] = torch.zeros(Nb, H, K, V, dtype=torch.float32, device=dev) if has_h0 else None
-        b["cu"] = torch.zeros(Nb + 1, dtype=torch.long, device=dev)
+        b["beta"] = shared("beta", (1, Tb, H), q.dtype)
+        b["A_log"] = shared("A_log", kw["A_log"].shape, kw["A_log"].dtype)
+        b["dt_bias"] = shared("dt_bias", kw["dt_bias"].shape, kw["dt_bias"].dtype)
+        b["h0"] = shared("h0", (Nb, H, K, V), torch.float32) if has_h0 else None
+        b["cu"] = shared("cu", (Nb + 1,), torch.long)
         return b
 
     def _call(self, e: _Entry, kw: dict, final: bool):

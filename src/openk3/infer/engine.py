@@ -828,10 +828,12 @@ class Engine:
         snaps = self.cfg.prefix_cache_bytes or max(64 << 20, 16 * lay.bytes_per_sequence())
         graphs = 0
         if self.cfg.prefill_graphs and lay.kda_layers:
-            # prefill_graphs: each bucket's static inputs and the shared graph pool's intermediates, ~40 bytes per
-            # token and channel at the largest bucket (fla's chunk forward keeps ~30)
+            # prefill_graphs: the buckets' static token inputs (~16 bytes per token and channel over all token
+            # buckets), the shared graph pool's intermediates (fla's chunk forward keeps ~30 at the largest bucket)
+            # and the initial states of every sequence bucket (twice max_seqs states in all)
             tokens = 1 << max(0, self.cfg.max_prefill_tokens - 1).bit_length()
-            graphs = 40 * tokens * self.mcfg.kda_num_heads * self.mcfg.kda_head_dim
+            channels = self.mcfg.kda_num_heads * self.mcfg.kda_head_dim
+            graphs = 48 * tokens * channels + 8 * self.cfg.max_seqs * channels * self.mcfg.kda_head_dim
         return snaps + graphs + (2 << 30)
 
     def _eos_ids(self) -> set[int]:
