@@ -17,24 +17,39 @@ def rel():
     return rel_err
 
 
-# the longest Triton-interpreter test (this file's kernel tests in a subprocess, ~14 min on a 2-core CI machine)
-_LONGEST = "test_decode_kernels.py::test_interpreted"
+# Minutes each Triton-interpreter test takes on a 2-core CI machine (measured; an unlisted one counts as 1): the
+# groups below are balanced by them
+_INTERP_MINUTES = {
+    "test_attnres_read_normed_training_interpreted_on_cpu": 7.0,
+    "test_gemv_interpreted": 4.5,
+    "test_engine_fold_norms_interpreted": 4.2,
+    "test_engine_triton_gemv_interpreted[plain-moe]": 1.3,
+    "test_moe_small_interpreted_on_cpu": 3.5,
+    "test_interpreted[mla-persist-engine]": 3.5,
+    "test_interpreted[mla-rest]": 3.5,
+    "test_interpreted[kda-sampling]": 2.5,
+}
 
 
 def pytest_collection_modifyitems(config, items):
     # The Triton-interpreter tests take minutes each on a CPU. Under pytest-xdist (-n N --dist worksteal) each worker
-    # first gets a contiguous share of the list (the first len // N tests, then the same of the rest, ...): put one
-    # group of the interpreted tests at the head of each share, the longest alone in the first group, so that the
-    # workers start on them together instead of one worker running them all in a row. Without xdist: them first.
+    # first gets a contiguous share of the list (the first len // N tests, then the same of the rest, ...): the
+    # interpreted tests are dealt into N groups of about equal minutes (the longest first, each to the lightest
+    # group), and each group goes at the head of one worker's share, so that the workers run them side by side
+    # instead of one worker running them in a row. Without xdist: them first, the longest first.
     interp = [it for it in items if "interpreted" in it.name]
     rest = [it for it in items if "interpreted" not in it.name]
+    interp.sort(key=lambda it: -_INTERP_MINUTES.get(it.name, 1.0))
     n = int(getattr(config, "workerinput", {}).get("workercount", 1))
     if n < 2 or len(interp) < 2:
         items[:] = interp + rest
     else:
-        first = [it for it in interp if it.nodeid.endswith(_LONGEST)] or interp[:1]
-        others = [it for it in interp if it not in first]
-        groups = [first] + [others[g :: n - 1] for g in range(n - 1)]
+        groups: list[list] = [[] for _ in range(n)]
+        load = [0.0] * n
+        for it in interp:
+            g = load.index(min(load))
+            groups[g].append(it)
+            load[g] += _INTERP_MINUTES.get(it.name, 1.0)
         order, left = [], len(items)
         for w, group in enumerate(groups):  # worker w's share: left // (n - w) tests, its group first
             share = left // (n - w)

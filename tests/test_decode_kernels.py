@@ -40,14 +40,27 @@ RUN_HERE = CUDA or KN.INTERPRET
 here = pytest.mark.skipif(not RUN_HERE, reason="no CUDA: runs under TRITON_INTERPRET=1 in test_interpreted")
 
 
-def test_interpreted():
-    """CPU only: this file's kernel tests in a subprocess under the Triton interpreter."""
+# test_interpreted's shards (-k expressions; together every test of this file): each a few minutes under the
+# interpreter on a 2-core machine, so that pytest-xdist's workers share them (the whole file in one subprocess took
+# ~9-14 min, the suite's longest test)
+_SAMPLING = "kda or sample or gumbel or logprobs"
+INTERPRETED_SHARDS = {
+    "kda-sampling": _SAMPLING,
+    "mla-persist-engine": "mla_persist or engine_mla_glue",
+    "mla-rest": f"not ({_SAMPLING} or mla_persist or engine_mla_glue)",
+}
+
+
+@pytest.mark.parametrize("shard", list(INTERPRETED_SHARDS))
+def test_interpreted(shard):
+    """CPU only: this file's kernel tests (one shard of them) in a subprocess under the Triton interpreter."""
     if RUN_HERE:
         pytest.skip("kernel tests run directly in this process")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(root, "src"), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu", __file__]
+    cmd += ["-k", INTERPRETED_SHARDS[shard]]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     tail = (r.stdout + r.stderr)[-6000:]
     print(tail)

@@ -253,7 +253,11 @@ def test_engine_triton_gemv_interpreted(run_interpreted, layout):
         G.GEMV_CONFIG["programs_per_sm"] = 1  # fewer, wider programs: the interpreter runs them one by one
         torch.manual_seed(0)
         # (a 512-token vocabulary: the LM head's GEMV dominated the interpreter's time at 4,096)
-        model = K3ForCausalLM(get_preset("tiny").replace(vocab_size=512, **OVER)).eval().requires_grad_(False)
+        # (four layers: the dense first one, KDA + MoE and MLA + MoE; half of tiny's launches under the interpreter)
+        cfg = get_preset("tiny").replace(
+            vocab_size=512, num_hidden_layers=4, kda_layers=[1, 2, 3], full_attn_layers=[4], **OVER
+        )
+        model = K3ForCausalLM(cfg).eval().requires_grad_(False)
         calls = []
         inner = G.gemv
         kind = lambda x: "+".join(type(t).__name__ for t in (x if isinstance(x, tuple) else (x,)))
@@ -350,8 +354,10 @@ def test_engine_fold_norms_interpreted(run_interpreted):
         resolve = backend.resolve
         backend.resolve = lambda op, cuda, req=None: "grouped_mm" if op == "moe" else resolve(op, cuda, req)
         torch.manual_seed(0)
+        # (four layers, the dense first one, KDA + MoE and MLA + MoE: half of tiny's launches under the interpreter)
         cfg = get_preset("tiny").replace(
-            attn_res_block_size=None, routed_expert_hidden_size=None, num_shared_experts=1, vocab_size=512
+            attn_res_block_size=None, routed_expert_hidden_size=None, num_shared_experts=1, vocab_size=512,
+            num_hidden_layers=4, kda_layers=[1, 2, 3], full_attn_layers=[4],
         )
         model = K3ForCausalLM(cfg).eval().requires_grad_(False)
         n_moe = sum(layer.is_moe for layer in model.model.layers)
