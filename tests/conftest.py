@@ -20,7 +20,7 @@ def rel():
 # Minutes each Triton-interpreter test takes on a 2-core CI machine (measured; an unlisted one counts as 1): the
 # groups below are balanced by them
 _INTERP_MINUTES = {
-    "test_attnres_read_normed_training_interpreted_on_cpu": 7.0,
+    "test_attnres_read_normed_training_interpreted_on_cpu": 4.2,
     "test_gemv_interpreted": 4.5,
     "test_engine_fold_norms_interpreted": 4.2,
     "test_engine_triton_gemv_interpreted[plain-moe]": 1.3,
