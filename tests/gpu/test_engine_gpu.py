@@ -104,27 +104,39 @@ def test_engine_fast_decode_bf16(graphs):
     assert e_eng < max(1.5 * e_full, 1e-2), (e_eng, e_full)
 
 
+def _prefill_ab(flag: str, lengths, max_prefill_tokens: int, prefix_interval: int | None, check=None):
+    """Greedy decode of the small bf16 model (routing pinned) with the engine setting ``flag`` off, then on: ragged
+    prompts of ``lengths`` and, last, one that begins with the first 200 tokens of a 300-token prompt which each
+    engine prefills first beside a short one (with prefix caching every ``prefix_interval`` tokens, it restores a
+    snapshot of them; ``None``: no prefix cache). ``check(engine, on)`` sees each engine after its run. Returns
+    (model, number of prompts, requests with ``flag`` off, requests with it on)."""
+    model = _model("small", pin_routing=True)
+    vocab = model.config.vocab_size
+    base = _prompts(2, [300], vocab)[0]
+    prompts = _prompts(3, lengths, vocab) + [base[:200] + _prompts(4, [40], vocab)[0]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kw = dict(
+        page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, max_prefill_tokens=max_prefill_tokens
+    )
+    kw |= dict(prefix_interval=prefix_interval) if prefix_interval else dict(prefix_cache=False)
+    runs = []
+    for on in (False, True):
+        eng = Engine(model, None, **{flag: on}, **kw)
+        # packed (batch_prefill), base's pieces go beside the short prompt's: its snapshots are taken inside
+        eng.generate([_prompts(5, [20], vocab)[0], base], params)
+        runs.append(eng.generate(prompts, params))
+        if check is not None:
+            check(eng, on)
+    return model, len(prompts), *runs
+
+
 @pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix"])
 def test_engine_batch_prefill_bf16(prefix):
     """EngineConfig.batch_prefill on CUDA (fla's varlen conv and KDA from per-sequence states, MLA per sequence over
     its cached prefix): ragged prompts longer than a step's budget, a one-token prompt, and with prefix caching a
     prompt that restores a snapshot; the decode logits stay as close to the fp32 reference as a bf16 full forward
     is, and as the one-sequence-per-forward engine's."""
-    model = _model("small", pin_routing=True)
-    vocab = model.config.vocab_size
-    base = _prompts(2, [300], vocab)[0]
-    lengths = [5, 130, 17, 1, 200]
-    prompts = _prompts(3, lengths, vocab) + [base[:200] + _prompts(4, [40], vocab)[0]]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    kw = dict(page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, max_prefill_tokens=256)
-    kw |= dict(prefix_interval=64) if prefix else dict(prefix_cache=False)
-    runs = []
-    for batch in (False, True):
-        eng = Engine(model, None, batch_prefill=batch, **kw)
-        # with batch_prefill base's pieces are packed beside the short prompt's: its snapshots are taken inside
-        eng.generate([_prompts(5, [20], vocab)[0], base], params)
-        runs.append(eng.generate(prompts, params))
-    one, packed = runs
+    model, _, one, packed = _prefill_ab("batch_prefill", [5, 130, 17, 1, 200], 256, 64 if prefix else None)
     if prefix:
         assert packed[-1].prefix_hit == one[-1].prefix_hit == 192
     truth = _truth(packed)
@@ -863,31 +875,24 @@ def test_engine_prefill_graphs(prefix):
     """EngineConfig.prefill_graphs: packed prefill of ragged prompts (and with prefix caching, snapshots inside the
     pieces and a restored prefix) with the KDA chunk calls replayed from graphs gives decode logits as close to the
     fp32 reference as the eager prefill's, and the graphs were used."""
-    model = _model("small", pin_routing=True)
-    vocab = model.config.vocab_size
-    base = _prompts(2, [300], vocab)[0]
-    prompts = _prompts(3, [5, 130, 17, 1, 200, 90], vocab) + [base[:200] + _prompts(4, [40], vocab)[0]]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    kw = dict(page_size=16, max_seqs=8, max_tokens=8192, record_logits=True, max_prefill_tokens=128)
-    # (pieces with a snapshot inside run their KDA recurrence over the snapshots' prefixes too, past the buckets:
-    # eager; at an interval of one step's budget most pieces have none inside)
-    kw |= dict(prefix_interval=128) if prefix else dict(prefix_cache=False)
-    runs = []
-    for graphs in (False, True):
-        eng = Engine(model, None, prefill_graphs=graphs, **kw)
-        eng.generate([_prompts(5, [20], vocab)[0], base], params)
-        runs.append(eng.generate(prompts, params))
+
+    def check(eng, graphs):
         st = eng.stats()
         if graphs:
             assert st["prefill_graph_replays"] > 0 and st["prefill_graph_captures"] > 0, st
         else:
             assert "prefill_graph_replays" not in st
-    eager, graphed = runs
+
+    # (pieces with a snapshot inside run their KDA recurrence over the snapshots' prefixes too, past the buckets:
+    # eager; at an interval of one step's budget most pieces have none inside)
+    _, n, eager, graphed = _prefill_ab(
+        "prefill_graphs", [5, 130, 17, 1, 200, 90], 128, 128 if prefix else None, check
+    )
     if prefix:
         assert graphed[-1].prefix_hit == eager[-1].prefix_hit == 128
     truth = _truth(graphed)
     e_graph = _err([torch.stack(r.logits_log) for r in graphed], truth)
     e_eager = _err([torch.stack(r.logits_log) for r in eager], _truth(eager))
     same = sum(a.output_ids == b.output_ids for a, b in zip(eager, graphed))
-    print(f"graphs {e_graph:.3e}, eager {e_eager:.3e}, same greedy tokens {same}/{len(prompts)}")
+    print(f"graphs {e_graph:.3e}, eager {e_eager:.3e}, same greedy tokens {same}/{n}")
     assert e_graph < max(1.5 * e_eager, 1e-2), (e_graph, e_eager)
