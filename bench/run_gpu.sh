@@ -300,13 +300,17 @@ if has prefill_host; then
   fi
   declare -A SHAPE=([2k]="--prompts 2 --prompt-len 2048" [8x512]="--prompts 8 --prompt-len 512"
     [64x64]="--prompts 64 --prompt-len 64")
+  ph_arm() {  # an arm of the comparison: `top` (its tree) and `extra` (its engine flags)
+    top=$ROOT
+    extra=""
+    [[ $1 == old ]] && top=$OLD_TREE
+    [[ $1 == base ]] && extra=$PH_BASE_ARGS
+    return 0
+  }
   for name in ${PH_SHAPES:-2k 8x512}; do
     shape="$name:${SHAPE[$name]}"
     for tree in ${OLD_TREE:+old} ${PH_BASE_ARGS:+base} new; do
-      top=$ROOT
-      extra=""
-      [[ $tree == old ]] && top=$OLD_TREE
-      [[ $tree == base ]] && extra=$PH_BASE_ARGS
+      ph_arm "$tree"
       echo "== $tree tree $extra, ${shape%%:*}"
       PYTHONPATH=$top/src:${PYTHONPATH:-} timeout "$T_E2E" python3 "$top/bench/diag_prefill.py" --preset medium \
         --warm-runs "${PH_RUNS:-5}" --no-profile ${shape#*:} $extra \
@@ -315,16 +319,14 @@ if has prefill_host; then
   done
   if [[ ${PH_SERVE:-0} == 1 ]]; then  # the serving burst, with PH_BASE_ARGS and without
     for tree in ${PH_BASE_ARGS:+base} new; do
-      extra=""
-      [[ $tree == base ]] && extra=$PH_BASE_ARGS
+      ph_arm "$tree"
       echo "== serve burst, this tree $extra"
       timeout "${T_SERVE:-240}" python3 bench/bench_serve.py --requests 64 --prompt-len 512 --max-tokens 128 \
         --preset medium $extra --out "$OUT_DIR/serve_burst_${tree}.json" 2>&1 | grep "^| \|throughput\|serving\|rror"
     done
   fi
   for tree in $([[ ${PH_PROFILE:-1} == 1 ]] && echo ${OLD_TREE:+old} new); do  # host time, profiled, 8 x 512
-    top=$ROOT
-    [[ $tree == old ]] && top=$OLD_TREE
+    ph_arm "$tree"
     PYTHONPATH=$top/src:${PYTHONPATH:-} timeout "$T_E2E" python3 "$top/bench/diag_prefill.py" --preset medium \
       --prompts 8 --prompt-len 512 --out "$OUT_DIR/diag_host_${tree}_prof.json" >"$OUT_DIR/diag_host_${tree}_prof.log" 2>&1
     echo "== $tree tree, profiled 8 x 512: $(grep -m2 "^Self" "$OUT_DIR/diag_host_${tree}_prof.log" | tr '\n' ' ')"
