@@ -46,13 +46,10 @@ def _one_shape(T, N, H, K, kw0, g, timed, calls) -> dict:
             fn()
             fn()
         (e,) = graphs.entries.values()
-        b = e.bufs
+        offs = cu_cpu.tolist()
 
         def copies():
-            for name, x in (("q", q), ("k", k), ("v", v), ("g", z), ("beta", beta)):
-                b[name][0, :T].view(x.shape).copy_(x)
-            b["h0"][:N].copy_(h0)
-            b["cu"].copy_(cu_cpu, non_blocking=True)
+            graphs._fill(e.bufs, (q, k, v, z, beta), kw, offs)
 
         def outputs():
             return e.out[0][0, :T].clone(), e.out[1][:N].clone()

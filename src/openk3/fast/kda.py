@@ -283,16 +283,8 @@ class ChunkGraphs:
         e = self.entries.get(key)
         if e is None:
             e = _Entry(self._buffers(Tb, Nb, q, v, kw, h0 is not None))
-        b = e.bufs
+        self._fill(e.bufs, (q, k, v, g, beta), kw, offs)
         n = B * T
-        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            b[name][0, :n].view(x.shape).copy_(x)
-        b["A_log"].copy_(kw["A_log"])
-        b["dt_bias"].copy_(kw["dt_bias"])
-        if h0 is not None:
-            b["h0"][:N].copy_(h0)
-        pad = offs + [offs[-1]] * (Nb - N)
-        b["cu"].copy_(torch.tensor(pad, dtype=torch.long), non_blocking=True)
         if not self.capture:  # the padded call itself
             self.entries[key] = e
             out = self._call(e, kw, final)
@@ -312,6 +304,21 @@ class ChunkGraphs:
             out = e.out
         # copied out of the bucket's buffers, which the next call overwrites
         return out[0][0, :n].reshape(B, T, H, V).clone(), (out[1][:N].clone() if final else None)
+
+    @staticmethod
+    def _fill(b: dict, xs, kw: dict, offs: list[int]) -> None:
+        """Copy one call's inputs into a bucket's buffers ``b``: ``xs = (q, k, v, g, beta)`` to the first tokens,
+        the layer's ``A_log`` / ``dt_bias``, the initial states (``kw``), and the packed offsets ``offs`` padded
+        with empty sequences to the bucket's count."""
+        n = xs[0].shape[0] * xs[0].shape[1]
+        for name, x in zip(("q", "k", "v", "g", "beta"), xs):
+            b[name][0, :n].view(x.shape).copy_(x)
+        b["A_log"].copy_(kw["A_log"])
+        b["dt_bias"].copy_(kw["dt_bias"])
+        if kw.get("initial_state") is not None:
+            b["h0"][: len(offs) - 1].copy_(kw["initial_state"])
+        pad = offs + [offs[-1]] * (b["cu"].shape[0] - len(offs))
+        b["cu"].copy_(torch.tensor(pad, dtype=torch.long), non_blocking=True)
 
     def _buffers(self, Tb, Nb, q, v, kw, has_h0: bool) -> dict:
         """A bucket's static inputs. Buckets share them where their shapes agree (the token buffers between buckets
