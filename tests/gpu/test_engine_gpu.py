@@ -870,6 +870,78 @@ def test_chunk_graphs_replay_matches_eager_fla(monkeypatch):
     assert len(calls) == 1 and len(graphs.failed) == 1
 
 
+def test_row_graphs_replay_matches_eager(monkeypatch):
+    """openk3.infer.row_graphs.RowGraphs on the small bf16 model's MoE and dense FFN layers: replays of ragged row
+    counts (several in one bucket, with the static buffers' padding rows poisoned with NaN between calls) equal the
+    eager layer on the real rows alone and the eager layer on the same padded rows; with the residual add; a
+    (layer, bucket) whose capture fails is left eager and not retried."""
+    from openk3.infer.row_graphs import RowGraphs
+
+    model = _model("small", pin_routing=True)
+    layers = model.model.layers
+    fns = {i: layers[i].ffn for i in (0, next(i for i, lay in enumerate(layers) if lay.is_moe))}
+    assert not layers[0].is_moe  # a dense layer and a MoE layer
+    D = model.config.hidden_size
+    rg = RowGraphs(1024, step=256)
+    g = torch.Generator(device=DEV).manual_seed(11)
+    worst = {"unpadded": 0.0, "padded": 0.0}
+    for T in (1, 100, 256, 300, 700, 1024):
+        for i, fn in fns.items():
+            x = torch.randn(1, T, D, device=DEV, generator=g).bfloat16()
+            res = torch.randn(1, T, D, device=DEV, generator=g).bfloat16()
+            with torch.no_grad():
+                got = rg.run(i, fn, x)
+                got_add = rg.run(i, fn, x, add=res)
+                want = fn(x)
+                Tb = rg.bucket(T)
+                xp = torch.zeros(1, Tb, D, device=DEV, dtype=x.dtype)
+                xp[:, :T] = x
+                want_padded = fn(xp)[:, :T]
+            assert got is not None and got_add is not None, rg.failed
+            e = (_rel(got.float(), want.float()), _rel(got.float(), want_padded.float()))
+            worst["unpadded"], worst["padded"] = max(worst["unpadded"], e[0]), max(worst["padded"], e[1])
+            assert e[0] < 5e-3 and e[1] < 1e-3, (T, i, e)
+            assert torch.equal(got_add, res + got)
+            for b in rg._bufs.values():  # the next call must not read what this one left
+                b[T:] = float("nan")
+    print("worst relative difference, replay vs eager:", worst)
+    assert rg.stats["captures"] == 2 * 4 and rg.stats["replays"] == 2 * 2 * 6  # buckets 256, 512, 768, 1024
+    calls = []
+
+    def fail(*a):
+        calls.append(1)
+        raise RuntimeError("no capture")
+
+    monkeypatch.setattr(RowGraphs, "_capture", fail)
+    x = torch.randn(1, 20, D, device=DEV).bfloat16()
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match="not captured"):
+            assert rg.run("another", fns[0], x) is None
+        assert rg.run("another", fns[0], x) is None
+    assert len(calls) == 1 and len(rg.failed) == 1
+
+
+def test_engine_prefill_ffn_graphs():
+    """EngineConfig.prefill_ffn_graphs: packed prefill of ragged prompts (and a restored prefix) with the FFN layers
+    replayed from graphs gives decode logits as close to the fp32 reference as the eager prefill's, and the graphs
+    were used."""
+
+    def check(eng, graphs):
+        st = eng.stats()
+        if graphs:
+            assert st["prefill_ffn_graph_replays"] > 0 and st["prefill_ffn_graph_captures"] > 0, st
+        else:
+            assert "prefill_ffn_graph_replays" not in st
+
+    _, n, eager, graphed = _prefill_ab("prefill_ffn_graphs", [5, 130, 17, 1, 200, 90], 128, 64, check)
+    assert graphed[-1].prefix_hit == eager[-1].prefix_hit == 192
+    e_graph = _err([torch.stack(r.logits_log) for r in graphed], _truth(graphed))
+    e_eager = _err([torch.stack(r.logits_log) for r in eager], _truth(eager))
+    same = sum(a.output_ids == b.output_ids for a, b in zip(eager, graphed))
+    print(f"FFN graphs {e_graph:.3e}, eager {e_eager:.3e}, same greedy tokens {same}/{n}")
+    assert e_graph < max(1.5 * e_eager, 1e-2), (e_graph, e_eager)
+
+
 @pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix"])
 def test_engine_prefill_graphs(prefix):
     """EngineConfig.prefill_graphs: packed prefill of ragged prompts (and with prefix caching, snapshots inside the

@@ -221,9 +221,13 @@ class ChunkGraphs:
     ``max_seqs`` sequences, packed sequences without a host copy of ``cu_seqlens``, a bucket whose capture failed
     (``failed`` holds why). Every layer with the same shapes and gate constants shares a bucket's graph: its
     per-layer parameters (``A_log``, ``dt_bias``) are inputs too. ``capture=False`` runs the same padded
-    fixed-shape call eagerly instead of replaying a graph (any device: tests, debugging)."""
+    fixed-shape call eagerly instead of replaying a graph (any device: tests, debugging). ``pool``: a CUDA graph
+    memory pool handle to share with other graphs whose results are consumed before the next replay (None: one of
+    its own)."""
 
-    def __init__(self, max_tokens: int, max_seqs: int = 256, min_tokens: int = 256, capture: bool = True):
+    def __init__(
+        self, max_tokens: int, max_seqs: int = 256, min_tokens: int = 256, capture: bool = True, pool=None
+    ):
         if max_tokens < 1 or max_seqs < 1 or min_tokens < 1:
             raise ValueError(
                 f"ChunkGraphs: max_tokens {max_tokens}, max_seqs {max_seqs}, min_tokens {min_tokens} must be >= 1"
@@ -235,7 +239,7 @@ class ChunkGraphs:
         self._static: dict[tuple, torch.Tensor] = {}  # the buckets' static inputs, one per shape (_buffers)
         self.failed: dict[tuple, str] = {}
         self.capture = bool(capture)
-        self.pool = None
+        self.pool = pool
         self.stats = {"replays": 0, "captures": 0, "eager": 0}
 
     def bucket(self, T: int, N: int) -> tuple[int, int] | None:
@@ -368,5 +372,6 @@ class ChunkGraphs:
         # thread_local: CUDA calls from other threads (the server's) must not break the capture
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self._call(e, kw, final)
-        self.pool = graph.pool()
+        if self.pool is None:
+            self.pool = graph.pool()
         e.graph, e.out = graph, out

@@ -88,6 +88,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CUDA: the prefill forward's KDA chunk calls replayed from CUDA graphs, one per bucket of tokens and "
         "prompts, captured on first use (default on)",
     )
+    g.add_argument(
+        "--prefill-ffn-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CUDA: the prefill forward's FFN / MoE layers replayed from CUDA graphs, one per layer and multiple of "
+        "256 tokens, captured on first use (default on)",
+    )
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g.add_argument(
         "--prefix-cache-outputs",
@@ -321,6 +328,7 @@ def _load(args):
         prefix_interval=args.prefix_interval,
         batch_prefill=args.batch_prefill,
         prefill_graphs=args.prefill_graphs,
+        prefill_ffn_graphs=args.prefill_ffn_graphs,
         use_cuda_graphs=args.cuda_graphs,
         fuse_projections=args.fuse_projections,
         fuse_ffn_projections=args.fuse_ffn_projections,

@@ -51,6 +51,7 @@ from openk3.infer.decode import (
     resolve_mla_decode,
 )
 from openk3.infer.glue import add_rms_norm
+from openk3.infer.row_graphs import RowGraphs
 from openk3.infer.sampling import (
     SamplingParamError,
     SamplingParams,
@@ -271,6 +272,11 @@ class EngineConfig:
     # eagerly (`openk3.fast.kda.ChunkGraphs`; buckets up to max_prefill_tokens, captured on first use). Same values
     # as the eager call. A prefill forward is bound by the host (bench/NOTES.md v38); this takes its largest share
     prefill_graphs: bool = True
+    # prefill forward on CUDA: each FFN layer (dense or MoE: router, row plan, grouped GEMMs, shared experts, output
+    # projection, ~20 launches) replayed from a CUDA graph per (layer, multiple of 256 tokens) instead of run eagerly
+    # (`openk3.infer.row_graphs.RowGraphs`; captured on first use, the tokens past the real ones zero rows that reach
+    # no real output). Values as the eager layer up to the GEMMs' choice of kernels for the padded row count
+    prefill_ffn_graphs: bool = True
 
 
 # EngineConfig.mla_backend values (None: the MLA step that decode_backend resolves)
@@ -296,6 +302,9 @@ FOLD_NORMS_MAX_ROWS = 1
 # routed experts) or "slot" (one more slot of the routed experts' kernels). H200, 48B shape, batch 1, ms per step:
 # router 2.33-2.34, side 2.36-2.37 (bench/NOTES.md v19); slot 2.50 against side 2.45 in v17. OPENK3_FOLD_SHARED
 # overrides it (benchmarks)
+# EngineConfig.prefill_ffn_graphs: the bucket width in tokens (a call of T tokens replays the graph of T rounded up
+# to a multiple of it)
+FFN_GRAPH_STEP = 256
 FOLD_SHARED = os.environ.get("OPENK3_FOLD_SHARED", "router").strip() or "router"
 if FOLD_SHARED not in ("side", "slot", "router"):
     raise ValueError(f"OPENK3_FOLD_SHARED must be 'side', 'slot' or 'router', got {FOLD_SHARED!r}")
@@ -669,11 +678,24 @@ class Engine:
         self._graph_pool = None
         # prefill_graphs: the KDA layers' chunk calls of a prefill forward from CUDA graphs
         self._chunk_graphs = None
+        self._graph_pool_prefill = None
         if cfg.prefill_graphs and self.device.type == "cuda" and self.pool.layout.kda_layers:
             from openk3.fast import kda as _fast_kda
 
             if _fast_kda.available()[0]:
-                self._chunk_graphs = _fast_kda.ChunkGraphs(cfg.max_prefill_tokens, max_seqs=cfg.max_seqs)
+                self._graph_pool_prefill = torch.cuda.graph_pool_handle()
+                self._chunk_graphs = _fast_kda.ChunkGraphs(
+                    cfg.max_prefill_tokens, max_seqs=cfg.max_seqs, pool=self._graph_pool_prefill
+                )
+        # prefill_ffn_graphs: the FFN layers of a prefill forward from CUDA graphs (the same pool as the chunk
+        # calls': both consume a graph's results before the next replay)
+        self._ffn_graphs = None
+        if cfg.prefill_ffn_graphs and self.device.type == "cuda" and self._ffn_graphs_ok():
+            if self._graph_pool_prefill is None:
+                self._graph_pool_prefill = torch.cuda.graph_pool_handle()
+            self._ffn_graphs = RowGraphs(
+                cfg.max_prefill_tokens, step=FFN_GRAPH_STEP, pool=self._graph_pool_prefill
+            )
         # overlap: the decode step whose sampled tokens are still on the device
         self._pending: _Pending | None = None
         self._max_pages_per_seq = self.pool.pages_for(self.max_model_len)
@@ -834,7 +856,29 @@ class Engine:
             tokens = 1 << max(0, self.cfg.max_prefill_tokens - 1).bit_length()
             channels = self.mcfg.kda_num_heads * self.mcfg.kda_head_dim
             graphs = 48 * tokens * channels + 8 * self.cfg.max_seqs * channels * self.mcfg.kda_head_dim
+        if self.cfg.prefill_ffn_graphs:
+            graphs += self._ffn_graph_bytes()
         return snaps + graphs + (2 << 30)
+
+    def _ffn_graph_bytes(self) -> int:
+        """A generous allowance for ``prefill_ffn_graphs``: the static input and output rows (two buffers of
+        ``max_prefill_tokens`` rows of the hidden width) and, at twice its estimate, the pool's intermediates of the
+        largest FFN call (a MoE layer's gathered rows, gate | up, activation and expert outputs per (token, slot);
+        a dense layer's gate | up and activation)."""
+        c = self.mcfg
+        tokens = -(-self.cfg.max_prefill_tokens // FFN_GRAPH_STEP) * FFN_GRAPH_STEP
+        el = 4 if self.dtype == torch.float32 else 2
+        per_token = 3 * c.intermediate_size + 2 * c.hidden_size
+        if c.num_experts:
+            width = c.routed_expert_hidden_size or c.hidden_size
+            shared = 3 * c.moe_intermediate_size * max(1, c.num_shared_experts)
+            moe = (
+                c.num_experts_per_token * (2 * width + 3 * c.moe_intermediate_size + 4)
+                + shared
+                + 3 * c.hidden_size
+            )
+            per_token = max(per_token, moe)
+        return el * tokens * (2 * c.hidden_size + 2 * per_token)
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -1370,7 +1414,9 @@ class Engine:
         ids = [t for req, start, end in pieces for t in req.all_ids[start:end]]
         emb = self.model.model.embed_tokens(device_tensor([ids], torch.long, self.device))
         with self._chunk_graph_scope():
-            h = self._walk(emb, attn, read_norm=self.cfg.fuse_read_norm)
+            h = self._walk(
+                emb, attn, ffn=self._prefill_ffn(), read_norm=self.cfg.fuse_read_norm, ffn_adds=True
+            )
         for n, (req, start, end) in enumerate(pieces):
             if req.wants_prompt_logprobs():
                 self._prompt_logprobs(req, h[0, offs[n] : offs[n + 1]], start, end)
@@ -1384,6 +1430,31 @@ class Engine:
             if inner[n]:  # after the latents: a snapshot holds the pages of its tokens
                 snaps = [caches[li]["snaps"] if one else caches[li]["snaps"][n] for li in lay.kda_layers]
                 self._inner_snapshots(req, inner[n], snaps)
+
+    def _prefill_ffn(self) -> Callable:
+        """The prefill walk's FFN call, ``res + ffn(x)``: through ``prefill_ffn_graphs``' CUDA graphs where they
+        take it, eagerly otherwise (a layer that records its router output stays eager: a replay would not
+        record)."""
+        rg = self._ffn_graphs
+
+        def ffn(i, layer, x, res):
+            m = layer.ffn
+            if rg is not None and not getattr(m, "record_router", False):
+                y = rg.run(i, m, x, add=res)
+                if y is not None:
+                    return y
+            return res + m(x)
+
+        return ffn
+
+    def _ffn_graphs_ok(self) -> bool:
+        """Whether the FFN layers can be captured: not with the reference MoE path (it synchronises with the
+        host)."""
+        if any(layer.is_moe for layer in self.model.model.layers):
+            if _backend.resolve("moe", True, None) == "reference":
+                log.warning("prefill FFN graphs off: the reference MoE path synchronises with the host")
+                return False
+        return True
 
     def _chunk_graph_scope(self):
         """The prefill forward's KDA chunk calls through ``prefill_graphs``' CUDA graphs (a no-op without them)."""
@@ -1416,12 +1487,13 @@ class Engine:
         ffn: Callable | None = None,
         residual: bool = False,
         read_norm: bool = False,
+        ffn_adds: bool = False,
     ) -> torch.Tensor:
         """``K3Model.forward`` with the attention call (and optionally the FFN call, ``ffn(i, layer, x_normed)``)
         replaced: r [B, T, D] embeddings -> final-normed hidden. ``residual``: ``attn`` and ``ffn`` take ``res=``
-        and return ``res`` plus their output (so that they can fold the add into a GEMM). ``read_norm``: each
-        AttnRes read and the RMSNorm after it through the reader's ``read_normed`` (one launch on the fast
-        path)."""
+        and return ``res`` plus their output (so that they can fold the add into a GEMM); ``ffn_adds``: only ``ffn``
+        does. ``read_norm``: each AttnRes read and the RMSNorm after it through the reader's ``read_normed`` (one
+        launch on the fast path)."""
         cfg, inner = self.mcfg, self.model.model
         reader = (
             make_reader(
@@ -1446,7 +1518,7 @@ class Engine:
             def f(x, res, i=i, layer=layer):  # res + ffn(x); x normed
                 if ffn is None:
                     return res + layer.ffn(x)
-                return ffn(i, layer, x, res=res) if residual else res + ffn(i, layer, x)
+                return ffn(i, layer, x, res=res) if residual or ffn_adds else res + ffn(i, layer, x)
 
             if not layer.use_attn_res:
                 r = a(layer.input_layernorm(r), r)
@@ -2145,6 +2217,9 @@ class Engine:
             "prefill_graph_replays",
             "prefill_graph_captures",
             "prefill_graph_eager_calls",
+            "prefill_ffn_graph_replays",
+            "prefill_ffn_graph_captures",
+            "prefill_ffn_graph_eager_calls",
         }
 
     def stats(self) -> dict:
@@ -2175,6 +2250,15 @@ class Engine:
                     "prefill_graph_replays": st["replays"],
                     "prefill_graph_captures": st["captures"],
                     "prefill_graph_eager_calls": st["eager"],
+                }
+            )
+        if self._ffn_graphs is not None:
+            st = self._ffn_graphs.stats
+            m.update(
+                {
+                    "prefill_ffn_graph_replays": st["replays"],
+                    "prefill_ffn_graph_captures": st["captures"],
+                    "prefill_ffn_graph_eager_calls": st["eager"],
                 }
             )
         if self.prefix is not None:
