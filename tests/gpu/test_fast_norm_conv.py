@@ -125,6 +125,39 @@ def test_gated_rms_norm_fla(dtype, shape, check):
     _norm_case(gated_rms_norm_fla, gated_rms_norm, [x, w, gate], check, tag, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4094, 16, 128), (1, 1, 16, 128), (1, 77, 3, 200), (2, 65, 4, 1024)])
+def test_gated_rms_norm_no_grad_row_kernel(dtype, shape, check):
+    """Without autograd ``gated_rms_norm_fla`` runs openk3's row kernel: against the same-dtype reference to fp32
+    summation order and against fp64 as the fla path."""
+    from openk3.fast import norm as FN
+    from openk3.infer import glue
+    from openk3.ops.norm import gated_rms_norm
+
+    g = _fresh()
+    D = shape[-1]
+    x = _rand(*shape, dtype=dtype, scale=3.0, g=g)
+    gate = _rand(*shape, dtype=dtype, scale=2.0, g=g)
+    w = 1 + 0.2 * _rand(D, g=g)
+    calls = []
+    inner = glue.gated_rms_norm_rows
+    glue.gated_rms_norm_rows = lambda *a: calls.append(1) or inner(*a)
+    try:
+        with torch.no_grad():
+            y = FN.gated_rms_norm_fla(x, w, gate, EPS)
+    finally:
+        glue.gated_rms_norm_rows = inner
+    assert calls == [1] and y.dtype == dtype and y.shape == x.shape
+    tag = f"norm.gated_rows.{str(dtype)[6:]}.{'x'.join(map(str, shape))}"
+    check(
+        f"{tag}.y_vs_same_dtype_ref",
+        y,
+        gated_rms_norm(x, w, gate, EPS),
+        1e-6 if dtype == torch.float32 else 4e-3,
+    )
+    check(f"{tag}.y", y, gated_rms_norm(x.double(), w.double(), gate.double(), EPS), NORM_TOL[dtype][0])
+
+
 # --------------------------------------------------------------------------------------------------------------
 # short conv
 

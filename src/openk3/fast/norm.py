@@ -24,8 +24,9 @@ Without autograd (inference: the engine's prefill, ``torch.no_grad`` forwards), 
 openk3's own row kernel instead (``openk3.infer.glue.add_rms_norm`` with no parts: one program per row, the
 reference's roundings, so it equals ``openk3.ops.norm.rms_norm`` up to fp32 summation order). fla's wrapper is an
 autograd function behind an autotuner and a compiler guard, ~0.1-0.3 ms of host time per call on the GPU machines,
-which a prefill forward of ~60 norms, bound by the host, pays in full. ``NO_GRAD_KERNEL`` (``OPENK3_NORM_NO_GRAD=0``
-turns it off) switches this.
+which a prefill forward of ~60 norms, bound by the host, pays in full. ``gated_rms_norm`` likewise takes
+``openk3.infer.glue.gated_rms_norm_rows`` (several rows per program, fp32 throughout, one rounding: the reference up
+to fp32 summation order). ``NO_GRAD_KERNEL`` (``OPENK3_NORM_NO_GRAD=0`` turns both off) switches this.
 """
 
 from __future__ import annotations
@@ -100,4 +101,25 @@ def gated_rms_norm_fla(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor
     ``weight: [D]`` (the KDA ``o_norm.weight`` is fp32 while activations are bf16; its gradient stays fp32)."""
     if _use_reference(x) or gate.shape != x.shape or gate.dtype == torch.float64:
         return gated_rms_norm(x, weight, gate, eps)
+    y = _no_grad_gated_rms_norm(x, weight, gate, eps) if NO_GRAD_KERNEL else None
+    if y is not None:
+        return y
     return _fla_rms_norm_gated(x, gate, weight, None, activation="sigmoid", eps=float(eps))
+
+
+def _no_grad_gated_rms_norm(x, weight, gate, eps) -> torch.Tensor | None:
+    """``gated_rms_norm(x, weight, gate, eps)`` in one launch of openk3's row kernel where no gradient is wanted and
+    ``x`` and ``gate``'s rows are [-1, D] views (a gain of shape [D]); None otherwise (the caller takes fla's)."""
+    if weight.shape != x.shape[-1:] or weight.device != x.device:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad or weight.requires_grad):
+        return None
+    from openk3.infer.glue import gated_rms_norm_rows, triton_add_norm_ok
+
+    try:
+        rows, grows = x.view(-1, x.shape[-1]), gate.view(-1, x.shape[-1])
+    except RuntimeError:  # rows not evenly strided
+        return None
+    if rows.stride(-1) != 1 or grows.stride(-1) != 1 or not triton_add_norm_ok(rows):
+        return None
+    return gated_rms_norm_rows(rows, grows, weight, eps).view(x.shape)

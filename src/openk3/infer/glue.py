@@ -57,6 +57,49 @@ if HAS_TRITON:
             tl.store(rout_ptr + b * s_ro + c, x.to(dtype), mask=m)
         tl.store(out_ptr + b * s_o + c, _rms_norm_vec(x, w, D, eps, dtype).to(dtype), mask=m)
 
+    @triton.jit
+    def _gated_norm_kernel(
+        x_ptr, g_ptr, w_ptr, out_ptr, N, D, s_x, s_g, s_o, eps, BR: tl.constexpr, BD: tl.constexpr,
+    ):  # fmt: skip
+        """``BR`` rows per program: ``w * (x * rsqrt(mean(x^2) + eps)) * sigmoid(g)`` in fp32, rounded once."""
+        rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        c = tl.arange(0, BD)
+        cm = c < D
+        m = (rows < N)[:, None] & cm[None, :]
+        x = tl.load(x_ptr + rows[:, None] * s_x + c[None, :], mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rows[:, None] * s_g + c[None, :], mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
+        y = w[None, :] * (x * rstd[:, None]) * tl.sigmoid(g)
+        tl.store(out_ptr + rows[:, None] * s_o + c[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def gated_rms_norm_rows(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``openk3.ops.norm.gated_rms_norm(x, weight, gate, eps)`` (the KDA output norm) for rows ``x, gate [N, D]``
+    (unit column stride, same shape), ``weight [D]`` (any float dtype) in one launch: fp32 throughout, one rounding
+    to ``x.dtype``, equal to the reference up to fp32 summation order. No autograd. CUDA or the Triton interpreter
+    (:func:`triton_add_norm_ok`); the reference otherwise."""
+    if x.shape != gate.shape or x.dim() != 2 or weight.shape != x.shape[-1:]:
+        raise ValueError(
+            f"gated_rms_norm_rows: x {tuple(x.shape)}, gate {tuple(gate.shape)}, weight {tuple(weight.shape)}"
+        )
+    if not triton_add_norm_ok(x) or x.stride(-1) != 1 or gate.stride(-1) != 1:
+        from openk3.ops.norm import gated_rms_norm
+
+        return gated_rms_norm(x, weight, gate, eps)
+    N, D = x.shape
+    out = torch.empty_like(x)
+    if N:
+        BD = triton.next_power_of_2(D)
+        BR = max(1, min(16, 2048 // BD))
+        _gated_norm_kernel[(triton.cdiv(N, BR),)](
+            x, gate, weight, out, N, D, x.stride(0), gate.stride(0), out.stride(0), float(eps), BR=BR, BD=BD,
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
 
 def triton_add_norm_ok(r: torch.Tensor) -> bool:
     """Whether :func:`add_rms_norm` runs the Triton kernel for ``r`` (CUDA or the interpreter, 2-D rows of width
