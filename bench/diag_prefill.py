@@ -188,6 +188,7 @@ def main(argv=None) -> int:
         f"{engine.cfg.max_prefill_tokens} tokens per step"
     )
     warm_ms: list[float] = []
+    reserved0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
     for run in ["cold"] + ["warm"] * max(1, args.warm_runs):
         records.clear()
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
@@ -218,6 +219,18 @@ def main(argv=None) -> int:
         result[run] = {"wall_s": wall, "forwards": [{"pieces": p, "ms": ms} for p, ms in records]}
         if run == "warm":
             warm_ms += [ms for _, ms in records]
+    if (
+        dev.type == "cuda"
+    ):  # what the bursts left reserved past the cache pool: activations, graph buffers and pools
+        st = engine.stats()
+        graphs = {k: v for k, v in st.items() if k.startswith("prefill_") and "graph" in k}
+        grown = (torch.cuda.memory_reserved(dev) - reserved0) / 2**20
+        result |= {"reserved_growth_mib": grown, "reserve_mib": engine._reserve_bytes() / 2**20}
+        result["prefill_graph_stats"] = graphs
+        print(
+            f"\nCUDA memory reserved by the bursts: {grown:.0f} MiB (the engine set aside "
+            f"{result['reserve_mib']:.0f} MiB); prefill graphs {graphs}"
+        )
     if args.warm_runs > 1:
         med = statistics.median(warm_ms)
         result["warm_forward_ms"] = warm_ms

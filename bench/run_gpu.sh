@@ -314,7 +314,7 @@ if has prefill_host; then
       echo "== $tree tree $extra, ${shape%%:*}"
       PYTHONPATH=$top/src:${PYTHONPATH:-} timeout "$T_E2E" python3 "$top/bench/diag_prefill.py" --preset medium \
         --warm-runs "${PH_RUNS:-5}" --no-profile ${shape#*:} $extra \
-        --out "$OUT_DIR/diag_host_${tree}_${shape%%:*}.json" 2>&1 | grep "^warm forwards\|forward,\|rror"
+        --out "$OUT_DIR/diag_host_${tree}_${shape%%:*}.json" 2>&1 | grep "^warm forwards\|forward,\|reserved by\|rror"
     done
   done
   if [[ ${PH_SERVE:-0} == 1 ]]; then  # the serving burst, with PH_BASE_ARGS and without
