@@ -1448,11 +1448,17 @@ class Engine:
         return ffn
 
     def _ffn_graphs_ok(self) -> bool:
-        """Whether the FFN layers can be captured: not with the reference MoE path (it synchronises with the
-        host)."""
+        """Whether the FFN layers can be captured: not with the reference MoE path, nor where the grouped GEMMs of
+        many tokens fall back to one GEMM per expert (not bf16, or no ``torch._grouped_mm``): both read the
+        per-expert row counts back to the host."""
         if any(layer.is_moe for layer in self.model.model.layers):
             if _backend.resolve("moe", True, None) == "reference":
-                log.warning("prefill FFN graphs off: the reference MoE path synchronises with the host")
+                log.info("prefill FFN graphs off: the reference MoE path synchronises with the host")
+                return False
+            from openk3.fast.moe import grouped_mm_ok
+
+            if self.dtype != torch.bfloat16 or not grouped_mm_ok(torch.bfloat16):
+                log.info("prefill FFN graphs off: the MoE layers' per-expert GEMMs synchronise with the host")
                 return False
         return True
 

@@ -35,8 +35,9 @@ _WARNED: set[str] = set()
 
 
 def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
+    head = msg.split(" (first: ")[0]
+    if head not in _WARNED:
+        _WARNED.add(head)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
@@ -125,7 +126,10 @@ class RowGraphs:
                     g = self._capture(fn, xin[:Tb])
                 except Exception as err:
                     why = self.failed[gkey] = f"{type(err).__name__}: {err}"
-                    _warn_once(f"row graph of {key!r} for {Tb} rows not captured ({why}); it runs eagerly")
+                    # once per reason, not per (key, bucket): every layer of a kind fails alike
+                    _warn_once(
+                        f"row graphs not captured ({why}); such calls run eagerly (first: {key!r}, {Tb} rows)"
+                    )
                     return None
                 self.graphs[gkey] = g
                 self.stats["captures"] += 1
