@@ -241,6 +241,7 @@ class ChunkGraphs:
         self.capture = bool(capture)
         self.pool = pool
         self.stats = {"replays": 0, "captures": 0, "eager": 0}
+        self._stream = None
 
     def bucket(self, T: int, N: int) -> tuple[int, int] | None:
         """``(Tb, Nb)`` for ``T`` tokens in ``N`` sequences, or None past the limits."""
@@ -362,7 +363,11 @@ class ChunkGraphs:
 
     def _capture(self, e: _Entry, kw: dict, final: bool) -> None:
         dev = e.bufs["q"].device
-        s = torch.cuda.Stream(dev)
+        # one warm-up stream for every capture: the allocator caches a stream's blocks for that stream alone, so a
+        # new stream per capture would keep one more warm-up's worth of memory each time
+        s = self._stream
+        if s is None or s.device != torch.device(dev):
+            s = self._stream = torch.cuda.Stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
             for _ in range(2):  # autotuning and compiles outside the graph

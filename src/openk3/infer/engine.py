@@ -862,9 +862,11 @@ class Engine:
 
     def _ffn_graph_bytes(self) -> int:
         """A generous allowance for ``prefill_ffn_graphs``: the static input and output rows (two buffers of
-        ``max_prefill_tokens`` rows of the hidden width) and, at twice its estimate, the pool's intermediates of the
+        ``max_prefill_tokens`` rows of the hidden width) and three times the estimated intermediates of the
         largest FFN call (a MoE layer's gathered rows, gate | up, activation and expert outputs per (token, slot);
-        a dense layer's gate | up and activation)."""
+        a dense layer's gate | up and activation): the graphs' shared pool, the warm-up stream's cached blocks
+        and slack for fragmentation (H200, `medium` at 4,096 tokens: the reserved memory grew by 0.74-0.92 GiB
+        more than without the graphs, bench/NOTES.md v40)."""
         c = self.mcfg
         tokens = -(-self.cfg.max_prefill_tokens // FFN_GRAPH_STEP) * FFN_GRAPH_STEP
         el = 4 if self.dtype == torch.float32 else 2
@@ -878,7 +880,7 @@ class Engine:
                 + 3 * c.hidden_size
             )
             per_token = max(per_token, moe)
-        return el * tokens * (2 * c.hidden_size + 2 * per_token)
+        return el * tokens * (2 * c.hidden_size + 3 * per_token)
 
     def _eos_ids(self) -> set[int]:
         ids = set()

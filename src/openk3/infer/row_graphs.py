@@ -66,6 +66,7 @@ class RowGraphs:
         self.failed: dict[tuple, str] = {}
         self._bufs: dict[tuple, torch.Tensor] = {}  # (role, width, dtype, device) -> [max_rows, width]
         self.stats = {"replays": 0, "captures": 0, "eager": 0}
+        self._stream = None
 
     def bucket(self, T: int) -> int | None:
         """The bucket (rows) of a call of ``T`` rows, or None past ``max_rows``."""
@@ -149,7 +150,11 @@ class RowGraphs:
 
     def _capture(self, fn, xb: torch.Tensor) -> _Graph:
         dev = xb.device
-        s = torch.cuda.Stream(dev)
+        # one warm-up stream for every capture: the allocator caches a stream's blocks for that stream alone, so a
+        # new stream per capture would keep one more warm-up's worth of memory each time
+        s = self._stream
+        if s is None or s.device != torch.device(dev):
+            s = self._stream = torch.cuda.Stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
             for _ in range(2):  # autotuning, compiles, workspaces and layout probes outside the graph
