@@ -110,3 +110,29 @@ def test_engine_prefill_through_row_graphs(tiny, rel):
     for a, b in zip(*runs):
         assert a.output_ids == b.output_ids
         assert rel(torch.stack(a.logits_log), torch.stack(b.logits_log)) < 1e-5
+
+
+def test_engine_takes_ffn_graphs_only_where_capturable(tiny, monkeypatch):
+    """The engine's gate for prefill_ffn_graphs (consulted on CUDA): a MoE model qualifies in bf16 with
+    torch._grouped_mm; not in fp32 or without grouped GEMMs (one GEMM per expert reads the row counts back), nor on
+    the reference MoE path; the allowance it sets aside grows with the prefill budget."""
+    import openk3.fast.moe as FM
+    from openk3.ops import backend
+
+    eng = Engine(tiny, None, page_size=8, max_seqs=2, max_tokens=256, prefix_cache=False)
+    assert eng._ffn_graphs is None  # CPU: never
+    real = backend.resolve
+    moe_be = {"name": "fast"}  # what the "moe" backend resolves to on a GPU (CPU: the reference)
+    monkeypatch.setattr(backend, "resolve", lambda op, *a: moe_be["name"] if op == "moe" else real(op, *a))
+    monkeypatch.setattr(FM, "grouped_mm_ok", lambda dtype=torch.bfloat16: True)
+    assert not eng._ffn_graphs_ok()  # fp32 model
+    monkeypatch.setattr(eng, "dtype", torch.bfloat16)
+    assert eng._ffn_graphs_ok()
+    monkeypatch.setattr(FM, "grouped_mm_ok", lambda dtype=torch.bfloat16: False)
+    assert not eng._ffn_graphs_ok()
+    monkeypatch.setattr(FM, "grouped_mm_ok", lambda dtype=torch.bfloat16: True)
+    moe_be["name"] = "reference"
+    assert not eng._ffn_graphs_ok()
+    small = eng._ffn_graph_bytes()
+    monkeypatch.setattr(eng.cfg, "max_prefill_tokens", 4 * eng.cfg.max_prefill_tokens)
+    assert eng._ffn_graph_bytes() > 3 * small > 0

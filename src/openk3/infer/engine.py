@@ -292,6 +292,9 @@ MLA_GLUE_MAX_ROWS = 16
 # EngineConfig.graph_priority: the capture stream's priority (lower is higher; -1 is the highest every CUDA device
 # since compute capability 3.5 offers, and PyTorch clamps a number past the device's range to it)
 GRAPH_PRIORITY = -1
+# EngineConfig.prefill_ffn_graphs: the bucket width in tokens (a call of T tokens replays the graph of T rounded up
+# to a multiple of it)
+FFN_GRAPH_STEP = 256
 # EngineConfig.fold_norms applies to decode steps of at most this many rows (the router GEMV and the fused routing
 # selection take one token)
 FOLD_NORMS_MAX_ROWS = 1
@@ -302,9 +305,6 @@ FOLD_NORMS_MAX_ROWS = 1
 # routed experts) or "slot" (one more slot of the routed experts' kernels). H200, 48B shape, batch 1, ms per step:
 # router 2.33-2.34, side 2.36-2.37 (bench/NOTES.md v19); slot 2.50 against side 2.45 in v17. OPENK3_FOLD_SHARED
 # overrides it (benchmarks)
-# EngineConfig.prefill_ffn_graphs: the bucket width in tokens (a call of T tokens replays the graph of T rounded up
-# to a multiple of it)
-FFN_GRAPH_STEP = 256
 FOLD_SHARED = os.environ.get("OPENK3_FOLD_SHARED", "router").strip() or "router"
 if FOLD_SHARED not in ("side", "slot", "router"):
     raise ValueError(f"OPENK3_FOLD_SHARED must be 'side', 'slot' or 'router', got {FOLD_SHARED!r}")
