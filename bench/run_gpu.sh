@@ -75,7 +75,8 @@
 # and 4 x 2,048 (interval 512) -> diag_snap64_{rounds,prefix}.json, diag_2k_{rounds,prefix}.json;
 # prefill_host: the batch_prefill and RMSNorm GPU tests (PH_K: another -k expression; SKIP_TESTS=1 skips them), then diag_prefill.py at 2 x 2,048 and 8 x 512
 # tokens (PH_SHAPES, also 64x64; PH_RUNS warm bursts, default 5) with this tree, with OLD_TREE (another tree, when
-# set) and with this tree and the engine flags PH_BASE_ARGS (when set, e.g. "--no-prefill-graphs") in the same call,
+# set) and with this tree and the engine flags PH_BASE_ARGS (when set, e.g. "--no-prefill-graphs" or
+# "--no-prefill-ffn-graphs") in the same call,
 # a profile of each at 8 x 512 and where the prefill forwards synchronise (--sync-report; PH_PROFILE=0 skips both)
 # -> diag_host_{old,base,new}_{2k,8x512,64x64}.json, diag_host_sync.json; PH_SERVE=1 adds the serving burst of
 # prefill_serve with PH_BASE_ARGS and without -> serve_burst_{base,new}.json.
@@ -295,7 +296,7 @@ if has prefill_host; then
   # where this tree's prefill forwards synchronise with the host (--sync-report)
   if [[ ${SKIP_TESTS:-0} != 1 ]]; then
     timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_engine_gpu.py tests/gpu/test_fast_norm_conv.py \
-      -k "${PH_K:-batch_prefill or rms_norm or chunk_graphs or prefill_graphs}" >"$OUT_DIR/tests_prefill_host.log" 2>&1
+      -k "${PH_K:-batch_prefill or rms_norm or chunk_graphs or prefill_graphs or row_graphs or ffn_graphs}" >"$OUT_DIR/tests_prefill_host.log" 2>&1
     echo "prefill_host GPU tests: exit $? ($(tail -1 "$OUT_DIR/tests_prefill_host.log"))"
   fi
   declare -A SHAPE=([2k]="--prompts 2 --prompt-len 2048" [8x512]="--prompts 8 --prompt-len 512"
