@@ -13,6 +13,9 @@ import threading
 
 import torch
 
+from openk3.fast.graphs import GraphCapture
+from openk3.fast.graphs import warn_once as _warn_once
+
 
 def limit_autotune(n: int) -> None:
     """Make every Triton autotuner (fla's included) try at most ``n`` configs -- the ones closest to
@@ -163,17 +166,6 @@ def kda_core_fla(
     return o, state
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        import warnings
-
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-
-
 # ------------------------------------------------------------------------------------------ graph-captured chunks
 _ACTIVE = threading.local()
 
@@ -221,12 +213,17 @@ class ChunkGraphs:
     ``max_seqs`` sequences, packed sequences without a host copy of ``cu_seqlens``, a bucket whose capture failed
     (``failed`` holds why). Every layer with the same shapes and gate constants shares a bucket's graph: its
     per-layer parameters (``A_log``, ``dt_bias``) are inputs too. ``capture=False`` runs the same padded
-    fixed-shape call eagerly instead of replaying a graph (any device: tests, debugging). ``pool``: a CUDA graph
-    memory pool handle to share with other graphs whose results are consumed before the next replay (None: one of
-    its own)."""
+    fixed-shape call eagerly instead of replaying a graph (any device: tests, debugging). ``capturer``: the
+    :class:`~openk3.fast.graphs.GraphCapture` (memory pool, warm-up stream) to share with other graph sets whose
+    results are consumed before the next replay (None: one of its own)."""
 
     def __init__(
-        self, max_tokens: int, max_seqs: int = 256, min_tokens: int = 256, capture: bool = True, pool=None
+        self,
+        max_tokens: int,
+        max_seqs: int = 256,
+        min_tokens: int = 256,
+        capture: bool = True,
+        capturer: GraphCapture | None = None,
     ):
         if max_tokens < 1 or max_seqs < 1 or min_tokens < 1:
             raise ValueError(
@@ -239,9 +236,8 @@ class ChunkGraphs:
         self._static: dict[tuple, torch.Tensor] = {}  # the buckets' static inputs, one per shape (_buffers)
         self.failed: dict[tuple, str] = {}
         self.capture = bool(capture)
-        self.pool = pool
+        self.capturer = capturer if capturer is not None else GraphCapture()
         self.stats = {"replays": 0, "captures": 0, "eager": 0}
-        self._stream = None
 
     def bucket(self, T: int, N: int) -> tuple[int, int] | None:
         """``(Tb, Nb)`` for ``T`` tokens in ``N`` sequences, or None past the limits."""
@@ -362,21 +358,5 @@ class ChunkGraphs:
         )  # fmt: skip
 
     def _capture(self, e: _Entry, kw: dict, final: bool) -> None:
-        dev = e.bufs["q"].device
-        # one warm-up stream for every capture: the allocator caches a stream's blocks for that stream alone, so a
-        # new stream per capture would keep one more warm-up's worth of memory each time
-        s = self._stream
-        if s is None or s.device != torch.device(dev):
-            s = self._stream = torch.cuda.Stream(dev)
-        s.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(s):
-            for _ in range(2):  # autotuning and compiles outside the graph
-                self._call(e, kw, final)
-        torch.cuda.current_stream(dev).wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls from other threads (the server's) must not break the capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._call(e, kw, final)
-        if self.pool is None:
-            self.pool = graph.pool()
-        e.graph, e.out = graph, out
+        self.capturer.warm_up(lambda: self._call(e, kw, final), e.bufs["q"].device)
+        e.graph, e.out = self.capturer.capture(lambda: self._call(e, kw, final))

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from openk3.fast._triton import pdl_scope
+from openk3.fast.graphs import GraphCapture
 from openk3.infer import gemv as _gemv
 from openk3.infer.cache import PagedHybridCache, PrefixCache, device_tensor, plan_pool
 from openk3.infer.decode import (
@@ -295,6 +296,9 @@ GRAPH_PRIORITY = -1
 # EngineConfig.prefill_ffn_graphs: the bucket width in tokens (a call of T tokens replays the graph of T rounded up
 # to a multiple of it)
 FFN_GRAPH_STEP = 256
+# the prefill graph sets' counters in stats(): (key prefix, Engine attribute), and their stats' names there
+_PREFILL_GRAPH_SETS = (("prefill_graph", "_chunk_graphs"), ("prefill_ffn_graph", "_ffn_graphs"))
+_GRAPH_STATS = {"replays": "replays", "captures": "captures", "eager": "eager_calls"}
 # EngineConfig.fold_norms applies to decode steps of at most this many rows (the router GEMV and the fused routing
 # selection take one token)
 FOLD_NORMS_MAX_ROWS = 1
@@ -677,25 +681,21 @@ class Engine:
         self._graphs: dict[int, tuple] = {}
         self._graph_pool = None
         # prefill_graphs: the KDA layers' chunk calls of a prefill forward from CUDA graphs
+        # (both prefill graph sets share one memory pool and warm-up stream: each consumes a graph's results
+        # before the next replay)
+        capturer = GraphCapture()
         self._chunk_graphs = None
-        self._graph_pool_prefill = None
         if cfg.prefill_graphs and self.device.type == "cuda" and self.pool.layout.kda_layers:
             from openk3.fast import kda as _fast_kda
 
             if _fast_kda.available()[0]:
-                self._graph_pool_prefill = torch.cuda.graph_pool_handle()
                 self._chunk_graphs = _fast_kda.ChunkGraphs(
-                    cfg.max_prefill_tokens, max_seqs=cfg.max_seqs, pool=self._graph_pool_prefill
+                    cfg.max_prefill_tokens, max_seqs=cfg.max_seqs, capturer=capturer
                 )
-        # prefill_ffn_graphs: the FFN layers of a prefill forward from CUDA graphs (the same pool as the chunk
-        # calls': both consume a graph's results before the next replay)
+        # prefill_ffn_graphs: the FFN layers of a prefill forward from CUDA graphs
         self._ffn_graphs = None
         if cfg.prefill_ffn_graphs and self.device.type == "cuda" and self._ffn_graphs_ok():
-            if self._graph_pool_prefill is None:
-                self._graph_pool_prefill = torch.cuda.graph_pool_handle()
-            self._ffn_graphs = RowGraphs(
-                cfg.max_prefill_tokens, step=FFN_GRAPH_STEP, pool=self._graph_pool_prefill
-            )
+            self._ffn_graphs = RowGraphs(cfg.max_prefill_tokens, step=FFN_GRAPH_STEP, capturer=capturer)
         # overlap: the decode step whose sampled tokens are still on the device
         self._pending: _Pending | None = None
         self._max_pages_per_seq = self.pool.pages_for(self.max_model_len)
@@ -2218,17 +2218,9 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ stats
     def counter_names(self) -> set[str]:
         """The keys of :meth:`stats` that only ever grow (Prometheus counters); the rest are gauges."""
-        return set(self.metrics) | {
-            "prefix_cache_queries",
-            "prefix_cache_hits",
-            "prefix_cache_hit_tokens",
-            "prefill_graph_replays",
-            "prefill_graph_captures",
-            "prefill_graph_eager_calls",
-            "prefill_ffn_graph_replays",
-            "prefill_ffn_graph_captures",
-            "prefill_ffn_graph_eager_calls",
-        }
+        prefix_cache = {"prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_tokens"}
+        graphs = {f"{prefix}_{name}" for prefix, _ in _PREFILL_GRAPH_SETS for name in _GRAPH_STATS.values()}
+        return set(self.metrics) | prefix_cache | graphs
 
     def stats(self) -> dict:
         m = dict(self.metrics)
@@ -2251,24 +2243,10 @@ class Engine:
                 "cuda_graphs": int(self.graphs_enabled),
             }
         )
-        if self._chunk_graphs is not None:
-            st = self._chunk_graphs.stats
-            m.update(
-                {
-                    "prefill_graph_replays": st["replays"],
-                    "prefill_graph_captures": st["captures"],
-                    "prefill_graph_eager_calls": st["eager"],
-                }
-            )
-        if self._ffn_graphs is not None:
-            st = self._ffn_graphs.stats
-            m.update(
-                {
-                    "prefill_ffn_graph_replays": st["replays"],
-                    "prefill_ffn_graph_captures": st["captures"],
-                    "prefill_ffn_graph_eager_calls": st["eager"],
-                }
-            )
+        for prefix, attr in _PREFILL_GRAPH_SETS:
+            graphs = getattr(self, attr)
+            if graphs is not None:
+                m.update({f"{prefix}_{name}": graphs.stats[k] for k, name in _GRAPH_STATS.items()})
         if self.prefix is not None:
             m.update(
                 {

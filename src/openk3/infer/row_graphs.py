@@ -26,19 +26,11 @@ by address: a model whose parameters are re-allocated (``.to()``, a re-load that
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Hashable
 
 import torch
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    head = msg.split(" (first: ")[0]
-    if head not in _WARNED:
-        _WARNED.add(head)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+from openk3.fast.graphs import GraphCapture, warn_once
 
 
 class _Graph:
@@ -52,21 +44,22 @@ class RowGraphs:
     """CUDA graphs of row-wise functions ``fn: [Tb, D] -> [Tb, D']`` per ``(key, Tb)`` (see the module docstring).
 
     ``max_rows``: the largest call taken (rounded up to a multiple of ``step``); ``step``: the bucket width in rows;
-    ``pool``: a CUDA graph memory pool handle to share with other graphs whose results are likewise consumed before
-    the next replay (None: one of its own)."""
+    ``capturer``: the :class:`~openk3.fast.graphs.GraphCapture` (memory pool, warm-up stream) to share with other
+    graph sets whose results are likewise consumed before the next replay (None: one of its own)."""
 
-    def __init__(self, max_rows: int, step: int = 256, capture: bool = True, pool=None):
+    def __init__(
+        self, max_rows: int, step: int = 256, capture: bool = True, capturer: GraphCapture | None = None
+    ):
         if int(step) < 1 or int(max_rows) < 1:
             raise ValueError(f"RowGraphs: max_rows {max_rows} and step {step} must be >= 1")
         self.step = int(step)
         self.max_rows = -(-int(max_rows) // self.step) * self.step
         self.capture = bool(capture)
-        self.pool = pool
+        self.capturer = capturer if capturer is not None else GraphCapture()
         self.graphs: dict[tuple, _Graph] = {}
         self.failed: dict[tuple, str] = {}
         self._bufs: dict[tuple, torch.Tensor] = {}  # (role, width, dtype, device) -> [max_rows, width]
         self.stats = {"replays": 0, "captures": 0, "eager": 0}
-        self._stream = None
 
     def bucket(self, T: int) -> int | None:
         """The bucket (rows) of a call of ``T`` rows, or None past ``max_rows``."""
@@ -128,8 +121,9 @@ class RowGraphs:
                 except Exception as err:
                     why = self.failed[gkey] = f"{type(err).__name__}: {err}"
                     # once per reason, not per (key, bucket): every layer of a kind fails alike
-                    _warn_once(
-                        f"row graphs not captured ({why}); such calls run eagerly (first: {key!r}, {Tb} rows)"
+                    warn_once(
+                        f"row graphs not captured ({why}); such calls run eagerly (first: {key!r}, {Tb} rows)",
+                        key=("row graphs", why),
                     )
                     return None
                 self.graphs[gkey] = g
@@ -149,26 +143,11 @@ class RowGraphs:
         return y.clone()
 
     def _capture(self, fn, xb: torch.Tensor) -> _Graph:
-        dev = xb.device
-        # one warm-up stream for every capture: the allocator caches a stream's blocks for that stream alone, so a
-        # new stream per capture would keep one more warm-up's worth of memory each time
-        s = self._stream
-        if s is None or s.device != torch.device(dev):
-            s = self._stream = torch.cuda.Stream(dev)
-        s.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(s):
-            for _ in range(2):  # autotuning, compiles, workspaces and layout probes outside the graph
-                y = fn(xb)
-        torch.cuda.current_stream(dev).wait_stream(s)
+        y = self.capturer.warm_up(lambda: fn(xb), xb.device)
         if y.dim() != 2 or y.shape[0] != xb.shape[0]:
             raise ValueError(f"not row-wise: {tuple(xb.shape)} -> {tuple(y.shape)}")
         width, dtype = y.shape[1], y.dtype
-        out = self._buf("out", width, dtype, dev)
+        out = self._buf("out", width, dtype, xb.device)
         del y
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls from other threads (the server's) must not break the capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out[: xb.shape[0]].copy_(fn(xb))
-        if self.pool is None:
-            self.pool = graph.pool()
+        graph, _ = self.capturer.capture(lambda: out[: xb.shape[0]].copy_(fn(xb)))
         return _Graph(graph, width, dtype)

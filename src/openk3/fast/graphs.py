@@ -1,0 +1,61 @@
+"""What the prefill forward's CUDA graph sets share (:class:`openk3.fast.kda.ChunkGraphs`,
+:class:`openk3.infer.row_graphs.RowGraphs`): warm-up runs on one side stream and captures into one memory pool
+(:class:`GraphCapture`), and warnings given once (:func:`warn_once`)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Hashable
+
+import torch
+
+_WARNED: set = set()
+
+
+def warn_once(msg: str, key: Hashable | None = None) -> None:
+    """``RuntimeWarning(msg)`` the first time ``key`` (default: the message itself) comes up in this process."""
+    k = msg if key is None else key
+    if k not in _WARNED:
+        _WARNED.add(k)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+class GraphCapture:
+    """CUDA graph captures that share one memory pool (the first capture's, ``pool``) and one warm-up stream.
+
+    Sharing the pool is safe for graphs that run one after another on one stream and whose results are consumed
+    (copied out, or read by the next launch) before the next replay: a later capture may reuse the memory that an
+    earlier one used for its intermediates. One warm-up stream, because the allocator keeps the blocks a stream
+    freed for that stream alone: a new stream per capture would keep one more warm-up's worth of memory each time.
+    Use it from one thread."""
+
+    def __init__(self):
+        self.pool = None
+        self._stream = None
+
+    def warm_up(self, fn: Callable, device, runs: int = 2):
+        """Run ``fn()`` ``runs`` times on the warm-up stream (Triton autotuning and compiles, cuBLAS workspaces,
+        layout probes: what must not happen inside a capture), ordered after and before the current stream's
+        work; returns the last result."""
+        dev = torch.device(device)
+        s = self._stream
+        if s is None or s.device != dev:
+            s = self._stream = torch.cuda.Stream(dev)
+        cur = torch.cuda.current_stream(dev)
+        s.wait_stream(cur)
+        out = None
+        with torch.cuda.stream(s):
+            for _ in range(runs):
+                out = fn()
+        cur.wait_stream(s)
+        return out
+
+    def capture(self, fn: Callable) -> tuple[torch.cuda.CUDAGraph, object]:
+        """``(graph, result)``: ``fn()`` captured into the shared pool."""
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: CUDA calls from other threads (the server's) must not break the capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
