@@ -921,25 +921,34 @@ def test_row_graphs_replay_matches_eager(monkeypatch):
     assert len(calls) == 1 and len(rg.failed) == 1
 
 
+def _graphs_ab(flag: str, stat: str, prefix_interval: int | None):
+    """:func:`_prefill_ab` of a prefill graph setting ``flag`` (packed ragged prompts, 128 tokens per step): its
+    counters (``{stat}_replays`` / ``_captures``) show use with it on and are absent with it off, and the decode
+    logits with it stay as close to the fp32 reference as the eager prefill's (bf16 may pick other greedy tokens).
+    Returns (requests with ``flag`` off, with it on)."""
+
+    def check(eng, on):
+        st = eng.stats()
+        if on:
+            assert st[f"{stat}_replays"] > 0 and st[f"{stat}_captures"] > 0, st
+        else:
+            assert f"{stat}_replays" not in st
+
+    _, n, eager, graphed = _prefill_ab(flag, [5, 130, 17, 1, 200, 90], 128, prefix_interval, check)
+    e_graph = _err([torch.stack(r.logits_log) for r in graphed], _truth(graphed))
+    e_eager = _err([torch.stack(r.logits_log) for r in eager], _truth(eager))
+    same = sum(a.output_ids == b.output_ids for a, b in zip(eager, graphed))
+    print(f"{flag}: on {e_graph:.3e}, off {e_eager:.3e}, same greedy tokens {same}/{n}")
+    assert e_graph < max(1.5 * e_eager, 1e-2), (e_graph, e_eager)
+    return eager, graphed
+
+
 def test_engine_prefill_ffn_graphs():
     """EngineConfig.prefill_ffn_graphs: packed prefill of ragged prompts (and a restored prefix) with the FFN layers
     replayed from graphs gives decode logits as close to the fp32 reference as the eager prefill's, and the graphs
     were used."""
-
-    def check(eng, graphs):
-        st = eng.stats()
-        if graphs:
-            assert st["prefill_ffn_graph_replays"] > 0 and st["prefill_ffn_graph_captures"] > 0, st
-        else:
-            assert "prefill_ffn_graph_replays" not in st
-
-    _, n, eager, graphed = _prefill_ab("prefill_ffn_graphs", [5, 130, 17, 1, 200, 90], 128, 64, check)
+    eager, graphed = _graphs_ab("prefill_ffn_graphs", "prefill_ffn_graph", 64)
     assert graphed[-1].prefix_hit == eager[-1].prefix_hit == 192
-    e_graph = _err([torch.stack(r.logits_log) for r in graphed], _truth(graphed))
-    e_eager = _err([torch.stack(r.logits_log) for r in eager], _truth(eager))
-    same = sum(a.output_ids == b.output_ids for a, b in zip(eager, graphed))
-    print(f"FFN graphs {e_graph:.3e}, eager {e_eager:.3e}, same greedy tokens {same}/{n}")
-    assert e_graph < max(1.5 * e_eager, 1e-2), (e_graph, e_eager)
 
 
 @pytest.mark.parametrize("prefix", [False, True], ids=["no-prefix", "prefix"])
@@ -947,24 +956,8 @@ def test_engine_prefill_graphs(prefix):
     """EngineConfig.prefill_graphs: packed prefill of ragged prompts (and with prefix caching, snapshots inside the
     pieces and a restored prefix) with the KDA chunk calls replayed from graphs gives decode logits as close to the
     fp32 reference as the eager prefill's, and the graphs were used."""
-
-    def check(eng, graphs):
-        st = eng.stats()
-        if graphs:
-            assert st["prefill_graph_replays"] > 0 and st["prefill_graph_captures"] > 0, st
-        else:
-            assert "prefill_graph_replays" not in st
-
     # (pieces with a snapshot inside run their KDA recurrence over the snapshots' prefixes too, past the buckets:
     # eager; at an interval of one step's budget most pieces have none inside)
-    _, n, eager, graphed = _prefill_ab(
-        "prefill_graphs", [5, 130, 17, 1, 200, 90], 128, 128 if prefix else None, check
-    )
+    eager, graphed = _graphs_ab("prefill_graphs", "prefill_graph", 128 if prefix else None)
     if prefix:
         assert graphed[-1].prefix_hit == eager[-1].prefix_hit == 128
-    truth = _truth(graphed)
-    e_graph = _err([torch.stack(r.logits_log) for r in graphed], truth)
-    e_eager = _err([torch.stack(r.logits_log) for r in eager], _truth(eager))
-    same = sum(a.output_ids == b.output_ids for a, b in zip(eager, graphed))
-    print(f"graphs {e_graph:.3e}, eager {e_eager:.3e}, same greedy tokens {same}/{n}")
-    assert e_graph < max(1.5 * e_eager, 1e-2), (e_graph, e_eager)

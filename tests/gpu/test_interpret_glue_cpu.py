@@ -8,15 +8,21 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
-CASES = """
+REL = """
+def rel(a, b):
+    import torch
+
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    assert torch.isfinite(a).all()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+"""
+
+CASES = (
+    REL
+    + """
 def cases(dev, widths):
     import torch
     from openk3.infer.glue import add_rms_norm, add_rms_norm_reference
-
-    def rel(a, b):
-        a, b = a.detach().double().cpu(), b.detach().double().cpu()
-        assert torch.isfinite(a).all()
-        return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
     worst = 0.0
     g = torch.Generator().manual_seed(11)
@@ -45,6 +51,7 @@ def cases(dev, widths):
         pass
     return worst
 """
+)
 
 
 def test_add_rms_norm_interpreted(run_interpreted):
@@ -66,16 +73,13 @@ def test_add_rms_norm_gpu():
     assert ns["cases"]("cuda", (2048, 2304, 7168)) < 2e-6
 
 
-GATED_CASES = """
+GATED_CASES = (
+    REL
+    + """
 def gated_cases(dev, shapes):
     import torch
     from openk3.infer.glue import gated_rms_norm_rows
     from openk3.ops.norm import gated_rms_norm
-
-    def rel(a, b):
-        a, b = a.detach().double().cpu(), b.detach().double().cpu()
-        assert torch.isfinite(a).all()
-        return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
     worst = 0.0
     g = torch.Generator().manual_seed(12)
@@ -98,6 +102,7 @@ def gated_cases(dev, shapes):
             pass
     return worst
 """
+)
 
 
 def test_gated_rms_norm_rows_interpreted(run_interpreted):
