@@ -37,8 +37,10 @@ def cases(dev, shapes, configs, rows=None):
                     for od in (None, torch.float32):
                         y = gemv(x, w, od, cfg)
                         assert y.shape == (M, N) and y.dtype == (od or dtype), (y.shape, y.dtype)
-                        if od is not None:  # the fp32 output holds the values rounded to the operands' dtype
-                            assert torch.equal(y, gemv(x, w, None, cfg).float())
+                        if od is None:
+                            y_own = y
+                        else:  # the fp32 output holds the values rounded to the operands' dtype
+                            assert torch.equal(y, y_own.float())
                             # ... unless rounded=False: the fp32 sums (a router's logits), closer than a rounding
                             yf = gemv(x, w, od, cfg, rounded=False)
                             assert yf.dtype == torch.float32 and rel(yf, want) <= 2e-6, (dtype, rel(yf, want))
@@ -212,12 +214,15 @@ def test_gemv_interpreted(run_interpreted):
     script = textwrap.dedent(CASES) + textwrap.dedent(
         """
         configs = (
-            None, dict(BN=8, BK=32), dict(BN=2, BK=64, num_warps=8, wide=True),
+            None, dict(BN=8, BK=32), dict(BN=4, BK=64, num_warps=8, wide=True),
             dict(BN=2, BK=0, num_warps=4, num_stages=1, persist=1),  # persistent: several tiles per program
         )
         # the engine's rule (GEMV_DECODE): one row, weights of at most max_bytes
         import torch
-        from openk3.infer.gemv import GEMV_DECODE, GLU, decode_gemv_ok
+        from openk3.infer.gemv import GEMV_CONFIG, GEMV_DECODE, GLU, decode_gemv_ok
+
+        # the default launch with one program per (interpreter) SM's worth of rows: wider row tiles, fewer programs
+        GEMV_CONFIG["programs_per_sm"] = 1
         x1, x2, w = torch.randn(1, 64), torch.randn(2, 64), torch.randn(16, 64)
         assert decode_gemv_ok(x1, w) and decode_gemv_ok(GLU(x1, x1, "silu"), w)
         assert decode_gemv_ok((x1, x1), torch.randn(16, 128))
@@ -388,8 +393,9 @@ def test_engine_fold_norms_interpreted(run_interpreted):
             r1 = eng.generate([list(range(1, 9))], [ps])  # one row: the folded walk
             one = list(log)
             log.clear()
-            r3 = eng.generate([list(range(1, 6 + 7 * i)) for i in range(3)], [ps] * 3)  # three rows, then fewer
-            runs[fold] = ([r.output_ids for r in r1 + r3], [torch.stack(r.logits_log) for r in r1 + r3], one)
+            if fold in (False, "router"):  # three rows, then fewer (batched steps: the unfolded walk in any mode)
+                r1 += eng.generate([list(range(1, 6 + 7 * i)) for i in range(3)], [ps] * 3)
+            runs[fold] = ([r.output_ids for r in r1], [torch.stack(r.logits_log) for r in r1], one)
         off = runs[False][2]
         assert not any(e[0] == "normed" for e in off), off[:8]
         # unfolded: two add + norm launches per layer and one final per one-row decode step
@@ -412,7 +418,8 @@ def test_engine_fold_norms_interpreted(run_interpreted):
             extra = [e[1] for e in on if e[0] == "route"]  # (the prefill's routes too: extra 0)
             n_formed = extra.count(2 * cfg.moe_intermediate_size)
             assert n_formed == (steps * n_moe if fold == "router" else 0) and n_formed + extra.count(0) == len(extra)
-            assert runs[fold][0] == runs[False][0], (fold, runs[fold][0], runs[False][0])
+            n = len(runs[fold][0])
+            assert n in (1, 4) and runs[fold][0] == runs[False][0][:n], (fold, runs[fold][0], runs[False][0])
         worst = max(
             float((a - b).norm() / b.norm())
             for fold in ("side", "slot", "router") for a, b in zip(runs[fold][1], runs[False][1])
