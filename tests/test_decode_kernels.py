@@ -1347,7 +1347,8 @@ def test_mla_persist_plan_and_reduce(H, lens, groups, min_blocks, align):
     live = lens_t > 0
     check(f"persistent reduce H={H} {lens} G={groups} min={min_blocks}", out[live], ref[live], 1e-5)
     assert torch.equal(out[~live].cpu(), torch.zeros_like(out[~live].cpu()))
-    if H != 32 or groups != 7:  # (the interpreter is slow with the post step: one ragged case)
+    # (the interpreter is slow with the post step: one ragged case there, a uniform one too when compiled)
+    if H != 32 or groups not in ((7,) if KN.INTERPRET else (7, 11)) or not align:
         return
     # the reduce with the post step folded in reads the rows walked whole from the walk's output
     w_uv = mla_weights(H, 8, 128, 512, torch.bfloat16, gen)[1]
