@@ -20,8 +20,8 @@ def rel():
 # Minutes each Triton-interpreter test takes on a 2-core CI machine with both workers busy (measured; an unlisted
 # one counts as 1): the groups below are balanced by them
 _INTERP_MINUTES = {
-    "test_attnres_read_normed_training_interpreted_on_cpu": 6.2,
-    "test_interpreted[mla-persist-engine]": 4.6,
+    "test_attnres_read_normed_training_interpreted_on_cpu": 5.6,
+    "test_interpreted[mla-persist-engine]": 4.0,
     "test_engine_fold_norms_interpreted": 3.8,
     "test_interpreted[kda-sampling]": 3.6,
     "test_moe_small_interpreted_on_cpu": 3.3,

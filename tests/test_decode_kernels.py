@@ -1276,6 +1276,10 @@ def test_mla_persist_plan_and_reduce(H, lens, groups, min_blocks, align):
     as the walk writes them, against the fp32 reference (a row without tokens gives zeros)."""
     from openk3.infer.mla_gluon import MLA_GLUON_CONFIG, persist_segments
 
+    if KN.INTERPRET and H == 128 and not (groups == 66 or (groups == 11 and not align)):
+        pytest.skip(
+            "under the interpreter 128 heads (two whole head blocks) run two of the cases; 96 and 32 all"
+        )
     gen = torch.Generator().manual_seed(seed_of("persist", H, lens, groups, min_blocks, align))
     lengths = [700, 1, 0, 64, 65, 3000, 128, 63, 2048] if lens == "ragged" else [4096] * 5 + [0]
     B, ps, bn, ph = len(lengths), 16, 64, 64
