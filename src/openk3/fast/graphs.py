@@ -1,6 +1,6 @@
-"""What the prefill forward's CUDA graph sets share (:class:`openk3.fast.kda.ChunkGraphs`,
-:class:`openk3.infer.row_graphs.RowGraphs`): warm-up runs on one side stream and captures into one memory pool
-(:class:`GraphCapture`), and warnings given once (:func:`warn_once`)."""
+"""What openk3's CUDA graph sets share (the prefill forward's :class:`openk3.fast.kda.ChunkGraphs` and
+:class:`openk3.infer.row_graphs.RowGraphs`, the engine's decode-step graphs): warm-up runs on one side stream and
+captures into one memory pool (:class:`GraphCapture`), and warnings given once (:func:`warn_once`)."""
 
 from __future__ import annotations
 
@@ -50,11 +50,14 @@ class GraphCapture:
         cur.wait_stream(s)
         return out
 
-    def capture(self, fn: Callable) -> tuple[torch.cuda.CUDAGraph, object]:
-        """``(graph, result)``: ``fn()`` captured into the shared pool."""
+    def capture(
+        self, fn: Callable, stream: torch.cuda.Stream | None = None
+    ) -> tuple[torch.cuda.CUDAGraph, object]:
+        """``(graph, result)``: ``fn()`` captured into the shared pool (on ``stream``; None: a fresh one of the
+        default priority, as ``torch.cuda.graph`` takes)."""
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls from other threads (the server's) must not break the capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
             out = fn()
         if self.pool is None:
             self.pool = graph.pool()

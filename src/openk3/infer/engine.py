@@ -679,7 +679,7 @@ class Engine:
                 log.warning("CUDA graphs disabled: the reference MoE path synchronises with the host")
                 self.graphs_enabled = False
         self._graphs: dict[int, tuple] = {}
-        self._graph_pool = None
+        self._decode_capture = GraphCapture()  # the decode graphs' memory pool and warm-up stream
         # prefill_graphs: the KDA layers' chunk calls of a prefill forward from CUDA graphs
         # (both prefill graph sets share one memory pool and warm-up stream: each consumes a graph's results
         # before the next replay)
@@ -2199,20 +2199,11 @@ class Engine:
             torch.ones(bucket, dtype=torch.int32),
             graph=True,
         )
-        s = torch.cuda.Stream(dev)
-        s.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(s):
-            for _ in range(2):  # warm-up on scratch rows only
-                self._decode_forward(*bufs)
-        torch.cuda.current_stream(dev).wait_stream(s)
-        g = torch.cuda.CUDAGraph()
+        self._decode_capture.warm_up(lambda: self._decode_forward(*bufs), dev)  # on scratch rows only
         # graph_priority: captured on a high-priority stream (its kernel nodes keep that priority; the side stream's
         # keep the lowest, 0); otherwise on a fresh stream of the default priority
         cap = torch.cuda.Stream(dev, priority=GRAPH_PRIORITY if self.cfg.graph_priority else 0)
-        # thread_local: CUDA calls from other threads (e.g. the server's request threads) must not break the capture
-        with torch.cuda.graph(g, pool=self._graph_pool, stream=cap, capture_error_mode="thread_local"):
-            out = self._decode_forward(*bufs)
-        self._graph_pool = g.pool()
+        g, out = self._decode_capture.capture(lambda: self._decode_forward(*bufs), stream=cap)
         self._graphs[bucket] = (g, (meta, lengths, table), out, (buf, torch.empty_like(buf, device="cpu")))
 
     # ------------------------------------------------------------------------------------------------ stats
