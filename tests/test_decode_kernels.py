@@ -412,6 +412,70 @@ def test_kda_decode_split_config(monkeypatch):
     assert split_counters_zero()
 
 
+@here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefetch_out_hint_is_exact(dtype, monkeypatch):
+    """KDA_CONFIG["few"]["prefetch_out"] (the split step requests the layer's o_proj weight into L2) and
+    MLA_GLUE_CONFIG["prefetch_out"] (the prep step, given ``next_weight``): results bit-identical to the launch
+    without, on a compiled GPU run with the requests made (under the interpreter they are left out: inline
+    assembly)."""
+    gen = torch.Generator().manual_seed(seed_of("prefetch out", str(dtype)))
+    B, H, K, W, S = 1, 2, 32, 4, 3
+    layer = make_kda_layer(H, K, W, "lowerbound", gen)
+    # 7 x 64 values: a weight of whole 128-byte lines in either dtype (the engine's: the layer's o_proj)
+    layer.o_proj = types.SimpleNamespace(weight=torch.randn(7, H * K, generator=gen).to(dtype).to(DEV))
+    q, k, v, z, gate = (torch.randn(B, H * K, generator=gen).to(dtype).to(DEV) for _ in range(5))
+    bl = torch.randn(B, H, generator=gen).to(dtype).to(DEV)
+    conv_state = torch.randn(S + 1, 3, H * K, W - 1, generator=gen).to(DEV)
+    state = (0.3 * torch.randn(S + 1, H, K, K, generator=gen)).to(DEV)
+    slots = torch.tensor([1], device=DEV)
+    monkeypatch.setitem(KN.KDA_CONFIG, "split_programs_per_sm", 0)
+    got = {}
+    for on in (False, True):
+        monkeypatch.setitem(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": 4, "prefetch_out": on})
+        c, st = conv_state.clone(), state.clone()
+        got[on] = (KN.kda_decode_triton(layer, q, k, v, z, bl, gate, c, st, slots), c, st)
+        assert KN.KDA_LAST_LAUNCH["split_v"] == 4
+        assert KN.KDA_LAST_LAUNCH["prefetch_out"] == (on and not KN.INTERPRET)
+    for name, a, b in zip(("o", "conv", "state"), got[False], got[True]):
+        assert torch.equal(a, b), f"kda {name} differs with prefetch_out"
+    c, st = conv_state.clone(), state.clone()
+    ref = kda_decode_reference(layer, q, k, v, z, bl, gate, c, st, slots)
+    check("kda prefetch_out o", got[True][0], ref, KDA_TOL[dtype][0])
+    assert split_counters_zero()
+
+    DN, DR, DC, P = 16, 16, 64, 4
+    kv = torch.randn(P, 16, DC + DR, generator=gen).to(dtype).to(DEV)
+    qm = torch.randn(2, H, DN + DR, generator=gen).to(dtype).to(DEV)
+    cm = torch.randn(2, DC, generator=gen).to(dtype).to(DEV)
+    kr = torch.randn(2, DR, generator=gen).to(dtype).to(DEV)
+    norm_w = (1.0 + 0.2 * torch.randn(DC, generator=gen)).to(DEV)
+    w_uk = torch.randn(H, DN, DC, generator=gen).to(dtype).to(DEV)
+    rows = torch.tensor([5, 40], device=DEV)
+    out = {}
+    for on in (False, True):
+        monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "prefetch_out", on)
+        kv1 = kv.clone()
+        out[on] = (
+            KN.mla_prep_triton(qm, cm, kr, norm_w, 1e-6, w_uk, kv1, rows, next_weight=layer.o_proj.weight),
+            kv1,
+        )
+        assert KN.MLA_GLUE_LAST_LAUNCH["prep"]["prefetch_out"] == (on and not KN.INTERPRET)
+    assert torch.equal(out[False][0], out[True][0]) and torch.equal(out[False][1], out[True][1])
+
+
+def test_line_weight_refusals():
+    """Only contiguous weights of whole 128-byte lines on the kernel's device are requested into L2."""
+    x = torch.zeros(2, 64)
+    assert KN._line_weight(torch.zeros(2, 64, dtype=torch.bfloat16), x) is not None
+    assert KN._line_weight(torch.zeros(64, 4)[:, :2].t(), x) is None  # not contiguous
+    assert KN._line_weight(torch.zeros(3, 7, dtype=torch.bfloat16), x) is None  # 42 bytes: not whole lines
+    assert KN._line_weight(None, x) is None
+    assert KN._prefetch_args(None)["PX"] == 0
+    a = KN._prefetch_args(torch.zeros(4, 64, dtype=torch.bfloat16))
+    assert (a["px_lines"], a["PX_LINE"]) == (4, 64)
+
+
 def test_kda_decode_split_refusals():
     layer = make_kda_layer(2, 16, 4, "lowerbound", torch.Generator().manual_seed(0))
     z = torch.zeros(1, 32, device=DEV)

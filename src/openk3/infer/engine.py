@@ -658,6 +658,7 @@ class Engine:
             else None
         )
         # fuse_mla_glue: (prep step, post step or None when the MLA step applies it, {layer: (W_UK, W_UV)})
+        self._mla_prep_hint = False  # set by _plan_mla_glue where the prep step is the Triton kernel
         self._mla_glue = self._plan_mla_glue() if cfg.fuse_mla_glue else None
         # triton_gemv: projections of few rows through openk3.infer.gemv (CUDA, or the Triton interpreter)
         self._gemv = bool(cfg.triton_gemv and (self.device.type == "cuda" or _gemv.INTERPRET))
@@ -761,13 +762,16 @@ class Engine:
             return None
         from openk3.infer import kernels as _kernels
 
+        # the Triton prep step takes the layer's o_proj weight as an L2 hint (MLA_GLUE_CONFIG["prefetch_out"])
         if self._mla_step is getattr(_kernels, "mla_decode_triton", None):
             views = {i: self.model.model.layers[i].self_attn.absorbed_weights() for i in self._absorbed}
+            self._mla_prep_hint = True
             return _kernels.mla_prep_triton, None, views
         if self._mla_fi is not None and hasattr(
             _kernels, "mla_post_triton"
         ):  # FlashInfer between our prep / post
             views = {i: self.model.model.layers[i].self_attn.absorbed_weights() for i in self._absorbed}
+            self._mla_prep_hint = True
             return _kernels.mla_prep_triton, _kernels.mla_post_triton, views
         log.info(
             "fuse_mla_glue: the MLA step is not the Triton kernel here; the glue runs as PyTorch references"
@@ -1973,7 +1977,8 @@ class Engine:
                 prep, post, weights = glue
                 w_uk, w_uv = weights[i]
                 norm = m.kv_a_layernorm
-                ql = prep(q, c, kr, norm.weight, norm.eps, w_uk, pool.kv[j], rows)
+                hint = {"next_weight": m.o_proj.weight} if self._mla_prep_hint else {}
+                ql = prep(q, c, kr, norm.weight, norm.eps, w_uk, pool.kv[j], rows, **hint)
                 gate = (parts[2] if fused is not None else m.g_proj(xx)) if m.use_gate else None
                 if post is None:  # the MLA step applies it
                     o = self._mla_step(
