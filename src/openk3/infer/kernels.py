@@ -1048,9 +1048,8 @@ if HAS_TRITON:
             hm = hh[:, None] < H
             qr = tl.load(q_ptr + b * s_qb + hh[:, None] * s_qh + DN + dr[None, :], mask=hm, other=0.0)
             tl.store(ql_ptr + b * s_ob + hh[:, None] * s_oh + DC + dr[None, :], qr.to(tl.float32), mask=hm)
-        if (
-            PX > 0
-        ):  # its share of the layer's output projection weight into L2 (MLA_GLUE_CONFIG["prefetch_out"])
+        # its share of the layer's output projection weight into L2 (MLA_GLUE_CONFIG["prefetch_out"])
+        if PX > 0:
             _prefetch_share(px_ptr, px_lines, pid, tl.num_programs(0), PX, PX_LINE)
 
     @triton.jit
@@ -1243,7 +1242,8 @@ def kda_decode_triton(
             kda_split_counters(q.device, B * H), part, part[B * H * K :],
             float(layer.lower_bound) if lb_gate else 0.0, float(layer.eps), K**-0.5,
             H=H, K=K, W=W, NV=nv, LB_GATE=lb_gate, fa_ptr=fa, fb_ptr=fb, s_fa=fa.stride(0), ZR=zr,
-            ga_ptr=ga, gb_ptr=gb, s_ga=ga.stride(0), GR=gr, PDL=pdl, PF=spf, **_prefetch_args(pxw), num_warps=nw, **pdl_launch(pdl),
+            ga_ptr=ga, gb_ptr=gb, s_ga=ga.stride(0), GR=gr, PDL=pdl, PF=spf, **_prefetch_args(pxw), num_warps=nw,
+            **pdl_launch(pdl),
             **({"maxnreg": mr} if mr and not INTERPRET else {}),
         )  # fmt: skip
         return o
