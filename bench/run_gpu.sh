@@ -58,7 +58,8 @@
 # v31: the Gluon kernel's GPU tests, then bench/diag_mla_peer.py with the Triton kernel, the Gluon persistent and
 # split walks and the persistent walk at any row count, at 16, 32 and 96 heads (ragged, and uniform at
 # 64 x {16, 32, 96} x 8k) -> peer_v31.json, peer_v31_uniform.json; b1: `medium` and the 48B shape at batch 1,
-# context 1,040 -> e2e_b1.json; tiled: the expert-tiled routed experts' GPU tests (tests_tiled.log),
+# context 1,040 -> e2e_b1.json; prefetch_out: the GPU tests of the o_proj L2 requests (v42) and the decode-step
+# graphs, then batch 1 of both presets with and without them -> tests_pf.log, e2e_pf.json; tiled: the expert-tiled routed experts' GPU tests (tests_tiled.log),
 # bench/diag_moe_tiled.py --sweep -> diag_moe_tiled.json, medium at batch 64 with and without them ->
 # e2e_tiled_medium.json; tiled_bm: the tiled kernels' GPU tests, bench/diag_moe_tiled.py at 64-256 tokens with
 # 16 / 32 / 64-row steps -> diag_moe_tiled_bm.json, medium at batch 128 / 256 with the grouped GEMMs and the tiled
@@ -436,6 +437,20 @@ if has tiled_e2e; then
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --batches 64 --context 8192 --ragged 0.5 \
     --wall-timing --kernel-variants moe_grouped,moe_tiled,moe_grouped,moe_tiled --out "$OUT_DIR/e2e_tiled_48b.json" 2>&1 \
     | grep "^| [mk]\|WARN\|disabled\|rror"
+fi
+if has prefetch_out; then
+  # v42: the o_proj L2 requests from the KDA split step and the MLA prep: their GPU tests (with the decode-step
+  # graphs' capture and graph priority), then batch 1 with them and without, twice each, on both presets (the 48B
+  # shape needs the H200; on a smaller card it is skipped)
+  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/test_decode_kernels.py tests/gpu/test_engine_gpu.py \
+    -k "prefetch_out or graph_priority or (graphs and (fast_decode or overlap or seeded))" >"$OUT_DIR/tests_pf.log" 2>&1
+  echo "prefetch_out tests: exit $? ($(tail -1 "$OUT_DIR/tests_pf.log"))"
+  presets=medium
+  [[ $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) -gt 100000 ]] \
+    && presets=kimi-linear-48b,medium
+  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets "$presets" --batches 1 --context 1040 --wall-timing \
+    --kernel-variants default,prefetch_out,default,prefetch_out,kda_prefetch_out,mla_prefetch_out \
+    --out "$OUT_DIR/e2e_pf.json" 2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
 if has b1; then
   # batch 1 of both presets, wall timing at context 1,040 (the 48B shape needs the H200)
