@@ -59,7 +59,8 @@
 # split walks and the persistent walk at any row count, at 16, 32 and 96 heads (ragged, and uniform at
 # 64 x {16, 32, 96} x 8k) -> peer_v31.json, peer_v31_uniform.json; b1: `medium` and the 48B shape at batch 1,
 # context 1,040 -> e2e_b1.json; prefetch_out: the GPU tests of the o_proj L2 requests (v42) and the decode-step
-# graphs, then batch 1 of both presets with and without them -> tests_pf.log, e2e_pf.json; tiled: the expert-tiled routed experts' GPU tests (tests_tiled.log),
+# graphs, then batch 1 of both presets without them, with o_proj's and with the router's too -> tests_pf.log,
+# e2e_pf.json; tiled: the expert-tiled routed experts' GPU tests (tests_tiled.log),
 # bench/diag_moe_tiled.py --sweep -> diag_moe_tiled.json, medium at batch 64 with and without them ->
 # e2e_tiled_medium.json; tiled_bm: the tiled kernels' GPU tests, bench/diag_moe_tiled.py at 64-256 tokens with
 # 16 / 32 / 64-row steps -> diag_moe_tiled_bm.json, medium at batch 128 / 256 with the grouped GEMMs and the tiled
@@ -449,7 +450,7 @@ if has prefetch_out; then
   [[ $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) -gt 100000 ]] \
     && presets=kimi-linear-48b,medium
   timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets "$presets" --batches 1 --context 1040 --wall-timing \
-    --kernel-variants default,prefetch_out,default,prefetch_out,kda_prefetch_out,mla_prefetch_out \
+    --kernel-variants default,prefetch_out,prefetch_router,default,prefetch_out,prefetch_router,kda_prefetch_out \
     --out "$OUT_DIR/e2e_pf.json" 2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
 if has b1; then

@@ -415,15 +415,16 @@ def test_kda_decode_split_config(monkeypatch):
 @here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_prefetch_out_hint_is_exact(dtype, monkeypatch):
-    """KDA_CONFIG["few"]["prefetch_out"] (the split step requests the layer's o_proj weight into L2) and
-    MLA_GLUE_CONFIG["prefetch_out"] (the prep step, given ``next_weight``): results bit-identical to the launch
-    without, on a compiled GPU run with the requests made (under the interpreter they are left out: inline
-    assembly)."""
+    """KDA_CONFIG["few"]["prefetch_out"] (the split step requests the weights of the GEMVs after it into L2: 1 the
+    layer's o_proj, 2 also the router's) and MLA_GLUE_CONFIG["prefetch_out"] (the prep step, the same from its
+    ``next_weights``): results bit-identical to the launch without, on a compiled GPU run with the requests made
+    (under the interpreter they are left out: inline assembly). Settings other than 0 / 1 / 2 are refused."""
     gen = torch.Generator().manual_seed(seed_of("prefetch out", str(dtype)))
     B, H, K, W, S = 1, 2, 32, 4, 3
     layer = make_kda_layer(H, K, W, "lowerbound", gen)
-    # 7 x 64 values: a weight of whole 128-byte lines in either dtype (the engine's: the layer's o_proj)
+    # 7 x 64 and 5 x 64 values: weights of whole 128-byte lines in either dtype (the engine's: o_proj, the router)
     layer.o_proj = types.SimpleNamespace(weight=torch.randn(7, H * K, generator=gen).to(dtype).to(DEV))
+    nxt = (layer.o_proj.weight, torch.randn(5, H * K, generator=gen).to(dtype).to(DEV))
     q, k, v, z, gate = (torch.randn(B, H * K, generator=gen).to(dtype).to(DEV) for _ in range(5))
     bl = torch.randn(B, H, generator=gen).to(dtype).to(DEV)
     conv_state = torch.randn(S + 1, 3, H * K, W - 1, generator=gen).to(DEV)
@@ -431,18 +432,24 @@ def test_prefetch_out_hint_is_exact(dtype, monkeypatch):
     slots = torch.tensor([1], device=DEV)
     monkeypatch.setitem(KN.KDA_CONFIG, "split_programs_per_sm", 0)
     got = {}
-    for on in (False, True):
-        monkeypatch.setitem(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": 4, "prefetch_out": on})
+    for n in (0, 1, 2, True):
+        monkeypatch.setitem(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": 4, "prefetch_out": n})
         c, st = conv_state.clone(), state.clone()
-        got[on] = (KN.kda_decode_triton(layer, q, k, v, z, bl, gate, c, st, slots), c, st)
+        kw = {} if n is True else {"next_weights": nxt}  # True: one weight, the layer's o_proj by default
+        got[n] = (KN.kda_decode_triton(layer, q, k, v, z, bl, gate, c, st, slots, **kw), c, st)
         assert KN.KDA_LAST_LAUNCH["split_v"] == 4
-        assert KN.KDA_LAST_LAUNCH["prefetch_out"] == (on and not KN.INTERPRET)
-    for name, a, b in zip(("o", "conv", "state"), got[False], got[True]):
-        assert torch.equal(a, b), f"kda {name} differs with prefetch_out"
+        assert KN.KDA_LAST_LAUNCH["prefetch_out"] == (0 if KN.INTERPRET else int(n))
+    for n in (1, 2, True):
+        for name, a, b in zip(("o", "conv", "state"), got[0], got[n]):
+            assert torch.equal(a, b), f"kda {name} differs with prefetch_out {n}"
     c, st = conv_state.clone(), state.clone()
     ref = kda_decode_reference(layer, q, k, v, z, bl, gate, c, st, slots)
-    check("kda prefetch_out o", got[True][0], ref, KDA_TOL[dtype][0])
+    check("kda prefetch_out o", got[2][0], ref, KDA_TOL[dtype][0])
     assert split_counters_zero()
+    for bad in ("router", 3, 1.0):
+        monkeypatch.setitem(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": 4, "prefetch_out": bad})
+        with pytest.raises(ValueError, match="prefetch_out must be 0, 1 or 2"):
+            KN.kda_decode_triton(layer, q, k, v, z, bl, gate, conv_state.clone(), state.clone(), slots)
 
     DN, DR, DC, P = 16, 16, 64, 4
     kv = torch.randn(P, 16, DC + DR, generator=gen).to(dtype).to(DEV)
@@ -453,27 +460,34 @@ def test_prefetch_out_hint_is_exact(dtype, monkeypatch):
     w_uk = torch.randn(H, DN, DC, generator=gen).to(dtype).to(DEV)
     rows = torch.tensor([5, 40], device=DEV)
     out = {}
-    for on in (False, True):
-        monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "prefetch_out", on)
+    for n in (0, 1, 2):
+        monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "prefetch_out", n)
         kv1 = kv.clone()
-        out[on] = (
-            KN.mla_prep_triton(qm, cm, kr, norm_w, 1e-6, w_uk, kv1, rows, next_weight=layer.o_proj.weight),
-            kv1,
-        )
-        assert KN.MLA_GLUE_LAST_LAUNCH["prep"]["prefetch_out"] == (on and not KN.INTERPRET)
-    assert torch.equal(out[False][0], out[True][0]) and torch.equal(out[False][1], out[True][1])
+        out[n] = (KN.mla_prep_triton(qm, cm, kr, norm_w, 1e-6, w_uk, kv1, rows, next_weights=nxt), kv1)
+        assert KN.MLA_GLUE_LAST_LAUNCH["prep"]["prefetch_out"] == (0 if KN.INTERPRET else n)
+    for n in (1, 2):
+        assert torch.equal(out[0][0], out[n][0]) and torch.equal(out[0][1], out[n][1])
+    monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "prefetch_out", -1)
+    with pytest.raises(ValueError, match="prefetch_out must be 0, 1 or 2"):
+        KN.mla_prep_triton(qm, cm, kr, norm_w, 1e-6, w_uk, kv.clone(), rows, next_weights=nxt)
 
 
 def test_line_weight_refusals():
-    """Only contiguous weights of whole 128-byte lines on the kernel's device are requested into L2."""
+    """Only contiguous weights of whole 128-byte lines on the kernel's device are requested into L2; the list ends
+    at the first that is not."""
     x = torch.zeros(2, 64)
-    assert KN._line_weight(torch.zeros(2, 64, dtype=torch.bfloat16), x) is not None
+    ok = torch.zeros(2, 64, dtype=torch.bfloat16)
+    assert KN._line_weight(ok, x) is not None
     assert KN._line_weight(torch.zeros(64, 4)[:, :2].t(), x) is None  # not contiguous
     assert KN._line_weight(torch.zeros(3, 7, dtype=torch.bfloat16), x) is None  # 42 bytes: not whole lines
     assert KN._line_weight(None, x) is None
-    assert KN._prefetch_args(None)["PX"] == 0
-    a = KN._prefetch_args(torch.zeros(4, 64, dtype=torch.bfloat16))
-    assert (a["px_lines"], a["PX_LINE"]) == (4, 64)
+    if not KN.INTERPRET:
+        assert len(KN._line_weights((ok, ok), 2, x, "t")) == 2
+        assert len(KN._line_weights((ok, None, ok), 2, x, "t")) == 1
+        assert KN._line_weights((ok,), 0, x, "t") == []
+    assert KN._prefetch_args([]) == {}
+    a = KN._prefetch_args([torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(2, 32)])
+    assert (a["px_lines"], a["PX_LINE"], a["py_lines"], a["PY_LINE"]) == (4, 64, 2, 32)
 
 
 def test_kda_decode_split_refusals():

@@ -673,6 +673,14 @@ class Engine:
         self._router_shared = (
             self._plan_router_shared() if self._fold_norms and FOLD_SHARED == "router" else {}
         )
+        # {layer: the weights of the GEMVs after its attention step (o_proj, then the MoE router's GEMV)}: an L2 hint
+        # for the Triton KDA step and MLA prep (their prefetch_out settings), which the other steps do not take
+        from openk3.infer import kernels as _kernels
+
+        self._kda_hint = self._kda_step is getattr(_kernels, "kda_decode_triton", None)
+        self._next_weights = {
+            i: self._weights_after_attention(i, layer) for i, layer in enumerate(inner.layers)
+        }
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
         if self.graphs_enabled and any(layer.is_moe for layer in inner.layers):
@@ -762,7 +770,7 @@ class Engine:
             return None
         from openk3.infer import kernels as _kernels
 
-        # the Triton prep step takes the layer's o_proj weight as an L2 hint (MLA_GLUE_CONFIG["prefetch_out"])
+        # the Triton prep step takes the next GEMVs' weights as an L2 hint (MLA_GLUE_CONFIG["prefetch_out"])
         if self._mla_step is getattr(_kernels, "mla_decode_triton", None):
             views = {i: self.model.model.layers[i].self_attn.absorbed_weights() for i in self._absorbed}
             self._mla_prep_hint = True
@@ -1958,6 +1966,8 @@ class Engine:
                 gate = ga if m.full_rank_gate else None if own_g else m.g_b_proj(ga)
                 if own_g:
                     kw["gate_lowrank"] = ga
+                if self._kda_hint:
+                    kw["next_weights"] = self._next_weights[i]
                 o = self._kda_step(m, q, k, v, z, bl, gate, pool.conv[j], pool.state[j], slots, **kw)
                 return out_proj(m.o_proj.weight, o, res)
             H = m.num_heads
@@ -1977,7 +1987,7 @@ class Engine:
                 prep, post, weights = glue
                 w_uk, w_uv = weights[i]
                 norm = m.kv_a_layernorm
-                hint = {"next_weight": m.o_proj.weight} if self._mla_prep_hint else {}
+                hint = {"next_weights": self._next_weights[i]} if self._mla_prep_hint else {}
                 ql = prep(q, c, kr, norm.weight, norm.eps, w_uk, pool.kv[j], rows, **hint)
                 gate = (parts[2] if fused is not None else m.g_proj(xx)) if m.use_gate else None
                 if post is None:  # the MLA step applies it
@@ -2082,6 +2092,17 @@ class Engine:
         if small is None or not _gemv.triton_gemv_ok(r[:, 0], moe.gate.weight):
             return None
         return small
+
+    def _weights_after_attention(self, i: int, layer) -> tuple:
+        """The weights that the GEMVs after layer ``i``'s attention step read first: its ``o_proj``, then, for a
+        MoE layer, the router's (with FOLD_SHARED "router" the buffer holding the shared experts' gate / up rows
+        behind it)."""
+        ws = (layer.self_attn.o_proj.weight,)
+        if layer.is_moe:
+            rs = self._router_shared.get(i, (None, None))[0]
+            rw = getattr(getattr(layer.block_sparse_moe, "gate", None), "weight", None) if rs is None else rs
+            ws += () if rw is None else (rw,)
+        return ws
 
     def _moe_folded(self, i: int, small, layer, r: torch.Tensor) -> torch.Tensor:
         """``r + MoE(post_attention_layernorm(r))`` for ``r [B, 1, D]`` (fold_norms, see :meth:`_fold_moe`): the

@@ -135,8 +135,10 @@ __all__ = [
 # state tile is first requested into L1 (1) or L2 (2) by a prefetch instruction (0: not); split_maxnreg: a cap on
 # registers per thread (0: none; ptxas otherwise keeps many loads in flight, 160-250 registers at 8 warps for the
 # 48B shape, one program per SM; at 128 two fit, with a few spills: bench/diag_kda_compile.py).
-# prefetch_out (split form only): the programs also request the layer's output projection weight into L2, an equal
-# share each, after their own loads: the step is latency-bound and leaves HBM idle, and that GEMV comes next.
+# prefetch_out (split form only; 0, 1 or 2): the programs also request the weights of the next GEMVs into L2, an
+# equal share each, after their own loads: 1 the layer's output projection, 2 that and the MoE router's GEMV (with
+# the shared experts' rows the engine puts behind it). The step is latency-bound and leaves HBM idle; those GEMVs
+# come next. Off until measured (bench/NOTES.md v42).
 KDA_CONFIG = {
     "BV": 32,
     "num_warps": 4,
@@ -148,7 +150,7 @@ KDA_CONFIG = {
     "split_prefetch": 2,
     "split_maxnreg": 0,
     "split_programs_per_sm": 2,
-    "few": {"l2_prefetch": False, "heads_fast": False, "split_v": 4, "prefetch_out": False},
+    "few": {"l2_prefetch": False, "heads_fast": False, "split_v": 4, "prefetch_out": 0},
     "few_max_batch": 16,
 }
 KDA_LAST_LAUNCH: dict = {}  # the launch parameters of the latest kda_decode_triton call
@@ -211,9 +213,10 @@ MLA_GLUE_CONFIG = {
     # shape (16 rows per program) 2.40 -> 2.36-2.37 ms per step; `medium` (8 rows, one step) measured 1.165 -> 1.18
     # with it, so a one-step slice keeps the streamed form
     "post_whole_elems": 8192,
-    # the prep programs request the layer's output projection weight into L2 after their work (the prep, split and
-    # reduce kernels after it are latency-bound and leave HBM idle; that GEMV comes after them)
-    "prefetch_out": False,
+    # the prep programs request the next GEMVs' weights into L2 after their work, as KDA_CONFIG["few"]
+    # ["prefetch_out"] (1: the layer's output projection, 2: and the router's): the prep, split and reduce kernels
+    # after it are latency-bound and leave HBM idle. Off until measured (bench/NOTES.md v42)
+    "prefetch_out": 0,
 }
 
 
@@ -490,7 +493,8 @@ if HAS_TRITON:
         lower_bound, eps, q_scale,
         H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, NV: tl.constexpr, LB_GATE: tl.constexpr,
         fa_ptr, fb_ptr, s_fa, ZR: tl.constexpr, ga_ptr, gb_ptr, s_ga, GR: tl.constexpr, PDL: tl.constexpr,
-        PF: tl.constexpr, px_ptr, px_lines, PX: tl.constexpr = 0, PX_LINE: tl.constexpr = 64,
+        PF: tl.constexpr, px_ptr=None, px_lines=0, py_ptr=None, py_lines=0, PX: tl.constexpr = 0,
+        PX_LINE: tl.constexpr = 64, PY: tl.constexpr = 0, PY_LINE: tl.constexpr = 64,
     ):  # fmt: skip
         # program (j, h, b): state columns [j * BV, (j + 1) * BV) of head h of row b; the NV programs of one head
         # are adjacent in launch order
@@ -547,10 +551,12 @@ if HAS_TRITON:
             ga = tl.load(ga_ptr + b * s_ga + tl.arange(0, GR)).to(tl.float32)
         else:
             g = tl.load(gate_ptr + b * s_gate + chv).to(tl.float32)
+        # the next kernels' weights (px_lines 128-byte lines of PX_LINE elements from px_ptr: the layer's output
+        # projection; py: the router's GEMV after it) requested into L2 while this latency-bound step leaves HBM idle
         if PX > 0:
-            # the next kernel's weight (px_lines 128-byte lines of PX_LINE elements from px_ptr: the layer's
-            # output projection) requested into L2 while this latency-bound step leaves HBM idle
             _prefetch_share(px_ptr, px_lines, (b * H + h) * NV + j, NV * H * tl.num_programs(2), PX, PX_LINE)
+        if PY > 0:
+            _prefetch_share(py_ptr, py_lines, (b * H + h) * NV + j, NV * H * tl.num_programs(2), PY, PY_LINE)
         # 2. short conv + SiLU (q, k over the whole head: the norms need every channel; v over these columns),
         # rounded to the model dtype; the low-rank projections (fp32 products and sums, rounded likewise)
         q = _conv_taps(xq, hq, wq, W, dtype)
@@ -983,7 +989,8 @@ if HAS_TRITON:
         DN: tl.constexpr, DNP: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, HP: tl.constexpr,
         DCB: tl.constexpr, NC: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
         INTERP: tl.constexpr, PDL: tl.constexpr, EARLY_W: tl.constexpr = False, px_ptr=None, px_lines=0,
-        PX: tl.constexpr = 0, PX_LINE: tl.constexpr = 64,
+        py_ptr=None, py_lines=0, PX: tl.constexpr = 0, PX_LINE: tl.constexpr = 64, PY: tl.constexpr = 0,
+        PY_LINE: tl.constexpr = 64,
     ):  # fmt: skip
         """One MLA layer's prep step (:func:`mla_prep_triton`), a 1-D grid of ``H * NC + B`` programs. The first
         ``H * NC`` take one head and ``DCB`` columns of the absorbed query each, ``ql[:, h, cols] = q_nope[:, h] @
@@ -1048,9 +1055,12 @@ if HAS_TRITON:
             hm = hh[:, None] < H
             qr = tl.load(q_ptr + b * s_qb + hh[:, None] * s_qh + DN + dr[None, :], mask=hm, other=0.0)
             tl.store(ql_ptr + b * s_ob + hh[:, None] * s_oh + DC + dr[None, :], qr.to(tl.float32), mask=hm)
-        # its share of the layer's output projection weight into L2 (MLA_GLUE_CONFIG["prefetch_out"])
+        # its share of the next kernels' weights into L2 (MLA_GLUE_CONFIG["prefetch_out"]): the layer's output
+        # projection, then the router's GEMV after it
         if PX > 0:
             _prefetch_share(px_ptr, px_lines, pid, tl.num_programs(0), PX, PX_LINE)
+        if PY > 0:
+            _prefetch_share(py_ptr, py_lines, pid, tl.num_programs(0), PY, PY_LINE)
 
     @triton.jit
     def _mla_post_rows(
@@ -1160,6 +1170,7 @@ def kda_decode_triton(
     split_v: int | None = None,
     split_prefetch: int | None = None,
     split_maxnreg: int | None = None,
+    next_weights: tuple | None = None,
 ) -> torch.Tensor:
     """Fused single-token KDA step (signature and layouts: :mod:`openk3.infer.decode`). ``BV`` (state columns per
     tile, a power of two; 0: the whole head), ``num_warps``, ``stages`` (0, or >= 2: the loop form),
@@ -1172,7 +1183,9 @@ def kda_decode_triton(
     low-rank decay activation ``f_a_proj(x)`` ``[B, R]``; the kernel then forms ``z = f_b_proj(z_lowrank)`` itself
     (products and sums in fp32, rounded to the model dtype like the GEMM output) and ``z`` must be None (see
     :func:`kda_lowrank_ok`); ``gate_lowrank``: the same for the output gate, ``g_b_proj(gate_lowrank)`` with
-    ``gate`` None."""
+    ``gate`` None. ``next_weights``: the weights of the GEMVs after the step (default: the layer's
+    ``o_proj``; the engine adds the MoE router's), of which the split form requests the first ``KDA_CONFIG["few"]
+    ["prefetch_out"]`` into L2 (a hint: the results do not depend on it)."""
     B, HK = q.shape
     H, K = layer.num_heads, layer.head_dim
     wq, wk, wv = (c.weight.reshape(HK, -1) for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d))
@@ -1225,12 +1238,13 @@ def kda_decode_triton(
             raise ValueError(f"kda_decode_triton: split_prefetch must be 0, 1 (L1) or 2 (L2), got {spf}")
         spf = 0 if INTERPRET else spf
         mr = int(cfg.get("split_maxnreg", 0) if split_maxnreg is None else split_maxnreg)
-        ow = getattr(getattr(layer, "o_proj", None), "weight", None)
-        pxw = _line_weight(ow, q) if cfg.get("prefetch_out") and not INTERPRET else None
+        if next_weights is None:
+            next_weights = (getattr(getattr(layer, "o_proj", None), "weight", None),)
+        pxw = _line_weights(next_weights, cfg.get("prefetch_out", 0), q, "kda_decode_triton")
         KDA_LAST_LAUNCH.clear()
         KDA_LAST_LAUNCH.update(
             BV=K // nv, num_warps=nw, stages=0, l2_prefetch=False, heads_fast=False, lowrank=zr, gate_lowrank=gr,
-            pdl=pdl, split_v=nv, split_prefetch=spf, split_maxnreg=mr, prefetch_out=pxw is not None,
+            pdl=pdl, split_v=nv, split_prefetch=spf, split_maxnreg=mr, prefetch_out=len(pxw),
         )  # fmt: skip
         # per (row, head): the sigmoid of the output gate [K], then (after all rows) the NV blocks' sums of squares
         part = torch.empty(B * H * (K + nv), dtype=torch.float32, device=q.device)
@@ -1283,17 +1297,31 @@ def _line_weight(w, like: torch.Tensor) -> torch.Tensor | None:
     return w if w.numel() * w.element_size() % 128 == 0 and w.element_size() in (1, 2, 4) else None
 
 
-def _prefetch_args(w: torch.Tensor | None) -> dict:
-    """The ``px_ptr, px_lines, PX, PX_LINE`` launch arguments of the kernels taking ``prefetch_out``: ``w``'s
-    lines, 512 per round, or none."""
-    if w is None:
-        return {"px_ptr": None, "px_lines": 0, "PX": 0}
-    return {
-        "px_ptr": w,
-        "px_lines": w.numel() * w.element_size() // 128,
-        "PX": 512,
-        "PX_LINE": 128 // w.element_size(),
-    }
+def _line_weights(weights, count, like: torch.Tensor, who: str) -> list:
+    """The first ``count`` (a ``prefetch_out`` setting: 0, 1 or 2; True counts 1) of ``weights`` that a kernel
+    requests into L2, each checked by :func:`_line_weight` (one that fails ends the list); none under the
+    interpreter (inline assembly)."""
+    if not isinstance(count, int) or count not in (0, 1, 2):  # (bools are ints)
+        raise ValueError(f"{who}: prefetch_out must be 0, 1 or 2 (weights after the step), got {count!r}")
+    n = int(count)
+    out = []
+    for w in list(weights)[: 0 if INTERPRET else n]:
+        w = _line_weight(w, like)
+        if w is None:
+            break
+        out.append(w)
+    return out
+
+
+def _prefetch_args(ws: list) -> dict:
+    """The launch arguments of the kernels taking ``prefetch_out`` for at most two weights ``ws``: pointer, count
+    of 128-byte lines, 512 lines per round and elements per line for each (``px_*``, ``py_*``)."""
+    a = {}
+    for w, (p, n, r, e) in zip(
+        ws, (("px_ptr", "px_lines", "PX", "PX_LINE"), ("py_ptr", "py_lines", "PY", "PY_LINE"))
+    ):
+        a.update({p: w, n: w.numel() * w.element_size() // 128, r: 512, e: 128 // w.element_size()})
+    return a
 
 
 def kda_split_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -1741,14 +1769,14 @@ def mla_prep_triton(
     rows: torch.Tensor,
     *,
     chunks: int | None = None,
-    next_weight: torch.Tensor | None = None,
+    next_weights: tuple | None = None,
 ) -> torch.Tensor:
     """The MLA prep step in one launch (signature and layouts: :mod:`openk3.infer.decode`; kernel:
     :func:`_mla_prep_kernel`). ``chunks``: column chunks of ``W_UK`` per head (a power of two; default from
     :data:`MLA_GLUE_CONFIG`). ``w_uk`` may be a strided view (``kv_b_proj``'s rows) with contiguous rows.
-    ``next_weight``: the weight of the GEMV that follows the layer's attention (its output projection), which the
-    programs request into L2 after their work where ``MLA_GLUE_CONFIG["prefetch_out"]`` is on (a hint: the results
-    do not depend on it)."""
+    ``next_weights``: the weights of the GEMVs after the layer's attention (its output projection, then the MoE
+    router's), of which the programs request the first ``MLA_GLUE_CONFIG["prefetch_out"]`` into L2 after their
+    work (a hint: the results do not depend on it)."""
     B, H, D = q.shape
     if w_uk.dim() != 3 or w_uk.shape[0] != H or w_uk.stride(-1) != 1:
         raise ValueError(
@@ -1787,10 +1815,10 @@ def mla_prep_triton(
     pdl = pdl_on(q)
     st = cfg["prep_stages"]
     early = bool(cfg["prep_early"]) and NB == DNP
-    pxw = _line_weight(next_weight, q) if cfg.get("prefetch_out") and not INTERPRET else None
+    pxw = _line_weights(next_weights or (), cfg.get("prefetch_out", 0), q, "mla_prep_triton")
     MLA_GLUE_LAST_LAUNCH["prep"] = dict(
         chunks=chunks, NB=NB, stages=st, num_warps=cfg["prep_warps"], pdl=pdl, early=early,
-        prefetch_out=pxw is not None,
+        prefetch_out=len(pxw),
     )  # fmt: skip
     _mla_prep_kernel[(H * chunks + B,)](
         q, c, kr, norm_weight, w_uk, kv_cache, rows, ql,
