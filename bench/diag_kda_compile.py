@@ -66,7 +66,11 @@ def _types(fn, dtype: str) -> dict:
     )
     ptrs = {n: "*fp32" for n in (*fp32_ptrs, "sg_ptr", "ss_ptr")} | {"slots_ptr": "*i64", "cnt_ptr": "*i32"}
     return signature(
-        fn, ptrs=ptrs, other_ptrs=f"*{dtype}", ints=("px_lines",), floats=("lower_bound", "eps", "q_scale")
+        fn,
+        ptrs=ptrs,
+        other_ptrs=f"*{dtype}",
+        ints=("px_lines", "py_lines"),
+        floats=("lower_bound", "eps", "q_scale"),
     )
 
 
@@ -134,7 +138,7 @@ def main():
         "--prefetch-out",
         type=int,
         default=0,
-        help="the split form's L2 requests for the next weight, PX lines per round",
+        help="the split form's L2 requests for the next two weights (prefetch_out 2), lines per round",
     )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -145,7 +149,9 @@ def main():
         H, K, W = sh["H"], sh["K"], sh["W"]
         common = dict(H=H, K=K, W=W, LB_GATE=sh["LB_GATE"], ZR=sh["ZR"], GR=sh["GR"])
         common["PDL"] = False
-        split = dict(common, PF=args.prefetch, PX=args.prefetch_out, PX_LINE=64)
+        split = dict(
+            common, PF=args.prefetch, PX=args.prefetch_out, PX_LINE=64, PY=args.prefetch_out, PY_LINE=64
+        )
         for nv in (int(x) for x in args.split.split(",") if x):
             for nw in (int(x) for x in args.warps.split(",") if x):
                 r = compile_one(KN._kda_decode_split_kernel, {**split, "NV": nv}, nw, maxnreg=args.maxnreg)

@@ -1315,12 +1315,12 @@ def _line_weights(weights, count, like: torch.Tensor, who: str) -> list:
 
 def _prefetch_args(ws: list) -> dict:
     """The launch arguments of the kernels taking ``prefetch_out`` for at most two weights ``ws``: pointer, count
-    of 128-byte lines, 512 lines per round and elements per line for each (``px_*``, ``py_*``)."""
+    of 128-byte lines, 256 lines per round and elements per line for each (``px_*``, ``py_*``)."""
     a = {}
     for w, (p, n, r, e) in zip(
         ws, (("px_ptr", "px_lines", "PX", "PX_LINE"), ("py_ptr", "py_lines", "PY", "PY_LINE"))
     ):
-        a.update({p: w, n: w.numel() * w.element_size() // 128, r: 512, e: 128 // w.element_size()})
+        a.update({p: w, n: w.numel() * w.element_size() // 128, r: 256, e: 128 // w.element_size()})
     return a
 
 
