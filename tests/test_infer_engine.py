@@ -1225,7 +1225,7 @@ def test_fuse_mla_glue_row_limit(tiny, monkeypatch):
     calls = []
     eng = Engine(tiny, None, max_seqs=4, max_tokens=512, record_logits=True, fuse_mla_glue=True)
     prep, post, weights = eng._mla_glue
-    eng._mla_glue = (lambda *a: calls.append(a[0].shape[0]) or prep(*a), post, weights)
+    eng._mla_glue = (lambda *a, **k: calls.append(a[0].shape[0]) or prep(*a, **k), post, weights)
     monkeypatch.setattr(E, "MLA_GLUE_MAX_ROWS", 2)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 12, 8)]
     reqs = eng.generate(_prompts(26, [5, 29, 12], tiny.config.vocab_size), params)
