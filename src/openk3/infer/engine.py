@@ -635,13 +635,14 @@ class Engine:
         if cfg.fuse_ffn_projections:
             self._build_fused_projections(lambda layer: layer.ffn_input_projections(), self._fused_ffn)
             self._build_fused_outputs()
+        from openk3.infer import kernels as _kernels
+
         self._kda_step = resolve_kda_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
+        self._kda_triton = self._kda_step is getattr(_kernels, "kda_decode_triton", None)
         # KDA layer -> (decay, gate) projections its decode step applies itself (fuse_kda_lowrank; empty: none)
         self._kda_lowrank: dict[int, tuple[bool, bool]] = {}
         if cfg.fuse_kda_lowrank:
-            from openk3.infer import kernels as _kernels
-
-            if self._kda_step is getattr(_kernels, "kda_decode_triton", None):
+            if self._kda_triton:
                 self._kda_lowrank = self._plan_kda_lowrank(_kernels.kda_lowrank_ok)
             else:
                 log.info("fuse_kda_lowrank: the decode step is not the Triton kernel here; the GEMV is kept")
@@ -658,7 +659,6 @@ class Engine:
             else None
         )
         # fuse_mla_glue: (prep step, post step or None when the MLA step applies it, {layer: (W_UK, W_UV)})
-        self._mla_prep_hint = False  # set by _plan_mla_glue where the prep step is the Triton kernel
         self._mla_glue = self._plan_mla_glue() if cfg.fuse_mla_glue else None
         # triton_gemv: projections of few rows through openk3.infer.gemv (CUDA, or the Triton interpreter)
         self._gemv = bool(cfg.triton_gemv and (self.device.type == "cuda" or _gemv.INTERPRET))
@@ -675,9 +675,9 @@ class Engine:
         )
         # {layer: the weights of the GEMVs after its attention step (o_proj, then the MoE router's GEMV)}: an L2 hint
         # for the Triton KDA step and MLA prep (their prefetch_out settings), which the other steps do not take
-        from openk3.infer import kernels as _kernels
-
-        self._kda_hint = self._kda_step is getattr(_kernels, "kda_decode_triton", None)
+        self._mla_prep_hint = self._mla_glue is not None and self._mla_glue[0] is getattr(
+            _kernels, "mla_prep_triton", None
+        )
         self._next_weights = {
             i: self._weights_after_attention(i, layer) for i, layer in enumerate(inner.layers)
         }
@@ -770,16 +770,13 @@ class Engine:
             return None
         from openk3.infer import kernels as _kernels
 
-        # the Triton prep step takes the next GEMVs' weights as an L2 hint (MLA_GLUE_CONFIG["prefetch_out"])
         if self._mla_step is getattr(_kernels, "mla_decode_triton", None):
             views = {i: self.model.model.layers[i].self_attn.absorbed_weights() for i in self._absorbed}
-            self._mla_prep_hint = True
             return _kernels.mla_prep_triton, None, views
         if self._mla_fi is not None and hasattr(
             _kernels, "mla_post_triton"
         ):  # FlashInfer between our prep / post
             views = {i: self.model.model.layers[i].self_attn.absorbed_weights() for i in self._absorbed}
-            self._mla_prep_hint = True
             return _kernels.mla_prep_triton, _kernels.mla_post_triton, views
         log.info(
             "fuse_mla_glue: the MLA step is not the Triton kernel here; the glue runs as PyTorch references"
@@ -1966,7 +1963,7 @@ class Engine:
                 gate = ga if m.full_rank_gate else None if own_g else m.g_b_proj(ga)
                 if own_g:
                     kw["gate_lowrank"] = ga
-                if self._kda_hint:
+                if self._kda_triton:
                     kw["next_weights"] = self._next_weights[i]
                 o = self._kda_step(m, q, k, v, z, bl, gate, pool.conv[j], pool.state[j], slots, **kw)
                 return out_proj(m.o_proj.weight, o, res)

@@ -553,10 +553,12 @@ if HAS_TRITON:
             g = tl.load(gate_ptr + b * s_gate + chv).to(tl.float32)
         # the next kernels' weights (px_lines 128-byte lines of PX_LINE elements from px_ptr: the layer's output
         # projection; py: the router's GEMV after it) requested into L2 while this latency-bound step leaves HBM idle
+        # (PY only with PX: the host's list of weights is ordered)
         if PX > 0:
-            _prefetch_share(px_ptr, px_lines, (b * H + h) * NV + j, NV * H * tl.num_programs(2), PX, PX_LINE)
-        if PY > 0:
-            _prefetch_share(py_ptr, py_lines, (b * H + h) * NV + j, NV * H * tl.num_programs(2), PY, PY_LINE)
+            me, nprog = (b * H + h) * NV + j, NV * H * tl.num_programs(2)
+            _prefetch_share(px_ptr, px_lines, me, nprog, PX, PX_LINE)
+            if PY > 0:
+                _prefetch_share(py_ptr, py_lines, me, nprog, PY, PY_LINE)
         # 2. short conv + SiLU (q, k over the whole head: the norms need every channel; v over these columns),
         # rounded to the model dtype; the low-rank projections (fp32 products and sums, rounded likewise)
         q = _conv_taps(xq, hq, wq, W, dtype)
@@ -1059,8 +1061,8 @@ if HAS_TRITON:
         # projection, then the router's GEMV after it
         if PX > 0:
             _prefetch_share(px_ptr, px_lines, pid, tl.num_programs(0), PX, PX_LINE)
-        if PY > 0:
-            _prefetch_share(py_ptr, py_lines, pid, tl.num_programs(0), PY, PY_LINE)
+            if PY > 0:
+                _prefetch_share(py_ptr, py_lines, pid, tl.num_programs(0), PY, PY_LINE)
 
     @triton.jit
     def _mla_post_rows(
