@@ -45,6 +45,7 @@ INFO_PROFILE: dict[str, float] = {}
 PROFILE = ""  # directory for kernel profiles (--profile), empty: off
 DEV = "cuda"
 WALL = False  # --wall-timing
+LAYERS = 0  # --layers: the preset's first N decoder layers only (0: all)
 SAMPLING: dict = {}  # --temperature / --top-p / --seed / --logprobs: the requests' sampling (default greedy)
 
 
@@ -165,7 +166,25 @@ def build(preset: str, **over):
     from openk3.infer.engine import random_model
 
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
-    return random_model(preset, device=DEV, dtype=dtype, seed=0, **over)
+    return random_model(preset, device=DEV, dtype=dtype, seed=0, **(first_layers(preset, LAYERS) | over))
+
+
+def first_layers(preset: str, n: int) -> dict:
+    """Config fields that keep only the first ``n`` decoder layers of ``preset`` (its KDA / MLA pattern and dense
+    prefix unchanged; ``n`` 0: all). The 48B shape's layers on a card that cannot hold all 27."""
+    from openk3.config import get_preset
+
+    if not n:
+        return {}
+    cfg = get_preset(preset)
+    if not 1 <= n <= cfg.num_hidden_layers:
+        raise SystemExit(f"--layers must be in [1, {cfg.num_hidden_layers}] for {preset}, got {n}")
+    return {
+        "num_hidden_layers": n,
+        "kda_layers": [i for i in cfg.kda_layers if i <= n],
+        "full_attn_layers": [i for i in cfg.full_attn_layers if i <= n],
+        "first_k_dense_replace": min(cfg.first_k_dense_replace, n),
+    }
 
 
 def run_preset(
@@ -196,6 +215,7 @@ def run_preset(
         moe_small.SMALL_N = moe_small_n
     label = (
         preset
+        + (f" {LAYERS}L" if LAYERS else "")
         + ("" if fuse else " unfused-proj")
         + ({None: "", True: " fused-ffn", False: " no-fused-ffn"}[fuse_ffn])
         + (" fused-residual" if fuse_res else "")
@@ -304,6 +324,7 @@ def run_preset(
                 "preset": label,
                 "batch": B,
                 "context": ctx,
+                "layers": cfg.num_hidden_layers,
                 "step_ms": st * 1e3,
                 "fwd_ms": fw * 1e3,
                 "tok_s": B / st,
@@ -416,6 +437,13 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="build only each preset's first N decoder layers (its layer pattern kept; the roofline follows), e.g. "
+        "the 48B shape's per-layer costs on an 80 GB card (default 0: all layers)",
+    )
+    ap.add_argument(
         "--ragged",
         type=float,
         default=1.0,
@@ -491,9 +519,12 @@ def main():
     args = ap.parse_args()
     if not 0 < args.ragged <= 1:
         ap.error(f"--ragged must lie in (0, 1], got {args.ragged}")
-    global DEV, PROFILE, WALL, SAMPLING
+    global DEV, PROFILE, WALL, SAMPLING, LAYERS
     DEV = args.device
     WALL = args.wall_timing
+    if args.layers < 0:
+        ap.error(f"--layers must be >= 0, got {args.layers}")
+    LAYERS = args.layers
     SAMPLING = {
         k: v
         for k, v in (

@@ -53,6 +53,38 @@ def test_bench_e2e_decode_cpu_ragged_variants(tmp_path):
     assert "| tiny [mla_balance] ragged>=0.5 | 4 |" in r.stdout
 
 
+def test_bench_e2e_decode_first_layers(tmp_path):
+    """--layers N: the preset's first N layers, its KDA / MLA pattern kept, and a roofline of those layers only."""
+    import importlib.util
+
+    from openk3.config import get_preset
+    from openk3.cost import predict_decode_time
+
+    spec = importlib.util.spec_from_file_location("bench_e2e_decode", os.path.join(ROOT, "bench/bench_e2e_decode.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    full = get_preset("kimi-linear-48b")
+    over = mod.first_layers("kimi-linear-48b", 13)
+    cut = get_preset("kimi-linear-48b", **over)
+    assert cut.layer_types == full.layer_types[:13] and cut.layer_types.count("mla") == 3
+    assert cut.first_k_dense_replace == full.first_k_dense_replace
+    assert mod.first_layers("kimi-linear-48b", 0) == {}
+    assert predict_decode_time(cut, 1, 1024) < predict_decode_time(full, 1, 1024)
+    out = tmp_path / "e2e.json"
+    r = _run(
+        [
+            "bench/bench_e2e_decode.py", "--device", "cpu", "--presets", "tiny", "--batches", "1", "--steps", "2",
+            "--context", "16", "--layers", "4", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["preset"] == "tiny 4L" and row["layers"] == 4
+    for bad in ("9", "-1"):
+        r = _run(["bench/bench_e2e_decode.py", "--device", "cpu", "--presets", "tiny", "--layers", bad], timeout=120)
+        assert r.returncode != 0 and "--layers must be" in r.stderr
+
+
 @pytest.mark.parametrize("bad", ["0", "1.5", "-0.2"])
 def test_bench_e2e_decode_rejects_bad_ragged(bad):
     r = _run(
