@@ -60,7 +60,9 @@ def test_bench_e2e_decode_first_layers(tmp_path):
     from openk3.config import get_preset
     from openk3.cost import predict_decode_time
 
-    spec = importlib.util.spec_from_file_location("bench_e2e_decode", os.path.join(ROOT, "bench/bench_e2e_decode.py"))
+    spec = importlib.util.spec_from_file_location(
+        "bench_e2e_decode", os.path.join(ROOT, "bench/bench_e2e_decode.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     full = get_preset("kimi-linear-48b")
@@ -81,7 +83,10 @@ def test_bench_e2e_decode_first_layers(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["preset"] == "tiny 4L" and row["layers"] == 4
     for bad in ("9", "-1"):
-        r = _run(["bench/bench_e2e_decode.py", "--device", "cpu", "--presets", "tiny", "--layers", bad], timeout=120)
+        r = _run(
+            ["bench/bench_e2e_decode.py", "--device", "cpu", "--presets", "tiny", "--layers", bad],
+            timeout=120,
+        )
         assert r.returncode != 0 and "--layers must be" in r.stderr
 
 
