@@ -100,26 +100,11 @@ def _no_logprobs():
     return lambda: SAMPLING.__setitem__("logprobs", old) if had else None
 
 
-def _undo_all(*undos):
-    """One function undoing several variants' settings (last set, first undone)."""
-    return lambda: [u() for u in reversed(undos)]
-
-
 # --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
 KERNEL_VARIANTS = {
     "default": lambda: lambda: None,
     "kda_split": lambda: _kda_few(split_v=8),
     "kda_per_head": lambda: _kda_few(split_v=0),
-    # the KDA split step requesting the layer's o_proj weight into L2 for the GEMV after it; the same for the MLA
-    # layers, requested by the prep kernel; both together; both with the router's GEMV weight as well (v42)
-    "kda_prefetch_out": lambda: _kda_few(prefetch_out=1),
-    "mla_prefetch_out": _setting(_KN, "MLA_GLUE_CONFIG", 1, key="prefetch_out"),
-    "prefetch_out": lambda: _undo_all(
-        _kda_few(prefetch_out=1), _setting(_KN, "MLA_GLUE_CONFIG", 1, key="prefetch_out")()
-    ),
-    "prefetch_router": lambda: _undo_all(
-        _kda_few(prefetch_out=2), _setting(_KN, "MLA_GLUE_CONFIG", 2, key="prefetch_out")()
-    ),
     "no_fuse_select": _setting(_MOE_SMALL, "FUSE_SELECT", False),
     # the few-token gate/up tile (rows, columns, stages): two that fit their registers at 4 warps with the fused
     # selection (bench/diag_moe_compile.py), against the default (16, 256, 3)

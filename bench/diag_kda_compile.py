@@ -65,13 +65,7 @@ def _types(fn, dtype: str) -> dict:
         "state_ptr",
     )
     ptrs = {n: "*fp32" for n in (*fp32_ptrs, "sg_ptr", "ss_ptr")} | {"slots_ptr": "*i64", "cnt_ptr": "*i32"}
-    return signature(
-        fn,
-        ptrs=ptrs,
-        other_ptrs=f"*{dtype}",
-        ints=("px_lines", "py_lines"),
-        floats=("lower_bound", "eps", "q_scale"),
-    )
+    return signature(fn, ptrs=ptrs, other_ptrs=f"*{dtype}", floats=("lower_bound", "eps", "q_scale"))
 
 
 def compile_one(
@@ -134,12 +128,6 @@ def main():
     ap.add_argument("--warps", default="4,8", help="num_warps values of the split form")
     ap.add_argument("--prefetch", type=int, default=2, help="split_prefetch: 0 none, 1 L1, 2 L2")
     ap.add_argument("--maxnreg", type=int, default=0, help="split_maxnreg: register cap (0: none)")
-    ap.add_argument(
-        "--prefetch-out",
-        type=int,
-        default=0,
-        help="the split form's L2 requests for the next two weights (prefetch_out 2), lines per round",
-    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     import openk3.infer.kernels as KN
@@ -149,9 +137,7 @@ def main():
         H, K, W = sh["H"], sh["K"], sh["W"]
         common = dict(H=H, K=K, W=W, LB_GATE=sh["LB_GATE"], ZR=sh["ZR"], GR=sh["GR"])
         common["PDL"] = False
-        split = dict(
-            common, PF=args.prefetch, PX=args.prefetch_out, PX_LINE=64, PY=args.prefetch_out, PY_LINE=64
-        )
+        split = dict(common, PF=args.prefetch)
         for nv in (int(x) for x in args.split.split(",") if x):
             for nw in (int(x) for x in args.warps.split(",") if x):
                 r = compile_one(KN._kda_decode_split_kernel, {**split, "NV": nv}, nw, maxnreg=args.maxnreg)

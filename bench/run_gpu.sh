@@ -58,10 +58,8 @@
 # v31: the Gluon kernel's GPU tests, then bench/diag_mla_peer.py with the Triton kernel, the Gluon persistent and
 # split walks and the persistent walk at any row count, at 16, 32 and 96 heads (ragged, and uniform at
 # 64 x {16, 32, 96} x 8k) -> peer_v31.json, peer_v31_uniform.json; b1: `medium` and the 48B shape at batch 1,
-# context 1,040 -> e2e_b1.json; prefetch_out: the GPU tests of the o_proj L2 requests (v42) and the decode-step
-# graphs (PF_TESTS=0 skips them), then batch 1 of both presets without them, with o_proj's and with the router's
-# too -> tests_pf.log, e2e_pf.json (on a card under 100 GB the 48B shape's first PF_LAYERS=16 layers ->
-# e2e_pf_48b_layers.json; PF_PRESETS, PF_VARIANTS override); tiled: the expert-tiled routed experts' GPU tests (tests_tiled.log),
+# context 1,040 -> e2e_b1.json (on a card under 100 GB also the 48B shape's first B1_LAYERS=16 layers ->
+# e2e_b1_48b_layers.json); tiled: the expert-tiled routed experts' GPU tests (tests_tiled.log),
 # bench/diag_moe_tiled.py --sweep -> diag_moe_tiled.json, medium at batch 64 with and without them ->
 # e2e_tiled_medium.json; tiled_bm: the tiled kernels' GPU tests, bench/diag_moe_tiled.py at 64-256 tokens with
 # 16 / 32 / 64-row steps -> diag_moe_tiled_bm.json, medium at batch 128 / 256 with the grouped GEMMs and the tiled
@@ -440,32 +438,16 @@ if has tiled_e2e; then
     --wall-timing --kernel-variants moe_grouped,moe_tiled,moe_grouped,moe_tiled --out "$OUT_DIR/e2e_tiled_48b.json" 2>&1 \
     | grep "^| [mk]\|WARN\|disabled\|rror"
 fi
-if has prefetch_out; then
-  # v42: the o_proj L2 requests from the KDA split step and the MLA prep: their GPU tests (with the decode-step
-  # graphs' capture and graph priority), then batch 1 with them and without, twice each, on both presets (the 48B
-  # shape needs the H200; on a smaller card it is skipped)
-  if [[ "${PF_TESTS:-1}" != 0 ]]; then
-    timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/test_decode_kernels.py tests/gpu/test_engine_gpu.py \
-      -k "prefetch_out or graph_priority or (graphs and (fast_decode or overlap or seeded))" >"$OUT_DIR/tests_pf.log" 2>&1
-    echo "prefetch_out tests: exit $? ($(tail -1 "$OUT_DIR/tests_pf.log"))"
-  fi
-  # on a card under 100 GB the 48B shape runs with its first PF_LAYERS (16: 12 KDA + 4 MLA layers) decoder layers
-  presets=${PF_PRESETS:-medium}
-  if [[ $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) -gt 100000 ]]; then
-    presets=${PF_PRESETS:-kimi-linear-48b,medium}
-  elif [[ -z "${PF_PRESETS:-}" ]]; then
-    timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --layers "${PF_LAYERS:-16}" --batches 1 \
-      --context 1040 --wall-timing --kernel-variants ${PF_VARIANTS:-default,prefetch_out,prefetch_router,default,prefetch_out,prefetch_router,kda_prefetch_out} \
-      --out "$OUT_DIR/e2e_pf_48b_layers.json" 2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
-  fi
-  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets "$presets" --batches 1 --context 1040 --wall-timing \
-    --kernel-variants ${PF_VARIANTS:-default,prefetch_out,prefetch_router,default,prefetch_out,prefetch_router,kda_prefetch_out} \
-    --out "$OUT_DIR/e2e_pf.json" 2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
-fi
 if has b1; then
-  # batch 1 of both presets, wall timing at context 1,040 (the 48B shape needs the H200)
+  # batch 1 of both presets, wall timing at context 1,040 (the whole 48B shape needs the H200; on a card under 100 GB
+  # its first B1_LAYERS=16 layers, 12 KDA + 4 MLA, -> e2e_b1_48b_layers.json)
   timeout "$T_E2E" python3 bench/bench_e2e_decode.py --presets medium,kimi-linear-48b --batches 1 --context 1040 \
     --wall-timing --out "$OUT_DIR/e2e_b1.json" 2>&1 | grep "^| [mk]\|WARN\|disabled\|rror"
+  if [[ $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) -le 100000 ]]; then
+    timeout "$T_E2E" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b --layers "${B1_LAYERS:-16}" \
+      --batches 1 --context 1040 --wall-timing --out "$OUT_DIR/e2e_b1_48b_layers.json" 2>&1 \
+      | grep "^| [mk]\|WARN\|disabled\|rror"
+  fi
 fi
 if has mla_peer; then
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_mla_peer_gpu.py >"$OUT_DIR/tests_mla_peer.log" 2>&1

@@ -1225,7 +1225,7 @@ def test_fuse_mla_glue_row_limit(tiny, monkeypatch):
     calls = []
     eng = Engine(tiny, None, max_seqs=4, max_tokens=512, record_logits=True, fuse_mla_glue=True)
     prep, post, weights = eng._mla_glue
-    eng._mla_glue = (lambda *a, **k: calls.append(a[0].shape[0]) or prep(*a, **k), post, weights)
+    eng._mla_glue = (lambda *a: calls.append(a[0].shape[0]) or prep(*a), post, weights)
     monkeypatch.setattr(E, "MLA_GLUE_MAX_ROWS", 2)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 12, 8)]
     reqs = eng.generate(_prompts(26, [5, 29, 12], tiny.config.vocab_size), params)
@@ -1674,20 +1674,3 @@ def test_engine_latency_histograms(tiny):
         eng.step()
     after = {k: h.snapshot()[3] for k, h in eng.latency.items()}
     assert after["e2e_request_latency_seconds"] == 5 and after["time_per_output_token_seconds"] == 3
-
-
-def test_engine_weights_after_attention(tiny):
-    """The L2 hint the engine hands the Triton KDA step and MLA prep (their ``prefetch_out`` settings): per layer
-    the weight of its o_proj first, then, for a MoE layer, its router's; a dense layer gets o_proj alone. They are
-    the modules' own tensors (a hint must point at the weights the GEMVs after the step read)."""
-    eng = Engine(tiny, None, page_size=4, max_seqs=2, max_tokens=256)
-    layers = tiny.model.layers
-    assert sorted(eng._next_weights) == list(range(len(layers)))
-    for i, layer in enumerate(layers):
-        ws = eng._next_weights[i]
-        assert ws[0] is layer.self_attn.o_proj.weight
-        if layer.is_moe:
-            assert len(ws) == 2 and ws[1] is layer.block_sparse_moe.gate.weight
-        else:
-            assert len(ws) == 1
-    assert any(layer.is_moe for layer in layers) and not all(layer.is_moe for layer in layers)

@@ -395,24 +395,6 @@ def test_engine_kda_split_few_rows(graphs, monkeypatch):
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_engine_prefetch_out(graphs, monkeypatch):
-    """The L2 requests for the weights after each attention step (o_proj and the router's; KDA_CONFIG["few"]
-    ["prefetch_out"] in the split KDA step, MLA_GLUE_CONFIG["prefetch_out"] in the MLA prep step) in every few-row
-    step, CUDA graphs captured with them included: fp32 decode logits against a full forward, tightly; both
-    launches made the requests."""
-    from openk3.infer import kernels as KN
-
-    monkeypatch.setitem(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": 4, "prefetch_out": 2})
-    monkeypatch.setitem(KN.KDA_CONFIG, "split_programs_per_sm", 0)
-    monkeypatch.setitem(KN.MLA_GLUE_CONFIG, "prefetch_out", 2)
-    KN.MLA_GLUE_LAST_LAUNCH.pop("prep", None)
-    err = _greedy_fp32_decode_err(graphs, seed=6, max_tokens=(20, 12, 16))
-    assert KN.KDA_LAST_LAUNCH.get("prefetch_out") == 2, KN.KDA_LAST_LAUNCH
-    assert KN.MLA_GLUE_LAST_LAUNCH["prep"]["prefetch_out"] == 2, KN.MLA_GLUE_LAST_LAUNCH
-    assert err < 1e-3, err
-
-
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_engine_moe_small_decode(graphs, monkeypatch):
     """The few-token MoE path (OPENK3_MOE_SMALL_N) in the engine: fp32 decode logits against a full forward of the
     same model, tightly, with batches above and below the threshold (both paths run)."""

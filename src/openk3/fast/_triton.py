@@ -123,17 +123,6 @@ if HAS_TRITON:
         )
 
     @triton.jit
-    def prefetch_share(ptr, lines, pid, nprog, PX: tl.constexpr, LINE: tl.constexpr):
-        """Program ``pid`` of ``nprog`` requests its equal share of the ``lines`` 128-byte lines (``LINE`` elements
-        each) from ``ptr`` into L2, ``PX`` lines per round (past the end, the last line stands in). For a kernel
-        that leaves HBM idle, to warm L2 with the weight of the kernel after it. Compiled kernels only."""
-        per = tl.cdiv(lines, nprog)
-        first = pid.to(tl.int64) * per
-        for r0 in range(0, per, PX):
-            ln = tl.minimum(first + r0 + tl.arange(0, PX), lines - 1)
-            prefetch_l2(ptr + ln * LINE)
-
-    @triton.jit
     def prefetch(ptrs, LEVEL: tl.constexpr):
         """Request the lines holding ``ptrs`` into L1 (``LEVEL`` 1) or L2 (2); compiled kernels only."""
         if LEVEL == 1:

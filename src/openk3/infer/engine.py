@@ -635,14 +635,13 @@ class Engine:
         if cfg.fuse_ffn_projections:
             self._build_fused_projections(lambda layer: layer.ffn_input_projections(), self._fused_ffn)
             self._build_fused_outputs()
-        from openk3.infer import kernels as _kernels
-
         self._kda_step = resolve_kda_decode(self.device.type == "cuda", None, cfg.decode_backend, self.mcfg)
-        self._kda_triton = self._kda_step is getattr(_kernels, "kda_decode_triton", None)
         # KDA layer -> (decay, gate) projections its decode step applies itself (fuse_kda_lowrank; empty: none)
         self._kda_lowrank: dict[int, tuple[bool, bool]] = {}
         if cfg.fuse_kda_lowrank:
-            if self._kda_triton:
+            from openk3.infer import kernels as _kernels
+
+            if self._kda_step is getattr(_kernels, "kda_decode_triton", None):
                 self._kda_lowrank = self._plan_kda_lowrank(_kernels.kda_lowrank_ok)
             else:
                 log.info("fuse_kda_lowrank: the decode step is not the Triton kernel here; the GEMV is kept")
@@ -673,14 +672,6 @@ class Engine:
         self._router_shared = (
             self._plan_router_shared() if self._fold_norms and FOLD_SHARED == "router" else {}
         )
-        # {layer: the weights of the GEMVs after its attention step (o_proj, then the MoE router's GEMV)}: an L2 hint
-        # for the Triton KDA step and MLA prep (their prefetch_out settings), which the other steps do not take
-        self._mla_prep_hint = self._mla_glue is not None and self._mla_glue[0] is getattr(
-            _kernels, "mla_prep_triton", None
-        )
-        self._next_weights = {
-            i: self._weights_after_attention(i, layer) for i, layer in enumerate(inner.layers)
-        }
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
         if self.graphs_enabled and any(layer.is_moe for layer in inner.layers):
@@ -1963,8 +1954,6 @@ class Engine:
                 gate = ga if m.full_rank_gate else None if own_g else m.g_b_proj(ga)
                 if own_g:
                     kw["gate_lowrank"] = ga
-                if self._kda_triton:
-                    kw["next_weights"] = self._next_weights[i]
                 o = self._kda_step(m, q, k, v, z, bl, gate, pool.conv[j], pool.state[j], slots, **kw)
                 return out_proj(m.o_proj.weight, o, res)
             H = m.num_heads
@@ -1984,8 +1973,7 @@ class Engine:
                 prep, post, weights = glue
                 w_uk, w_uv = weights[i]
                 norm = m.kv_a_layernorm
-                hint = {"next_weights": self._next_weights[i]} if self._mla_prep_hint else {}
-                ql = prep(q, c, kr, norm.weight, norm.eps, w_uk, pool.kv[j], rows, **hint)
+                ql = prep(q, c, kr, norm.weight, norm.eps, w_uk, pool.kv[j], rows)
                 gate = (parts[2] if fused is not None else m.g_proj(xx)) if m.use_gate else None
                 if post is None:  # the MLA step applies it
                     o = self._mla_step(
@@ -2089,17 +2077,6 @@ class Engine:
         if small is None or not _gemv.triton_gemv_ok(r[:, 0], moe.gate.weight):
             return None
         return small
-
-    def _weights_after_attention(self, i: int, layer) -> tuple:
-        """The weights that the GEMVs after layer ``i``'s attention step read first: its ``o_proj``, then, for a
-        MoE layer, the router's (with FOLD_SHARED "router" the buffer holding the shared experts' gate / up rows
-        behind it)."""
-        ws = (layer.self_attn.o_proj.weight,)
-        if layer.is_moe:
-            rs = self._router_shared.get(i, (None, None))[0]
-            rw = getattr(getattr(layer.block_sparse_moe, "gate", None), "weight", None) if rs is None else rs
-            ws += () if rw is None else (rw,)
-        return ws
 
     def _moe_folded(self, i: int, small, layer, r: torch.Tensor) -> torch.Tensor:
         """``r + MoE(post_attention_layernorm(r))`` for ``r [B, 1, D]`` (fold_norms, see :meth:`_fold_moe`): the

@@ -135,10 +135,6 @@ __all__ = [
 # state tile is first requested into L1 (1) or L2 (2) by a prefetch instruction (0: not); split_maxnreg: a cap on
 # registers per thread (0: none; ptxas otherwise keeps many loads in flight, 160-250 registers at 8 warps for the
 # 48B shape, one program per SM; at 128 two fit, with a few spills: bench/diag_kda_compile.py).
-# prefetch_out (split form only; 0, 1 or 2): the programs also request the weights of the next GEMVs into L2, an
-# equal share each, after their own loads: 1 the layer's output projection, 2 that and the MoE router's GEMV (with
-# the shared experts' rows the engine puts behind it). The step is latency-bound and leaves HBM idle; those GEMVs
-# come next. Off until measured (bench/NOTES.md v42).
 KDA_CONFIG = {
     "BV": 32,
     "num_warps": 4,
@@ -150,7 +146,7 @@ KDA_CONFIG = {
     "split_prefetch": 2,
     "split_maxnreg": 0,
     "split_programs_per_sm": 2,
-    "few": {"l2_prefetch": False, "heads_fast": False, "split_v": 4, "prefetch_out": 0},
+    "few": {"l2_prefetch": False, "heads_fast": False, "split_v": 4},
     "few_max_batch": 16,
 }
 KDA_LAST_LAUNCH: dict = {}  # the launch parameters of the latest kda_decode_triton call
@@ -213,10 +209,6 @@ MLA_GLUE_CONFIG = {
     # shape (16 rows per program) 2.40 -> 2.36-2.37 ms per step; `medium` (8 rows, one step) measured 1.165 -> 1.18
     # with it, so a one-step slice keeps the streamed form
     "post_whole_elems": 8192,
-    # the prep programs request the next GEMVs' weights into L2 after their work, as KDA_CONFIG["few"]
-    # ["prefetch_out"] (1: the layer's output projection, 2: and the router's): the prep, split and reduce kernels
-    # after it are latency-bound and leave HBM idle. Off until measured (bench/NOTES.md v42)
-    "prefetch_out": 0,
 }
 
 
@@ -239,7 +231,6 @@ if HAS_TRITON:
     from openk3.fast._triton import pdl_trigger, pdl_wait
     from openk3.fast._triton import prefetch as _prefetch
     from openk3.fast._triton import prefetch_l2 as _prefetch_l2
-    from openk3.fast._triton import prefetch_share as _prefetch_share
     from openk3.fast._triton import round_to as _round
 
     @triton.jit
@@ -493,8 +484,7 @@ if HAS_TRITON:
         lower_bound, eps, q_scale,
         H: tl.constexpr, K: tl.constexpr, W: tl.constexpr, NV: tl.constexpr, LB_GATE: tl.constexpr,
         fa_ptr, fb_ptr, s_fa, ZR: tl.constexpr, ga_ptr, gb_ptr, s_ga, GR: tl.constexpr, PDL: tl.constexpr,
-        PF: tl.constexpr, px_ptr=None, px_lines=0, py_ptr=None, py_lines=0, PX: tl.constexpr = 0,
-        PX_LINE: tl.constexpr = 64, PY: tl.constexpr = 0, PY_LINE: tl.constexpr = 64,
+        PF: tl.constexpr,
     ):  # fmt: skip
         # program (j, h, b): state columns [j * BV, (j + 1) * BV) of head h of row b; the NV programs of one head
         # are adjacent in launch order
@@ -551,14 +541,6 @@ if HAS_TRITON:
             ga = tl.load(ga_ptr + b * s_ga + tl.arange(0, GR)).to(tl.float32)
         else:
             g = tl.load(gate_ptr + b * s_gate + chv).to(tl.float32)
-        # the next kernels' weights (px_lines 128-byte lines of PX_LINE elements from px_ptr: the layer's output
-        # projection; py: the router's GEMV after it) requested into L2 while this latency-bound step leaves HBM idle
-        # (PY only with PX: the host's list of weights is ordered)
-        if PX > 0:
-            me, nprog = (b * H + h) * NV + j, NV * H * tl.num_programs(2)
-            _prefetch_share(px_ptr, px_lines, me, nprog, PX, PX_LINE)
-            if PY > 0:
-                _prefetch_share(py_ptr, py_lines, me, nprog, PY, PY_LINE)
         # 2. short conv + SiLU (q, k over the whole head: the norms need every channel; v over these columns),
         # rounded to the model dtype; the low-rank projections (fp32 products and sums, rounded likewise)
         q = _conv_taps(xq, hq, wq, W, dtype)
@@ -990,9 +972,7 @@ if HAS_TRITON:
         B, H, eps,
         DN: tl.constexpr, DNP: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, HP: tl.constexpr,
         DCB: tl.constexpr, NC: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
-        INTERP: tl.constexpr, PDL: tl.constexpr, EARLY_W: tl.constexpr = False, px_ptr=None, px_lines=0,
-        py_ptr=None, py_lines=0, PX: tl.constexpr = 0, PX_LINE: tl.constexpr = 64, PY: tl.constexpr = 0,
-        PY_LINE: tl.constexpr = 64,
+        INTERP: tl.constexpr, PDL: tl.constexpr, EARLY_W: tl.constexpr = False,
     ):  # fmt: skip
         """One MLA layer's prep step (:func:`mla_prep_triton`), a 1-D grid of ``H * NC + B`` programs. The first
         ``H * NC`` take one head and ``DCB`` columns of the absorbed query each, ``ql[:, h, cols] = q_nope[:, h] @
@@ -1057,12 +1037,6 @@ if HAS_TRITON:
             hm = hh[:, None] < H
             qr = tl.load(q_ptr + b * s_qb + hh[:, None] * s_qh + DN + dr[None, :], mask=hm, other=0.0)
             tl.store(ql_ptr + b * s_ob + hh[:, None] * s_oh + DC + dr[None, :], qr.to(tl.float32), mask=hm)
-        # its share of the next kernels' weights into L2 (MLA_GLUE_CONFIG["prefetch_out"]): the layer's output
-        # projection, then the router's GEMV after it
-        if PX > 0:
-            _prefetch_share(px_ptr, px_lines, pid, tl.num_programs(0), PX, PX_LINE)
-            if PY > 0:
-                _prefetch_share(py_ptr, py_lines, pid, tl.num_programs(0), PY, PY_LINE)
 
     @triton.jit
     def _mla_post_rows(
@@ -1172,7 +1146,6 @@ def kda_decode_triton(
     split_v: int | None = None,
     split_prefetch: int | None = None,
     split_maxnreg: int | None = None,
-    next_weights: tuple | None = None,
 ) -> torch.Tensor:
     """Fused single-token KDA step (signature and layouts: :mod:`openk3.infer.decode`). ``BV`` (state columns per
     tile, a power of two; 0: the whole head), ``num_warps``, ``stages`` (0, or >= 2: the loop form),
@@ -1185,9 +1158,7 @@ def kda_decode_triton(
     low-rank decay activation ``f_a_proj(x)`` ``[B, R]``; the kernel then forms ``z = f_b_proj(z_lowrank)`` itself
     (products and sums in fp32, rounded to the model dtype like the GEMM output) and ``z`` must be None (see
     :func:`kda_lowrank_ok`); ``gate_lowrank``: the same for the output gate, ``g_b_proj(gate_lowrank)`` with
-    ``gate`` None. ``next_weights``: the weights of the GEMVs after the step (default: the layer's
-    ``o_proj``; the engine adds the MoE router's), of which the split form requests the first ``KDA_CONFIG["few"]
-    ["prefetch_out"]`` into L2 (a hint: the results do not depend on it)."""
+    ``gate`` None."""
     B, HK = q.shape
     H, K = layer.num_heads, layer.head_dim
     wq, wk, wv = (c.weight.reshape(HK, -1) for c in (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d))
@@ -1240,13 +1211,10 @@ def kda_decode_triton(
             raise ValueError(f"kda_decode_triton: split_prefetch must be 0, 1 (L1) or 2 (L2), got {spf}")
         spf = 0 if INTERPRET else spf
         mr = int(cfg.get("split_maxnreg", 0) if split_maxnreg is None else split_maxnreg)
-        if next_weights is None:
-            next_weights = (getattr(getattr(layer, "o_proj", None), "weight", None),)
-        pxw = _line_weights(next_weights, cfg.get("prefetch_out", 0), q, "kda_decode_triton")
         KDA_LAST_LAUNCH.clear()
         KDA_LAST_LAUNCH.update(
             BV=K // nv, num_warps=nw, stages=0, l2_prefetch=False, heads_fast=False, lowrank=zr, gate_lowrank=gr,
-            pdl=pdl, split_v=nv, split_prefetch=spf, split_maxnreg=mr, prefetch_out=len(pxw),
+            pdl=pdl, split_v=nv, split_prefetch=spf, split_maxnreg=mr,
         )  # fmt: skip
         # per (row, head): the sigmoid of the output gate [K], then (after all rows) the NV blocks' sums of squares
         part = torch.empty(B * H * (K + nv), dtype=torch.float32, device=q.device)
@@ -1258,8 +1226,7 @@ def kda_decode_triton(
             kda_split_counters(q.device, B * H), part, part[B * H * K :],
             float(layer.lower_bound) if lb_gate else 0.0, float(layer.eps), K**-0.5,
             H=H, K=K, W=W, NV=nv, LB_GATE=lb_gate, fa_ptr=fa, fb_ptr=fb, s_fa=fa.stride(0), ZR=zr,
-            ga_ptr=ga, gb_ptr=gb, s_ga=ga.stride(0), GR=gr, PDL=pdl, PF=spf, **_prefetch_args(pxw), num_warps=nw,
-            **pdl_launch(pdl),
+            ga_ptr=ga, gb_ptr=gb, s_ga=ga.stride(0), GR=gr, PDL=pdl, PF=spf, num_warps=nw, **pdl_launch(pdl),
             **({"maxnreg": mr} if mr and not INTERPRET else {}),
         )  # fmt: skip
         return o
@@ -1289,41 +1256,6 @@ def kda_decode_triton(
 
 
 _KDA_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _line_weight(w, like: torch.Tensor) -> torch.Tensor | None:
-    """``w`` when a kernel may request it into L2 as whole 128-byte lines (the ``prefetch_out`` options): a
-    contiguous tensor on ``like``'s device whose bytes are whole lines; else None (nothing requested)."""
-    if not isinstance(w, torch.Tensor) or w.device != like.device or not w.is_contiguous():
-        return None
-    return w if w.numel() * w.element_size() % 128 == 0 and w.element_size() in (1, 2, 4) else None
-
-
-def _line_weights(weights, count, like: torch.Tensor, who: str) -> list:
-    """The first ``count`` (a ``prefetch_out`` setting: 0, 1 or 2; True counts 1) of ``weights`` that a kernel
-    requests into L2, each checked by :func:`_line_weight` (one that fails ends the list); none under the
-    interpreter (inline assembly)."""
-    if not isinstance(count, int) or count not in (0, 1, 2):  # (bools are ints)
-        raise ValueError(f"{who}: prefetch_out must be 0, 1 or 2 (weights after the step), got {count!r}")
-    n = int(count)
-    out = []
-    for w in list(weights)[: 0 if INTERPRET else n]:
-        w = _line_weight(w, like)
-        if w is None:
-            break
-        out.append(w)
-    return out
-
-
-def _prefetch_args(ws: list) -> dict:
-    """The launch arguments of the kernels taking ``prefetch_out`` for at most two weights ``ws``: pointer, count
-    of 128-byte lines, 256 lines per round and elements per line for each (``px_*``, ``py_*``)."""
-    a = {}
-    for w, (p, n, r, e) in zip(
-        ws, (("px_ptr", "px_lines", "PX", "PX_LINE"), ("py_ptr", "py_lines", "PY", "PY_LINE"))
-    ):
-        a.update({p: w, n: w.numel() * w.element_size() // 128, r: 256, e: 128 // w.element_size()})
-    return a
 
 
 def kda_split_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -1771,14 +1703,10 @@ def mla_prep_triton(
     rows: torch.Tensor,
     *,
     chunks: int | None = None,
-    next_weights: tuple | None = None,
 ) -> torch.Tensor:
     """The MLA prep step in one launch (signature and layouts: :mod:`openk3.infer.decode`; kernel:
     :func:`_mla_prep_kernel`). ``chunks``: column chunks of ``W_UK`` per head (a power of two; default from
-    :data:`MLA_GLUE_CONFIG`). ``w_uk`` may be a strided view (``kv_b_proj``'s rows) with contiguous rows.
-    ``next_weights``: the weights of the GEMVs after the layer's attention (its output projection, then the MoE
-    router's), of which the programs request the first ``MLA_GLUE_CONFIG["prefetch_out"]`` into L2 after their
-    work (a hint: the results do not depend on it)."""
+    :data:`MLA_GLUE_CONFIG`). ``w_uk`` may be a strided view (``kv_b_proj``'s rows) with contiguous rows."""
     B, H, D = q.shape
     if w_uk.dim() != 3 or w_uk.shape[0] != H or w_uk.stride(-1) != 1:
         raise ValueError(
@@ -1817,19 +1745,17 @@ def mla_prep_triton(
     pdl = pdl_on(q)
     st = cfg["prep_stages"]
     early = bool(cfg["prep_early"]) and NB == DNP
-    pxw = _line_weights(next_weights or (), cfg.get("prefetch_out", 0), q, "mla_prep_triton")
     MLA_GLUE_LAST_LAUNCH["prep"] = dict(
-        chunks=chunks, NB=NB, stages=st, num_warps=cfg["prep_warps"], pdl=pdl, early=early,
-        prefetch_out=len(pxw),
-    )  # fmt: skip
+        chunks=chunks, NB=NB, stages=st, num_warps=cfg["prep_warps"], pdl=pdl, early=early
+    )
     _mla_prep_kernel[(H * chunks + B,)](
         q, c, kr, norm_weight, w_uk, kv_cache, rows, ql,
         q.stride(0), q.stride(1), c.stride(0), kr.stride(0), w_uk.stride(0), w_uk.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), ql.stride(0), ql.stride(1),
         B, H, float(eps),
         DN=DN, DNP=DNP, DC=DC, DR=DR, HP=triton.next_power_of_2(H), DCB=DCB, NC=chunks, NB=NB,
-        PAGE=kv_cache.shape[1], STAGES=st, INTERP=INTERPRET, PDL=pdl, EARLY_W=early, **_prefetch_args(pxw),
-        num_warps=cfg["prep_warps"], **pdl_launch(pdl),
+        PAGE=kv_cache.shape[1], STAGES=st, INTERP=INTERPRET, PDL=pdl, EARLY_W=early, num_warps=cfg["prep_warps"],
+        **pdl_launch(pdl),
     )  # fmt: skip
     return ql
 
