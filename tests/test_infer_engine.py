@@ -1674,3 +1674,26 @@ def test_engine_latency_histograms(tiny):
         eng.step()
     after = {k: h.snapshot()[3] for k, h in eng.latency.items()}
     assert after["e2e_request_latency_seconds"] == 5 and after["time_per_output_token_seconds"] == 3
+
+
+def test_engine_is_freed_when_deleted(tiny):
+    """A deleted engine is collected with its cache pool and buffers: engines made one after the other on one model
+    leave the same set of reachable tensors (the model's own caches are replaced, not added to)."""
+    import gc
+    import weakref
+
+    def reachable() -> int:
+        gc.collect()
+        return sum(x.untyped_storage().nbytes() for x in gc.get_objects() if isinstance(x, torch.Tensor))
+
+    sizes = []
+    for k in range(3):
+        eng = Engine(tiny, None, page_size=4, max_seqs=2, max_tokens=256, prefix_cache=True)
+        params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)] * 2
+        eng.generate(_prompts(40 + k, [9, 21], tiny.config.vocab_size), params)
+        ref = weakref.ref(eng)
+        del eng
+        gc.collect()
+        assert ref() is None, "the engine is still referenced after del"
+        sizes.append(reachable())
+    assert sizes[1] == sizes[2], sizes

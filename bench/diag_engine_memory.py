@@ -1,0 +1,137 @@
+"""Does a deleted engine give its GPU memory back? Builds one random-weight model, then runs ``--engines`` engines
+one after the other on it (prefill, a few decode steps, CUDA graphs as configured), deleting and collecting each.
+After each it prints ``torch.cuda.memory_allocated()`` against the model alone, and the CUDA tensors that Python
+can still reach and that were not there before the first engine (shape, dtype, MiB, what holds them).
+
+    python3 bench/diag_engine_memory.py [--preset medium] [--layers 0] [--engines 3] [--context 1040] [--batch 1]
+
+Memory that grows without any such tensor is held outside Python's reach (CUDA graph pools, allocator blocks that a
+C++ object keeps). ``--device cpu`` runs the script itself on the ``tiny`` preset (tensor counts only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+
+
+def _tensors(dev: str) -> dict[int, torch.Tensor]:
+    gc.collect()
+    out = {}
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor) and o.device.type == dev:
+                out[id(o)] = o
+        except Exception:  # objects that fail isinstance / attribute access mid-teardown
+            continue
+    return out
+
+
+def _holders(t: torch.Tensor, depth: int = 2) -> str:
+    """Types (and dict keys) of what refers to ``t``, two levels up."""
+    names = []
+    for r in gc.get_referrers(t):
+        if isinstance(r, dict):
+            key = next((k for k, v in r.items() if v is t), "?")
+            ups = [type(u).__name__ for u in gc.get_referrers(r)[:3] if u is not names] if depth > 1 else []
+            names.append(f"dict[{key!r}]<-{'/'.join(ups) or '?'}")
+        elif isinstance(r, (list, tuple)):
+            names.append(type(r).__name__)
+        elif type(r).__name__ != "frame":
+            names.append(type(r).__name__)
+    return ", ".join(names[:4]) or "(no Python referrer)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="medium")
+    ap.add_argument("--layers", type=int, default=0, help="the preset's first N decoder layers (0: all)")
+    ap.add_argument("--engines", type=int, default=3)
+    ap.add_argument("--context", type=int, default=1040)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    if args.engines < 1 or args.batch < 1 or args.context < 1:
+        ap.error("--engines, --batch and --context must be >= 1")
+    from openk3.config import get_preset
+    from openk3.infer.engine import Engine, random_model
+    from openk3.infer.sampling import SamplingParams
+
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        sys.exit("diag_engine_memory.py needs a CUDA device (or --device cpu)")
+    preset = args.preset if dev == "cuda" else "tiny"
+    over = {}
+    if args.layers:
+        cfg = get_preset(preset)
+        n = args.layers
+        if not 1 <= n <= cfg.num_hidden_layers:
+            ap.error(f"--layers must be in [1, {cfg.num_hidden_layers}] for {preset}")
+        over = dict(
+            num_hidden_layers=n,
+            kda_layers=[i for i in cfg.kda_layers if i <= n],
+            full_attn_layers=[i for i in cfg.full_attn_layers if i <= n],
+            first_k_dense_replace=min(cfg.first_k_dense_replace, n),
+        )
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    model = random_model(preset, device=dev, dtype=dtype, seed=0, **over)
+    V = model.config.vocab_size
+
+    def allocated() -> float:
+        gc.collect()
+        if dev != "cuda":
+            return 0.0
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() / 2**20
+
+    base = last = allocated()
+    before = _tensors(dev)
+    print(f"model: {base:.1f} MiB allocated, {len(before)} reachable {dev} tensors", flush=True)
+    g = torch.Generator().manual_seed(0)
+    for k in range(args.engines):
+        eng = Engine(
+            model,
+            None,
+            page_size=16,
+            max_seqs=args.batch,
+            max_tokens=args.batch * (args.context + args.steps + 32),
+            prefix_cache=False,
+            use_cuda_graphs=not args.no_graphs,
+            cuda_graph_max_batch=args.batch,
+        )
+        prompts = [torch.randint(0, V, (args.context,), generator=g).tolist() for _ in range(args.batch)]
+        sp = [SamplingParams(max_tokens=args.steps, temperature=0.0, ignore_eos=True)] * args.batch
+        eng.generate(prompts, sp)
+        during = allocated()
+        del eng
+        after = allocated()
+        now = _tensors(dev)
+        # the first engine's leftovers include the model's own caches (fused weights kept on its modules); later
+        # engines should add nothing
+        new = [t for i, t in now.items() if i not in before]
+        mib = sum(t.untyped_storage().nbytes() for t in new) / 2**20
+        print(
+            f"engine {k}: {during - base:.1f} MiB while alive, {after - base:+.1f} MiB over the model after delete "
+            f"({after - last:+.1f} MiB against the engine before); {len(new)} new reachable tensors since the "
+            f"{'model' if k == 0 else 'engine before'} ({mib:.1f} MiB of storage)",
+            flush=True,
+        )
+        before, last = now, after
+        for x in sorted(new, key=lambda x: -x.untyped_storage().nbytes())[:8]:
+            print(
+                f"    {tuple(x.shape)} {x.dtype} {x.untyped_storage().nbytes() / 2**20:.2f} MiB <- {_holders(x)}",
+                flush=True,
+            )
+        x = now = new = None
+
+
+if __name__ == "__main__":
+    main()
