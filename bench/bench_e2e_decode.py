@@ -155,21 +155,16 @@ def build(preset: str, **over):
 
 
 def first_layers(preset: str, n: int) -> dict:
-    """Config fields that keep only the first ``n`` decoder layers of ``preset`` (its KDA / MLA pattern and dense
-    prefix unchanged; ``n`` 0: all). The 48B shape's layers on a card that cannot hold all 27."""
-    from openk3.config import get_preset
+    """The overrides keeping ``preset``'s first ``n`` decoder layers (:meth:`openk3.config.K3Config.first_layers`;
+    0: all layers, no overrides)."""
+    from openk3.config import ConfigError, get_preset
 
     if not n:
         return {}
-    cfg = get_preset(preset)
-    if not 1 <= n <= cfg.num_hidden_layers:
-        raise SystemExit(f"--layers must be in [1, {cfg.num_hidden_layers}] for {preset}, got {n}")
-    return {
-        "num_hidden_layers": n,
-        "kda_layers": [i for i in cfg.kda_layers if i <= n],
-        "full_attn_layers": [i for i in cfg.full_attn_layers if i <= n],
-        "first_k_dense_replace": min(cfg.first_k_dense_replace, n),
-    }
+    try:
+        return get_preset(preset).first_layers(n)
+    except ConfigError as e:
+        raise SystemExit(f"--layers: {e}") from None
 
 
 def run_preset(

@@ -8,8 +8,8 @@ time (graph replays back to back), the kernels per step, their summed durations,
 end and the next one's start, and the kernels grouped by name (count per step, us per step, mean us). Writes the
 ordered kernel sequence of one step (start offset, duration, gap before, name) to ``DIR/step_<preset>_b<B>.txt``.
 
-``--layers N`` keeps the first N layers of the preset (attention every 4th layer and the last, as in the 48B shape), so
-that a large preset's layers fit a smaller card; ``--ragged F`` < 1 draws the prompt lengths uniformly from
+``--layers N`` keeps the first N layers of the preset, each of its own type (``K3Config.first_layers``), so that a
+large preset's layers fit a smaller card; ``--ragged F`` < 1 draws the prompt lengths uniformly from
 [F * context, context] (a serving batch). ``--off NAMES`` builds the engine with these ``EngineConfig`` booleans off (e.g. ``graph_priority``); ``--both``
 profiles each preset with them off and then with the defaults, on one model. ``--chain N`` also times chains of N
 dependent tiny kernels in one graph (a fixed cost per kernel, no bytes).
@@ -66,14 +66,11 @@ def profile_graph(g, steps: int = 5):
     return ks
 
 
-def layer_over(n: int | None) -> dict:
-    """Config overrides for the first ``n`` layers (None: the preset as it is)."""
-    if not n:
-        return {}
-    full = [i for i in range(1, n + 1) if i % 4 == 0 or i == n]
-    return dict(
-        num_hidden_layers=n, full_attn_layers=full, kda_layers=[i for i in range(1, n + 1) if i not in full]
-    )
+def layer_over(n: int | None, preset: str = "kimi-linear-48b") -> dict:
+    """Config overrides for ``preset``'s first ``n`` layers, each keeping its type (None: the preset as it is)."""
+    from openk3.config import get_preset
+
+    return get_preset(preset).first_layers(n) if n else {}
 
 
 def run_preset(
@@ -197,7 +194,7 @@ def main():
     for p in a.presets.split(","):
         from bench_e2e_decode import build
 
-        model = build(p, **layer_over(a.layers))
+        model = build(p, **layer_over(a.layers, p))
         for o in (off, ()) if a.both and off else (off,):
             run_preset(p, a.batch, a.context, a.out, o, model, a.ragged)
         del model

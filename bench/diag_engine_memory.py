@@ -69,18 +69,7 @@ def main() -> None:
     if dev == "cuda" and not torch.cuda.is_available():
         sys.exit("diag_engine_memory.py needs a CUDA device (or --device cpu)")
     preset = args.preset if dev == "cuda" else "tiny"
-    over = {}
-    if args.layers:
-        cfg = get_preset(preset)
-        n = args.layers
-        if not 1 <= n <= cfg.num_hidden_layers:
-            ap.error(f"--layers must be in [1, {cfg.num_hidden_layers}] for {preset}")
-        over = dict(
-            num_hidden_layers=n,
-            kda_layers=[i for i in cfg.kda_layers if i <= n],
-            full_attn_layers=[i for i in cfg.full_attn_layers if i <= n],
-            first_k_dense_replace=min(cfg.first_k_dense_replace, n),
-        )
+    over = get_preset(preset).first_layers(args.layers) if args.layers else {}
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     model = random_model(preset, device=dev, dtype=dtype, seed=0, **over)
     V = model.config.vocab_size

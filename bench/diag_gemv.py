@@ -43,7 +43,7 @@ def decode_shapes(preset: str, device: str = "cuda") -> list[tuple[int, int]]:
     from openk3.infer.engine import Engine
 
     E2E.DEV = device
-    model = E2E.build(preset, **layer_over(4))
+    model = E2E.build(preset, **layer_over(4, preset))
     eng = Engine(model, None, max_seqs=1, max_tokens=256, use_cuda_graphs=False, prefix_cache=False)
     ws = [model.output_weight]
     for i, layer in enumerate(model.model.layers):

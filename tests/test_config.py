@@ -186,3 +186,21 @@ def test_transformers_format_round_trip(tmp_path):
     cfg = K3Config.from_pretrained(tmp_path)
     assert cfg.full_attn_layers == [i + 1 for i, t in enumerate(c.layer_types) if t == "full_attention"]
     assert cfg.num_experts == 4 and cfg.num_experts_per_token == 2 and cfg.hidden_act == "silu"
+
+
+def test_first_layers():
+    """first_layers(n): the first n decoder layers of a config, each of its own type, the dense prefix kept; the
+    cut config is valid and its parameter count falls with n. Bad n is refused with a clear message."""
+    from openk3.config import ConfigError, get_preset
+
+    full = get_preset("kimi-linear-48b")
+    for n in (1, 4, 13, 16, 27):
+        cut = full.replace(**full.first_layers(n))
+        assert cut.num_hidden_layers == n and cut.layer_types == full.layer_types[:n]
+        assert cut.first_k_dense_replace == min(full.first_k_dense_replace, n)
+        assert [cut.is_moe_layer(i) for i in range(n)] == [full.is_moe_layer(i) for i in range(n)]
+    k3 = get_preset("k3")
+    assert k3.replace(**k3.first_layers(93)) == k3
+    for bad in (0, 28, -1, 2.0, True, "4"):
+        with pytest.raises(ConfigError, match=r"first_layers: n must be an integer in \[1, 27\]"):
+            full.first_layers(bad)

@@ -244,6 +244,21 @@ class K3Config:
         full = set(self.full_attn_layers)
         return ["mla" if (i + 1) in full else "kda" for i in range(self.num_hidden_layers)]
 
+    def first_layers(self, n: int) -> dict[str, Any]:
+        """The fields that cut this config to its first ``n`` decoder layers, each keeping its type (KDA / MLA) and
+        the dense prefix (``first_k_dense_replace``, at most ``n``): pass them to :meth:`replace` or as a preset's
+        overrides. For measuring a large model's per-layer costs on a card that cannot hold all of its layers."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.num_hidden_layers:
+            raise ConfigError(
+                f"first_layers: n must be an integer in [1, {self.num_hidden_layers}], got {n!r}"
+            )
+        return {
+            "num_hidden_layers": n,
+            "kda_layers": [i for i in self.kda_layers if i <= n],
+            "full_attn_layers": [i for i in self.full_attn_layers if i <= n],
+            "first_k_dense_replace": min(self.first_k_dense_replace, n),
+        }
+
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace and (i % self.moe_layer_freq == 0)
 
