@@ -15,37 +15,56 @@ import argparse
 import gc
 import os
 import sys
+import weakref
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
 
-def _tensors(dev: str) -> dict[int, torch.Tensor]:
+def _tensors(dev: str) -> dict[int, weakref.ref]:
+    """Weak references to the reachable tensors on ``dev`` (weak: this script must not be what keeps them)."""
     gc.collect()
     out = {}
     for o in gc.get_objects():
         try:
             if isinstance(o, torch.Tensor) and o.device.type == dev:
-                out[id(o)] = o
+                out[id(o)] = weakref.ref(o)
         except Exception:  # objects that fail isinstance / attribute access mid-teardown
             continue
     return out
 
 
-def _holders(t: torch.Tensor, depth: int = 2) -> str:
-    """Types (and dict keys) of what refers to ``t``, two levels up."""
-    names = []
+def _name(o) -> str:
+    """A short description of a referrer: an object whose attribute dict it is, a function whose closure cell it
+    is, or its type."""
+    if isinstance(o, dict):
+        for u in gc.get_referrers(o):
+            if getattr(u, "__dict__", None) is o:
+                return f"{type(u).__qualname__}.__dict__"
+        return f"dict({len(o)} keys)"
+    if type(o).__name__ == "cell":
+        for u in gc.get_referrers(o):
+            if getattr(u, "__closure__", None) and o in u.__closure__:
+                return f"closure of {u.__qualname__}"
+        return "cell"
+    return type(o).__qualname__
+
+
+def _holders(t: torch.Tensor, skip: tuple) -> str:
+    """What refers to ``t`` (and what refers to that), leaving out this script's own lists and frames. (Plain
+    loops: a generator expression here would add closure cells of its own to the referrers.)"""
+    mine = {id(x) for x in skip}
+    out = []
     for r in gc.get_referrers(t):
-        if isinstance(r, dict):
-            key = next((k for k, v in r.items() if v is t), "?")
-            ups = [type(u).__name__ for u in gc.get_referrers(r)[:3] if u is not names] if depth > 1 else []
-            names.append(f"dict[{key!r}]<-{'/'.join(ups) or '?'}")
-        elif isinstance(r, (list, tuple)):
-            names.append(type(r).__name__)
-        elif type(r).__name__ != "frame":
-            names.append(type(r).__name__)
-    return ", ".join(names[:4]) or "(no Python referrer)"
+        if id(r) in mine or type(r).__name__ == "frame":
+            continue
+        ups = []
+        for u in gc.get_referrers(r):
+            if type(u).__name__ != "frame" and id(u) not in mine and len(ups) < 3:
+                ups.append(_name(u))
+        out.append(f"{_name(r)} <- {' / '.join(ups) or '?'}")
+    return "; ".join(out[:3]) or "(no Python referrer: held from C++ or by a frame)"
 
 
 def main() -> None:
@@ -105,7 +124,7 @@ def main() -> None:
         now = _tensors(dev)
         # the first engine's leftovers include the model's own caches (fused weights kept on its modules); later
         # engines should add nothing
-        new = [t for i, t in now.items() if i not in before]
+        new = [t for i, r in now.items() if i not in before and (t := r()) is not None]
         mib = sum(t.untyped_storage().nbytes() for t in new) / 2**20
         print(
             f"engine {k}: {during - base:.1f} MiB while alive, {after - base:+.1f} MiB over the model after delete "
@@ -113,13 +132,16 @@ def main() -> None:
             f"{'model' if k == 0 else 'engine before'} ({mib:.1f} MiB of storage)",
             flush=True,
         )
-        before, last = now, after
-        for x in sorted(new, key=lambda x: -x.untyped_storage().nbytes())[:8]:
+        top = sorted(new, key=lambda x: -x.untyped_storage().nbytes())[:8]
+        while top:
+            x = top.pop(0)
             print(
-                f"    {tuple(x.shape)} {x.dtype} {x.untyped_storage().nbytes() / 2**20:.2f} MiB <- {_holders(x)}",
+                f"    {tuple(x.shape)} {x.dtype} {x.untyped_storage().nbytes() / 2**20:.2f} MiB <- "
+                f"{_holders(x, (new, top))}",
                 flush=True,
             )
-        x = now = new = None
+        x = t = new = None
+        before, last = now, after
 
 
 if __name__ == "__main__":

@@ -272,3 +272,15 @@ def test_diag_kda_graphs_needs_cuda():
         pytest.skip("a GPU is present: the script would run")
     r = _run(["bench/diag_kda_graphs.py", "--shapes", "64x1"])
     assert r.returncode != 0 and "needs CUDA" in r.stderr, r.stderr[-2000:]
+
+
+def test_diag_engine_memory_cpu():
+    """bench/diag_engine_memory.py's CPU mode: engines one after another on one model, each reported; on the CPU
+    nothing is left over from one engine to the next."""
+    r = _run(["bench/diag_engine_memory.py", "--device", "cpu", "--engines", "2", "--context", "16", "--steps", "2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("engine ")]
+    assert [ln.split(":")[0] for ln in lines] == ["engine 0", "engine 1"], r.stdout
+    assert "(+0.0 MiB against the engine before)" in lines[1]
+    r = _run(["bench/diag_engine_memory.py", "--device", "cpu", "--engines", "0"], timeout=120)
+    assert r.returncode == 2 and "must be >= 1" in r.stderr
