@@ -1678,7 +1678,8 @@ def test_engine_latency_histograms(tiny):
 
 def test_engine_is_freed_when_deleted(tiny):
     """A deleted engine is collected with its cache pool and buffers: engines made one after the other on one model
-    leave the same set of reachable tensors (the model's own caches are replaced, not added to)."""
+    leave the same set of reachable tensors, and take the fused projection buffers that the first made (the model's
+    weights are views of them) instead of copying the weights again; the same tokens from each."""
     import gc
     import weakref
 
@@ -1686,14 +1687,20 @@ def test_engine_is_freed_when_deleted(tiny):
         gc.collect()
         return sum(x.untyped_storage().nbytes() for x in gc.get_objects() if isinstance(x, torch.Tensor))
 
-    sizes = []
+    sizes, ptrs, outs = [], [], []
     for k in range(3):
         eng = Engine(tiny, None, page_size=4, max_seqs=2, max_tokens=256, prefix_cache=True)
+        assert eng._fused, "the tiny model's input projections are fused"
+        # later engines take the fused buffers the first one made (the modules' weights are already their views)
+        ptrs.append({i: buf.data_ptr() for i, (buf, _) in eng._fused.items()})
         params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)] * 2
-        eng.generate(_prompts(40 + k, [9, 21], tiny.config.vocab_size), params)
+        reqs = eng.generate(_prompts(40, [9, 21], tiny.config.vocab_size), params)
+        outs.append([r.output_ids for r in reqs])
         ref = weakref.ref(eng)
-        del eng
+        del eng, reqs
         gc.collect()
         assert ref() is None, "the engine is still referenced after del"
         sizes.append(reachable())
-    assert sizes[1] == sizes[2], sizes
+    assert sizes[0] == sizes[1] == sizes[2], sizes
+    assert ptrs[0] == ptrs[1] == ptrs[2]
+    assert outs[0] == outs[1] == outs[2]

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import queue
 import random
@@ -2261,10 +2262,37 @@ def _share_buffer(mods: list, dim: int) -> torch.Tensor | None:
         type(w.data) is torch.Tensor and w.dtype == ws[0].dtype and w.device == ws[0].device for w in ws
     ):
         return None
+    buf = _shared_already([w.data for w in ws], dim)
+    if buf is not None:  # an earlier engine on this model made it: the same buffer again, no second copy
+        return buf
     buf = torch.cat([w.data for w in ws], dim)
     for m, part in zip(mods, buf.split([w.shape[dim] for w in ws], dim)):
         m.weight.data = part
     return buf
+
+
+def _shared_already(ws: list, dim: int) -> torch.Tensor | None:
+    """The buffer of which ``ws`` already are the consecutive views along ``dim`` (the layout :func:`_share_buffer`
+    makes), when they are and it spans their whole storage; else None."""
+    st = ws[0].untyped_storage()
+    if any(w.untyped_storage().data_ptr() != st.data_ptr() or w.dim() != ws[0].dim() for w in ws):
+        return None
+    shape = list(ws[0].shape)
+    shape[dim] = sum(w.shape[dim] for w in ws)
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    if math.prod(shape) * ws[0].element_size() != st.nbytes():
+        return None
+    at = 0
+    for w in ws:
+        if [n for d, n in enumerate(w.shape) if d != dim] != [n for d, n in enumerate(shape) if d != dim]:
+            return None
+        if list(w.stride()) != strides or w.storage_offset() != at * strides[dim]:
+            return None
+        at += w.shape[dim]
+    # on the storage itself (a view of ws[0] would keep that tensor alive as its base)
+    return torch.empty(0, dtype=ws[0].dtype, device=ws[0].device).set_(st, 0, shape, strides)
 
 
 def _import_fast_paths() -> None:
