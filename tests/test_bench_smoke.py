@@ -277,7 +277,19 @@ def test_diag_kda_graphs_needs_cuda():
 def test_diag_engine_memory_cpu():
     """bench/diag_engine_memory.py's CPU mode: engines one after another on one model, each reported; on the CPU
     nothing is left over from one engine to the next."""
-    r = _run(["bench/diag_engine_memory.py", "--device", "cpu", "--engines", "2", "--context", "16", "--steps", "2"])
+    r = _run(
+        [
+            "bench/diag_engine_memory.py",
+            "--device",
+            "cpu",
+            "--engines",
+            "2",
+            "--context",
+            "16",
+            "--steps",
+            "2",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("engine ")]
     assert [ln.split(":")[0] for ln in lines] == ["engine 0", "engine 1"], r.stdout

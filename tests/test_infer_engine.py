@@ -1688,7 +1688,7 @@ def test_engine_is_freed_when_deleted(tiny):
         return sum(x.untyped_storage().nbytes() for x in gc.get_objects() if isinstance(x, torch.Tensor))
 
     sizes, ptrs, outs = [], [], []
-    for k in range(3):
+    for _ in range(3):
         eng = Engine(tiny, None, page_size=4, max_seqs=2, max_tokens=256, prefix_cache=True)
         assert eng._fused, "the tiny model's input projections are fused"
         # later engines take the fused buffers the first one made (the modules' weights are already their views)
