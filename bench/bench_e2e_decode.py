@@ -73,11 +73,10 @@ def _patch(obj, key, value):
     return lambda: setattr(obj, key, old)
 
 
-def _kda_few(**kw):
-    """A variant: ``KDA_CONFIG["few"]`` with the entries ``kw`` replaced."""
+def _kda_few(split_v: int):
     from openk3.infer import kernels as KN
 
-    return _patch(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], **kw})
+    return _patch(KN.KDA_CONFIG, "few", {**KN.KDA_CONFIG["few"], "split_v": split_v})
 
 
 def _setting(module: str, name: str, value, key=None):
@@ -103,8 +102,8 @@ def _no_logprobs():
 # --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
 KERNEL_VARIANTS = {
     "default": lambda: lambda: None,
-    "kda_split": lambda: _kda_few(split_v=8),
-    "kda_per_head": lambda: _kda_few(split_v=0),
+    "kda_split": lambda: _kda_few(8),
+    "kda_per_head": lambda: _kda_few(0),
     "no_fuse_select": _setting(_MOE_SMALL, "FUSE_SELECT", False),
     # the few-token gate/up tile (rows, columns, stages): two that fit their registers at 4 warps with the fused
     # selection (bench/diag_moe_compile.py), against the default (16, 256, 3)
@@ -502,8 +501,8 @@ def main():
     global DEV, PROFILE, WALL, SAMPLING, LAYERS
     DEV = args.device
     WALL = args.wall_timing
-    if args.layers < 0:
-        ap.error(f"--layers must be >= 0, got {args.layers}")
+    for preset in args.presets.split(","):  # a bad --layers stops the run before any model is built
+        first_layers(preset, args.layers)
     LAYERS = args.layers
     SAMPLING = {
         k: v

@@ -66,13 +66,6 @@ def profile_graph(g, steps: int = 5):
     return ks
 
 
-def layer_over(n: int | None, preset: str = "kimi-linear-48b") -> dict:
-    """Config overrides for ``preset``'s first ``n`` layers, each keeping its type (None: the preset as it is)."""
-    from openk3.config import get_preset
-
-    return get_preset(preset).first_layers(n) if n else {}
-
-
 def run_preset(
     preset: str, B: int, context: int, out_dir: str, off: tuple = (), model=None, ragged: float = 1.0
 ) -> None:
@@ -192,9 +185,9 @@ def main():
     if a.chain:
         chain(a.chain)
     for p in a.presets.split(","):
-        from bench_e2e_decode import build
+        from bench_e2e_decode import build, first_layers
 
-        model = build(p, **layer_over(a.layers, p))
+        model = build(p, **first_layers(p, a.layers or 0))
         for o in (off, ()) if a.both and off else (off,):
             run_preset(p, a.batch, a.context, a.out, o, model, a.ragged)
         del model

@@ -39,11 +39,10 @@ def decode_shapes(preset: str, device: str = "cuda") -> list[tuple[int, int]]:
     to four layers: a dense, two KDA + MoE and an MLA + MoE layer), from the engine's plan (no decode run: nothing
     else to compile)."""
     import bench_e2e_decode as E2E
-    from diag_decode_step import layer_over
     from openk3.infer.engine import Engine
 
     E2E.DEV = device
-    model = E2E.build(preset, **layer_over(4, preset))
+    model = E2E.build(preset, **E2E.first_layers(preset, 4))
     eng = Engine(model, None, max_seqs=1, max_tokens=256, use_cuda_graphs=False, prefix_cache=False)
     ws = [model.output_weight]
     for i, layer in enumerate(model.model.layers):

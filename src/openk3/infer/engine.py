@@ -2262,10 +2262,11 @@ def _share_buffer(mods: list, dim: int) -> torch.Tensor | None:
         type(w.data) is torch.Tensor and w.dtype == ws[0].dtype and w.device == ws[0].device for w in ws
     ):
         return None
-    buf = _shared_already([w.data for w in ws], dim)
+    data = [w.data for w in ws]
+    buf = _shared_already(data, dim)
     if buf is not None:  # an earlier engine on this model made it: the same buffer again, no second copy
         return buf
-    buf = torch.cat([w.data for w in ws], dim)
+    buf = torch.cat(data, dim)
     for m, part in zip(mods, buf.split([w.shape[dim] for w in ws], dim)):
         m.weight.data = part
     return buf
@@ -2279,9 +2280,7 @@ def _shared_already(ws: list, dim: int) -> torch.Tensor | None:
         return None
     shape = list(ws[0].shape)
     shape[dim] = sum(w.shape[dim] for w in ws)
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
+    strides = list(torch.empty(shape, device="meta").stride())  # contiguous
     if math.prod(shape) * ws[0].element_size() != st.nbytes():
         return None
     at = 0
