@@ -354,7 +354,9 @@ def _resident_grid(args: tuple, consts_for, dev) -> int:
         n = want
         while n > 1:
             consts = consts_for(sms * n)
-            ck = _moe_token_kernel.warmup(*args, PHASE=0, **consts, grid=(consts["G"],))
+            ck = _moe_token_kernel.warmup(
+                *args, PHASE=0, **consts, **pdl_launch(consts["PDL"]), grid=(consts["G"],)
+            )
             if resident_per_sm(ck, consts["num_warps"], dev) >= n:
                 break
             n -= 1
