@@ -20,10 +20,6 @@
 * few-token MoE (``openk3.fast.moe_small``, section ``moe``) at 1, 4 and 16 tokens for the medium, 48B and K3 expert
   shapes: its router (two kernels) vs ``openk3.ops.moe.route``, its routed experts (three kernels) vs the permuted
   ``torch._grouped_mm`` path; bytes = router weight, resp. the distinct experts' weights the tokens route to;
-* one token through a whole plain MoE layer (section ``moe1``, the 48B shape: norm, router with the shared experts'
-  gate / up rows, routed experts, shared down projection, residual): the one-launch persistent kernel
-  (``openk3.fast.moe_fused``) against the three launches of ``moe_small`` it replaces and the PyTorch reference;
-  bytes = router and shared rows + the k experts' weights + the shared down projection; L2 flushed by a read;
 * the token draw (section ``draw``): sorting-free top-p / Gumbel-max kernels against
   the PyTorch path (sort-based top-p), greedy against ``argmax``, the logprobs of the chosen token and the 5 most
   likely (``token_logprobs``) against ``log_softmax`` + ``topk``; B in {1, 16, 64}, 163,840 fp32 logits.
@@ -730,115 +726,6 @@ def moe_section(sweep: bool):
         empty_cache()
 
 
-# one-token MoE layer (section moe1): (name, E, k, D, I, shared width)
-MOE1_SHAPES = [("48b", 256, 8, 2304, 1024, 1024)]
-# launch settings tried beside openk3.fast.moe_fused.CONFIG (one compile each)
-MOE1_SWEEP = [
-    dict(per_sm=2),
-    dict(num_warps=4, per_sm=2),
-    dict(num_warps=4, per_sm=3),
-    dict(num_warps=4, per_sm=4),
-    dict(num_warps=4, per_sm=4, whole1_max_elems=0),
-    dict(num_warps=4, per_sm=4, bk2=64),
-]
-
-
-def moe1_section(sweep: bool):
-    """A plain MoE layer's decode step for one token (norm, router + the shared experts' gate / up rows, routed
-    experts, shared down projection, residual): the one-launch persistent kernel (openk3.fast.moe_fused) against
-    the three launches it replaces (openk3.fast.moe_small: router GEMV, gate/up with the selection, down + combine;
-    programmatic dependent launch between them) and the PyTorch reference. L2 flushed by a read before every call
-    (a graph replay of the whole step)."""
-    import dataclasses
-
-    from openk3.fast import moe_fused, moe_small
-    from openk3.fast._triton import pdl_scope
-    from openk3.infer.gemv import Normed
-
-    print("MoE layer, one token (bf16, PDL):", flush=True)
-    bf = torch.bfloat16
-    for name, E, K, D, I, SH in MOE1_SHAPES:
-        r = torch.randn(1, D, device=DEV).to(bf)
-        nw = (1 + 0.1 * torch.randn(D, device=DEV)).to(bf)
-        wr = (torch.randn(E + 2 * SH, D, device=DEV) * D**-0.5).to(bf)
-        bias = torch.randn(E, device=DEV) * 0.01
-        w1 = (torch.randn(E, I, D, device=DEV) * D**-0.5).to(bf)
-        w3 = (torch.randn(E, I, D, device=DEV) * D**-0.5).to(bf)
-        w2 = (torch.randn(E, D, I, device=DEV) * I**-0.5).to(bf)
-        shared = moe_small.SharedExperts(
-            wr[E : E + SH], wr[E + SH :], (torch.randn(D, SH, device=DEV) * SH**-0.5).to(bf), act="silu"
-        )
-        kw = dict(top_k=K, activation="sigmoid", renormalize=True, scaling=2.5)
-        ctr = moe_fused.new_counter(r.device)
-
-        last = {}
-
-        def one():
-            y, last["info"] = moe_fused.moe_token(
-                r, nw, 1e-6, wr, bias, w1, w2, w3, ctr, act="silu", shared=shared, **kw
-            )
-            return y
-
-        def three():
-            xo = torch.empty_like(r)
-            pr = moe_small.route_logits_small(Normed(r, nw, 1e-6, out=xo), wr, bias, extra=2 * SH, **kw)
-            slot = dataclasses.replace(shared, gu=pr.extra)
-            return moe_small.experts_small(xo, pr, None, w1, w2, w3, act="silu", residual=r, shared=slot)
-
-        def torch_ref():
-            return moe_fused.moe_token_reference(
-                r, nw, 1e-6, wr, bias, w1, w2, w3, act="silu", shared=shared, **kw
-            )
-
-        nbytes = (E + 2 * SH) * D * 2 + K * 3 * I * D * 2 + D * SH * 2
-        flops = 2 * nbytes // 2
-        shape = f"{name} E{E} k{K} D{D} I{I} shared {SH}"
-
-        def timed(fn):
-            return time_calls(as_graph(fn), read_flush) / 1e3
-
-        with torch.no_grad(), pdl_scope(True):
-            want = torch_ref()
-            base = (want.double() - r.double()).norm()
-            err = lambda y: float((y.double() - want.double()).norm() / base)  # noqa: E731
-            INFO["checks"][f"moe1.{name}.one_launch"] = err(one())
-            INFO["checks"][f"moe1.{name}.three_launches"] = err(three())
-            t1, t3 = timed(one), timed(three)
-            moe_fused.check_counter(ctr)
-            with pdl_scope(False):
-                tr = timed(torch_ref)
-            row("moe layer 1 token", shape, t1, t3, "3 launches (moe_small)", nbytes, flops)
-            row("moe layer 1 token", shape, t3, tr, "torch reference", nbytes, flops, "ours: the 3 launches")
-            if sweep:
-                base_cfg = dict(moe_fused.CONFIG)
-                for over in MOE1_SWEEP:
-                    if time.time() - T0 > BUDGET:
-                        INFO["skipped"].append(f"moe1 sweep {over}: time budget")
-                        break
-                    moe_fused.CONFIG.update(over)
-                    try:
-                        e = err(one())
-                        t = timed(one)
-                        moe_fused.check_counter(ctr)
-                        row(
-                            "moe layer 1 token sweep",
-                            f"{name} {over}",
-                            t,
-                            t3,
-                            "3 launches (moe_small)",
-                            nbytes,
-                            flops,
-                            f"err {e:.1e}, {last['info'].grid} programs",
-                        )
-                    except Exception as ex:
-                        INFO["errors"].append(f"moe1 sweep {over}: {type(ex).__name__}: {ex}")
-                    finally:
-                        moe_fused.CONFIG.clear()
-                        moe_fused.CONFIG.update(base_cfg)
-        w1 = w2 = w3 = None
-        empty_cache()
-
-
 DRAW_BATCHES = (1, 16, 64)
 DRAW_VOCAB = 163840  # the Kimi-Linear / K3 vocabulary
 
@@ -954,7 +841,7 @@ def main():
         action="store_true",
         help="time the Python call instead of a CUDA-graph replay of it",
     )
-    ap.add_argument("--sections", default="kda,mla,moe,moe1,draw")
+    ap.add_argument("--sections", default="kda,mla,moe,draw")
     ap.add_argument(
         "--l2-flush",
         choices=("zero", "read"),
@@ -1019,7 +906,6 @@ def main():
         ("kda", kda_section),
         ("mla", mla_section),
         ("moe", moe_section),
-        ("moe1", moe1_section),
         ("draw", draw_section),
     ):
         if name not in args.sections.split(","):

@@ -99,19 +99,6 @@ def _no_logprobs():
     return lambda: SAMPLING.__setitem__("logprobs", old) if had else None
 
 
-def _moe_fused(**over):
-    """A variant: ``openk3.fast.moe_fused.CONFIG`` entries set (the one-launch MoE step's grid and tiles; it runs
-    where EngineConfig.moe_one_launch is on, e.g. ``--compare-flags moe_one_launch``)."""
-
-    def apply():
-        from openk3.fast import moe_fused
-
-        undo = [_patch(moe_fused.CONFIG, k, v) for k, v in over.items()]
-        return lambda: [u() for u in reversed(undo)]
-
-    return apply
-
-
 # --kernel-variants: module-level launch choices, each set around one engine's run (the default: as configured)
 KERNEL_VARIANTS = {
     "default": lambda: lambda: None,
@@ -154,10 +141,6 @@ KERNEL_VARIANTS = {
     "moe_tiled": _setting("openk3.fast.moe_tiled", "TILED", 16, key="max_pairs_per_expert"),
     "moe_tiled_64": _setting("openk3.fast.moe_tiled", "TILED", 64, key="max_pairs_per_expert"),
     "moe_grouped": _setting("openk3.fast.moe_tiled", "TILED", 0, key="max_pairs_per_expert"),
-    # the one-launch MoE step (with --compare-flags moe_one_launch) on 2 / 3 / 4 programs per SM of 4 warps
-    "moe1_w4_ps2": _moe_fused(num_warps=4, per_sm=2),
-    "moe1_w4_ps3": _moe_fused(num_warps=4, per_sm=3),
-    "moe1_w4_ps4": _moe_fused(num_warps=4, per_sm=4),
 }
 
 

@@ -449,25 +449,6 @@ if has b1; then
       | grep "^| [mk]\|WARN\|disabled\|rror"
   fi
 fi
-if has moe1p; then
-  # the one-launch MoE step on several programs per SM: its GPU tests, bench_decode.py's moe1 section with the grid
-  # sweep (-> decode_moe1p.json), the per-phase timeline (diag_moe_fused.py), and the 48B batch-1 engine A/B of
-  # EngineConfig.moe_one_launch on MOE1P_VARIANTS (-> e2e_moe1p.json; the first B1_LAYERS=16 layers under 100 GB)
-  timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_moe_fused_gpu.py >"$OUT_DIR/tests_moe1p.log" 2>&1
-  echo "moe_fused tests: exit $? ($(tail -1 "$OUT_DIR/tests_moe1p.log"))"
-  grep -h "relerr\|FAILED\|Error" "$OUT_DIR/tests_moe1p.log" | head -20
-  timeout "$T_DECODE" python3 bench/bench_decode.py --sections moe1 --out "$OUT_DIR/decode_moe1p.json" 2>&1 \
-    | grep "^| \|rror"
-  timeout "$T_DECODE" python3 bench/diag_moe_fused.py --configs "${MOE1P_DIAG:-default,w4_ps2,w4_ps4,w4_ps4_stream1}"
-  layers=()
-  if [[ $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) -le 100000 ]]; then
-    layers=(--layers "${B1_LAYERS:-16}")
-  fi
-  timeout "$T_AB" python3 bench/bench_e2e_decode.py --presets kimi-linear-48b "${layers[@]}" --batches 1 \
-    --context 1040 --wall-timing --compare-flags moe_one_launch \
-    --kernel-variants "${MOE1P_VARIANTS:-default,moe1_w4_ps2,moe1_w4_ps4}" --out "$OUT_DIR/e2e_moe1p.json" 2>&1 \
-    | grep "^| [mk]\|WARN\|disabled\|rror"
-fi
 if has mla_peer; then
   timeout "$T_TESTS" python3 -m pytest -q -rf -p no:warnings tests/gpu/test_mla_peer_gpu.py >"$OUT_DIR/tests_mla_peer.log" 2>&1
   echo "mla_peer tests: exit $? ($(tail -1 "$OUT_DIR/tests_mla_peer.log"))"

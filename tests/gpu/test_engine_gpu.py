@@ -742,31 +742,6 @@ def test_engine_fold_norms(graphs, shared, monkeypatch):
         assert err < 1e-3, (on, err)
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_engine_moe_one_launch(graphs, monkeypatch):
-    """EngineConfig.moe_one_launch on CUDA (`small` in the Kimi Linear layout, one shared expert, FOLD_SHARED
-    "router"): one-row steps run each MoE layer's norm, router, experts and residual as one persistent launch; fp32
-    decode logits against a full forward of the same model, tightly."""
-    from openk3.fast import moe_fused
-    from openk3.infer import engine as E
-    from openk3.infer import gemv as G
-
-    monkeypatch.setattr(E, "FOLD_SHARED", "router")
-    monkeypatch.setitem(G.GEMV_DECODE, "normed_max_bytes", 1 << 40)
-    real = moe_fused.moe_token
-    calls = []
-    monkeypatch.setattr(moe_fused, "moe_token", lambda *a, **k: calls.append(1) or real(*a, **k))
-    err = _greedy_fp32_decode_err(
-        graphs,
-        seed=23,
-        max_tokens=(18, 9, 14),
-        model_over=dict(attn_res_block_size=None, routed_expert_hidden_size=None, num_shared_experts=1),
-        moe_one_launch=True,
-    )
-    assert calls, "moe_token never called"
-    assert err < 1e-3, err
-
-
 def test_engine_graph_priority():
     """EngineConfig.graph_priority (off by default): the decode graph captured on a high-priority stream, the side
     stream's branches at the lowest priority; the same fp32 decode logits as a full forward, tightly (plain MoE, so

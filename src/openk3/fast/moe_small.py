@@ -182,22 +182,10 @@ if HAS_TRITON:
         K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
         RENORM: tl.constexpr, TOPK: tl.constexpr = False,
     ):  # fmt: skip
-        """Token ``n``'s routing from its fp32 logits (:func:`_pick`). Returns the expert id of slot ``slot``
-        (int32); where ``STORE``, also stores the ids, the scaled weights and the scores (:func:`_store_route`)."""
-        s, sel_i, mine = _pick(logit_ptr, bias_ptr, n, E, slot, K, KP, EP, SOFTMAX, HAS_BIAS, TOPK)
-        if STORE:
-            sel_w = _mix_weights(s, sel_i, scaling, K, KP, EP, RENORM)
-            _store_route(idx_ptr, wt_ptr, score_ptr, n, E, s, sel_i, sel_w, K, KP, EP)
-        return mine
-
-    @triton.jit
-    def _pick(
-        logit_ptr, bias_ptr, n, E, slot, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-        SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, TOPK: tl.constexpr = False,
-    ):  # fmt: skip
-        """Token ``n``'s top-k from its fp32 logits: scores, top-k of scores + bias (NaN counts as the largest, as
-        in torch.topk; ties: lowest index). Returns (the scores ``[EP]`` (0 past E), the picked ids ``[KP]`` int32
-        in pick order (0 past K), the id of slot ``slot``).
+        """Token ``n``'s routing from its fp32 logits: scores, top-k of scores + bias (NaN counts as the largest, as
+        in torch.topk; ties: lowest index), mixture weights from the unbiased scores, renormalised (+1e-20) and
+        scaled. Returns the expert id of slot ``slot`` (int32); where ``STORE``, also stores the ids, the scaled
+        weights and the scores.
 
         Each pick is one max-reduction over 64-bit keys (the choice's order-preserving integer bits above, the
         complement of the expert index below), so the largest key is the largest choice at its lowest index: K
@@ -226,8 +214,7 @@ if HAS_TRITON:
         ks = tl.arange(0, KP)
         if TOPK and KP > 1:  # keys are distinct (the index bits): the sorted top KP are the K picks in order
             sel_i = (EP - 1 - (tl.topk(key, KP) & 0xFFFFFFFF)).to(tl.int32)
-            sel_i = tl.where(ks < K, sel_i, 0)
-            mine = tl.sum(tl.where(ks == slot, sel_i, 0), 0)
+            mine = tl.sum(tl.where((ks == slot) & (ks < K), sel_i, 0), 0)  # (0 past K, as the loop leaves it)
         else:
             sel_i = tl.zeros([KP], dtype=tl.int32)
             mine = 0
@@ -237,33 +224,16 @@ if HAS_TRITON:
                 sel_i = tl.where(ks == j, i, sel_i)
                 mine = tl.where(slot == j, i, mine)
                 key = tl.where(es == i, -9223372036854775807 - 1, key)
-        return s, sel_i, mine
-
-    @triton.jit
-    def _mix_weights(
-        s, sel_i, scaling, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr
-    ):
-        """The picked experts' mixture weights ``[KP]`` (0 past K): their unbiased scores, renormalised (+1e-20)
-        where ``RENORM``, times ``scaling``."""
-        es = tl.arange(0, EP)
-        km = tl.arange(0, KP) < K
-        hit = (es[None, :] == sel_i[:, None]) & km[:, None]
-        sel_w = tl.sum(tl.where(hit, s[None, :], 0.0), 1)  # one nonzero term per slot: exact
-        if RENORM:
-            sel_w = sel_w / (tl.sum(sel_w, 0) + 1e-20)
-        return sel_w * scaling
-
-    @triton.jit
-    def _store_route(
-        idx_ptr, wt_ptr, score_ptr, n, E, s, sel_i, sel_w, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr
-    ):
-        """Token ``n``'s routing stored: ids ``[n, :K]`` (int64), weights ``[n, :K]``, scores ``[n, :E]``."""
-        es = tl.arange(0, EP)
-        ks = tl.arange(0, KP)
-        km = ks < K
-        tl.store(score_ptr + n * E + es, s, mask=es < E)
-        tl.store(idx_ptr + n * K + ks, sel_i.to(tl.int64), mask=km)
-        tl.store(wt_ptr + n * K + ks, sel_w, mask=km)
+        if STORE:
+            km = ks < K
+            hit = (es[None, :] == sel_i[:, None]) & km[:, None]
+            sel_w = tl.sum(tl.where(hit, s[None, :], 0.0), 1)  # one nonzero term per slot: exact
+            if RENORM:
+                sel_w = sel_w / (tl.sum(sel_w, 0) + 1e-20)
+            tl.store(score_ptr + n * E + es, s, mask=em)
+            tl.store(idx_ptr + n * K + ks, sel_i.to(tl.int64), mask=km)
+            tl.store(wt_ptr + n * K + ks, sel_w * scaling, mask=km)
+        return mine
 
     @triton.jit
     def _shared_act(g, u, dt, MODE: tl.constexpr, sb1, isb1, sb2, isb2):

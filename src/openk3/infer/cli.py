@@ -221,13 +221,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "+ combine kernel adds the shared output and the residual); same roundings; default on",
     )
     g.add_argument(
-        "--moe-one-launch",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="decode on CUDA, one row, with --fold-norms: a plain MoE layer's norm, router, routed and shared experts "
-        "and residual add as one persistent launch (three phases, grid-wide barriers); same values; default off",
-    )
-    g.add_argument(
         "--backend",
         action="append",
         default=[],
@@ -352,7 +345,6 @@ def _load(args):
         fuse_norm_gemv=args.fuse_norm_gemv,
         gemv_residual=args.gemv_residual,
         fold_norms=args.fold_norms,
-        moe_one_launch=args.moe_one_launch,
         decode_backend=None if args.decode_backend in (None, "auto") else args.decode_backend,
         mla_backend=None if args.mla_backend == "auto" else args.mla_backend,
     )

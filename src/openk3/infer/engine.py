@@ -279,11 +279,6 @@ class EngineConfig:
     # (`openk3.infer.row_graphs.RowGraphs`; captured on first use, the tokens past the real ones zero rows that reach
     # no real output). Values as the eager layer up to the GEMMs' choice of kernels for the padded row count
     prefill_ffn_graphs: bool = True
-    # decode step with fold_norms at one row: a plain MoE layer whose shared experts' gate / up rows follow the
-    # router's (FOLD_SHARED "router"), or that has none, runs its norm, router, routed experts, shared experts and
-    # residual add as one persistent launch of one program per SM (`openk3.fast.moe_fused`: three phases separated by
-    # grid-wide barriers) instead of the router GEMV, the gate/up and the down + combine launches. Same values.
-    moe_one_launch: bool = False
 
 
 # EngineConfig.mla_backend values (None: the MLA step that decode_backend resolves)
@@ -678,7 +673,6 @@ class Engine:
         self._router_shared = (
             self._plan_router_shared() if self._fold_norms and FOLD_SHARED == "router" else {}
         )
-        self._moe_counters: dict[int, torch.Tensor] = {}  # moe_one_launch: a barrier counter per layer
         # CUDA graphs (decode step, fixed batch buckets); a no-op off CUDA
         self.graphs_enabled = bool(cfg.use_cuda_graphs and self.device.type == "cuda")
         if self.graphs_enabled and any(layer.is_moe for layer in inner.layers):
@@ -2114,16 +2108,6 @@ class Engine:
             with self._branch():
                 sd = self._shared_out(i, shared, nx)
         gate = moe.gate
-        if self.cfg.moe_one_launch and r0.shape[0] == 1 and (rs is not None or shared is None):
-            from openk3.fast import moe_fused
-
-            e = moe.experts
-            y, _ = moe_fused.moe_token(
-                r0, norm.weight, norm.eps, gate.weight if rs is None else rs, gate.e_score_correction_bias,
-                e.w1, e.w2, e.w3, self._moe_counter(i), act=moe.act, beta1=moe.beta1, beta2=moe.beta2,
-                shared=slot, **gate.options(),
-            )  # fmt: skip
-            return y[:, None]
         routing = small.route_logits_small(
             dataclasses.replace(nx, out=xn),
             gate.weight if rs is None else rs,
@@ -2142,15 +2126,6 @@ class Engine:
             add=sd, residual=r0, before_down=None if sd is None else self._join, shared=slot,
         )  # fmt: skip
         return y[:, None]
-
-    def _moe_counter(self, i: int) -> torch.Tensor:
-        """Layer ``i``'s barrier counter for the one-launch MoE step (EngineConfig.moe_one_launch): zeroed once, left
-        at zero by every launch."""
-        from openk3.fast import moe_fused
-
-        if i not in self._moe_counters:
-            self._moe_counters[i] = moe_fused.new_counter(self.device)
-        return self._moe_counters[i]
 
     @staticmethod
     def _shared_slot(small, moe):
