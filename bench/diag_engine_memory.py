@@ -1,7 +1,7 @@
 """Does a deleted engine give its GPU memory back? Builds one random-weight model, then runs ``--engines`` engines
 one after the other on it (prefill, a few decode steps, CUDA graphs as configured), deleting and collecting each.
-After each it prints ``torch.cuda.memory_allocated()`` against the model alone, and the CUDA tensors that Python
-can still reach and that were not there before the first engine (shape, dtype, MiB, what holds them).
+After each it prints ``torch.cuda.memory_allocated()`` against the model alone, and the CUDA storages that Python
+can still reach and that were not there before that engine (one tensor of each: shape, dtype, MiB, what holds it).
 
     python3 bench/diag_engine_memory.py [--preset medium] [--layers 0] [--engines 3] [--context 1040] [--batch 1]
 
@@ -15,6 +15,7 @@ import argparse
 import gc
 import os
 import sys
+import warnings
 import weakref
 
 import torch
@@ -22,16 +23,25 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
 
+def _is_tensor(o) -> bool:
+    try:
+        return isinstance(o, torch.Tensor)
+    except Exception:  # objects that fail isinstance mid-teardown
+        return False
+
+
 def _tensors(dev: str) -> dict[int, weakref.ref]:
     """Weak references to the reachable tensors on ``dev`` (weak: this script must not be what keeps them)."""
     gc.collect()
     out = {}
-    for o in gc.get_objects():
-        try:
-            if isinstance(o, torch.Tensor) and o.device.type == dev:
-                out[id(o)] = weakref.ref(o)
-        except Exception:  # objects that fail isinstance / attribute access mid-teardown
-            continue
+    with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        objs = gc.get_objects()
+        tensors = [o for o in objs if _is_tensor(o)]
+    del objs
+    for o in tensors:
+        if o.device.type == dev:
+            out[id(o)] = weakref.ref(o)
     return out
 
 
@@ -124,12 +134,25 @@ def main() -> None:
         now = _tensors(dev)
         # the first engine's leftovers include the model's own caches (fused weights kept on its modules); later
         # engines should add nothing
-        new = [t for i, r in now.items() if i not in before and (t := r()) is not None]
+        # new storage, not new tensor objects: a later engine may hang a new view on an earlier engine's buffer
+        had = set()
+        for r in before.values():
+            if (t := r()) is not None:
+                had.add(t.untyped_storage().data_ptr())
+        new, seen = [], set()
+        for i, r in now.items():
+            t = r()
+            if i in before or t is None:
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in had and ptr not in seen:
+                seen.add(ptr)
+                new.append(t)
         mib = sum(t.untyped_storage().nbytes() for t in new) / 2**20
         print(
             f"engine {k}: {during - base:.1f} MiB while alive, {after - base:+.1f} MiB over the model after delete "
-            f"({after - last:+.1f} MiB against the engine before); {len(new)} new reachable tensors since the "
-            f"{'model' if k == 0 else 'engine before'} ({mib:.1f} MiB of storage)",
+            f"({after - last:+.1f} MiB against the engine before); {len(new)} new reachable storages since the "
+            f"{'model' if k == 0 else 'engine before'} ({mib:.1f} MiB)",
             flush=True,
         )
         top = sorted(new, key=lambda x: -x.untyped_storage().nbytes())[:8]
@@ -140,7 +163,7 @@ def main() -> None:
                 f"{_holders(x, (new, top))}",
                 flush=True,
             )
-        x = t = new = None
+        x = t = new = had = seen = None
         before, last = now, after
 
 

@@ -294,5 +294,6 @@ def test_diag_engine_memory_cpu():
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("engine ")]
     assert [ln.split(":")[0] for ln in lines] == ["engine 0", "engine 1"], r.stdout
     assert "(+0.0 MiB against the engine before)" in lines[1]
+    assert "0 new reachable storages since the engine before" in lines[1], lines[1]
     r = _run(["bench/diag_engine_memory.py", "--device", "cpu", "--engines", "0"], timeout=120)
     assert r.returncode == 2 and "must be >= 1" in r.stderr

@@ -154,6 +154,22 @@ def sm_count(device) -> int:
     return _SM_COUNT[idx]
 
 
+def resident_per_sm(ck, num_warps: int, device) -> int:
+    """How many programs of the compiled kernel ``ck`` (a ``warmup`` result) one SM of ``device`` holds at once: the
+    least of what its shared memory (the per-block limit plus the 1 KB each block reserves), its 64 K registers
+    (per thread rounded up to the allocation unit of 8) and its 2,048 threads allow, at most 32."""
+    import torch
+
+    ck._init_handles()
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    props = triton.runtime.driver.active.utils.get_device_properties(idx)
+    by_smem = (props["max_shared_mem"] + 1024) // (ck.metadata.shared + 1024)
+    regs = -(-max(1, ck.n_regs) // 8) * 8
+    by_regs = 65536 // (regs * 32 * num_warps)
+    by_threads = 2048 // (32 * num_warps)
+    return max(0, min(by_smem, by_regs, by_threads, 32))
+
+
 def env_int(name: str, default: int, what: str) -> int:
     """A non-negative integer setting from the environment variable ``name`` (``default`` when unset or blank); a
     clear ``ValueError`` naming ``what`` it counts otherwise."""

@@ -10,6 +10,25 @@ from collections.abc import Callable, Hashable
 import torch
 
 _WARNED: set = set()
+_STREAMS: dict = {}
+
+
+def shared_stream(device, name: str, priority: int = 0) -> torch.cuda.Stream:
+    """The process's one CUDA stream for ``name`` on ``device`` at ``priority``, made on first use.
+
+    Engines take their side, warm-up and capture streams from here instead of making new ones. PyTorch gives every
+    (cuBLAS handle, stream) pair that runs a cuBLAS call its own workspace (32 MiB on Hopper) and keeps it for the
+    life of the process, and its caching allocator keeps the blocks a stream freed for that stream: with fresh
+    streams, each engine built and deleted on one model left ~96 MiB behind on an H100 (bench/NOTES.md v44). Work
+    queued on a shared stream is ordered as on any stream (the users wait on events or streams around it); two
+    engines driven from two threads at once would queue their side work on one stream, in turn."""
+    dev = torch.device(device)
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    key = (idx, name, priority)
+    s = _STREAMS.get(key)
+    if s is None:
+        s = _STREAMS[key] = torch.cuda.Stream(torch.device("cuda", idx), priority=priority)
+    return s
 
 
 def warn_once(msg: str, key: Hashable | None = None) -> None:
@@ -40,7 +59,7 @@ class GraphCapture:
         dev = torch.device(device)
         s = self._stream
         if s is None or s.device != dev:
-            s = self._stream = torch.cuda.Stream(dev)
+            s = self._stream = shared_stream(dev, "warm_up")
         cur = torch.cuda.current_stream(dev)
         s.wait_stream(cur)
         out = None

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from openk3.fast._triton import pdl_scope
-from openk3.fast.graphs import GraphCapture
+from openk3.fast.graphs import GraphCapture, shared_stream
 from openk3.infer import gemv as _gemv
 from openk3.infer.cache import PagedHybridCache, PrefixCache, device_tensor, plan_pool
 from openk3.infer.decode import (
@@ -654,7 +654,7 @@ class Engine:
         # the decode step's second stream (parallel_ffn branches); None: every op in place
         self._side_used = False  # whether this decode forward issued work on the side stream (_branch)
         self._side = (
-            torch.cuda.Stream(self.device, priority=0)
+            shared_stream(self.device, "side", priority=0)
             if self.device.type == "cuda" and cfg.parallel_ffn
             else None
         )
@@ -2202,8 +2202,8 @@ class Engine:
         )
         self._decode_capture.warm_up(lambda: self._decode_forward(*bufs), dev)  # on scratch rows only
         # graph_priority: captured on a high-priority stream (its kernel nodes keep that priority; the side stream's
-        # keep the lowest, 0); otherwise on a fresh stream of the default priority
-        cap = torch.cuda.Stream(dev, priority=GRAPH_PRIORITY if self.cfg.graph_priority else 0)
+        # keep the lowest, 0); otherwise on a stream of the default priority (both shared by every engine)
+        cap = shared_stream(dev, "capture", priority=GRAPH_PRIORITY if self.cfg.graph_priority else 0)
         g, out = self._decode_capture.capture(lambda: self._decode_forward(*bufs), stream=cap)
         self._graphs[bucket] = (g, (meta, lengths, table), out, (buf, torch.empty_like(buf, device="cpu")))
 

@@ -74,7 +74,7 @@ import os
 
 import torch
 
-from openk3.fast._triton import pdl_launch, pdl_on
+from openk3.fast._triton import pdl_launch, pdl_on, resident_per_sm
 from openk3.fast._triton import sm_count as _sm_count
 from openk3.infer.decode import FAST_KDA_DECODE, FAST_MLA_DECODE
 from openk3.infer.sample_kernels import gumbel_argmax_triton
@@ -1368,16 +1368,7 @@ def _mla_resident(args: tuple, consts: dict, num_warps: int, device: torch.devic
             ck = _mla_split_kernel.warmup(
                 *args, 2, 1, 2, DIRECT=False, **consts, num_warps=num_warps, grid=(1,)
             )
-            ck._init_handles()
-            props = triton.runtime.driver.active.utils.get_device_properties(
-                device.index if device.index is not None else torch.cuda.current_device()
-            )
-            # per SM: the per-block limit plus the 1 KB each block reserves
-            smem = props["max_shared_mem"] + 1024
-            by_smem = smem // (ck.metadata.shared + 1024)
-            by_regs = 65536 // max(1, ck.n_regs * 32 * num_warps)
-            by_threads = 2048 // (32 * num_warps)
-            _RESIDENT[key] = max(1, min(by_smem, by_regs, by_threads))
+            _RESIDENT[key] = max(1, resident_per_sm(ck, num_warps, device))
         except Exception as e:  # pragma: no cover - depends on the Triton build
             log.warning("openk3: MLA decode occupancy unknown (%s); assuming one program per SM", e)
             _RESIDENT[key] = 1
