@@ -413,6 +413,24 @@ def test_pdl_switch():
     assert TR.pdl_launch(True) == {"launch_pdl": True} and TR.pdl_launch(False) == {}
 
 
+def test_occupancy_follows_the_sm90_limits():
+    """openk3.fast._triton.occupancy against the sm_90 limits (64 K registers allocated per warp in units of 256,
+    2,048 threads, 32 blocks, 227 KB of shared memory per block plus 1 KB reserved per block), worked out by hand."""
+    from openk3.fast._triton import occupancy
+
+    smem = 232448  # the H100 / H200 per-block limit, 227 KB
+    assert occupancy(128, 0, 4, smem) == 4  # 65536 / (128 * 128)
+    assert occupancy(79, 0, 4, smem) == 6  # 79 registers take 80: 65536 / (80 * 128) = 6.4
+    assert occupancy(80, 0, 4, smem) == 6
+    assert occupancy(64, 0, 4, smem) == 8
+    assert occupancy(255, 0, 8, smem) == 1  # 256 * 256 = all of the registers
+    assert occupancy(32, 0, 32, smem) == 2  # 2,048 threads / 1,024
+    assert occupancy(16, 0, 1, smem) == 32  # the block limit, not the 64 the threads would allow
+    assert occupancy(32, 100 * 1024, 4, smem) == 2  # (227 + 1) KB / (100 + 1) KB
+    assert occupancy(32, smem, 4, smem) == 1
+    assert occupancy(255, 0, 16, smem) == 0  # does not fit at all
+
+
 def test_attnres_kernel_knobs_reject_bad_values(monkeypatch):
     """The AttnRes kernels' environment knobs: bad names or values raise a ValueError naming the variable at import
     (never a crash inside a launch); good ones land in the tables; register caps by source count fall back to the

@@ -154,20 +154,26 @@ def sm_count(device) -> int:
     return _SM_COUNT[idx]
 
 
+def occupancy(n_regs: int, shared: int, num_warps: int, max_shared: int) -> int:
+    """Programs of ``num_warps`` warps, ``n_regs`` registers per thread and ``shared`` bytes of shared memory that one
+    sm_90 SM holds at once: the least of what its shared memory (``max_shared``, the per-block limit, plus the 1 KB
+    each block reserves), its 64 K registers (allocated per warp in units of 256, i.e. per thread rounded up to 8)
+    and its 2,048 threads allow, at most 32."""
+    by_smem = (max_shared + 1024) // (shared + 1024)
+    regs = -(-max(1, n_regs) // 8) * 8
+    by_regs = 65536 // (regs * 32 * num_warps)
+    by_threads = 2048 // (32 * num_warps)
+    return max(0, min(by_smem, by_regs, by_threads, 32))
+
+
 def resident_per_sm(ck, num_warps: int, device) -> int:
-    """How many programs of the compiled kernel ``ck`` (a ``warmup`` result) one SM of ``device`` holds at once: the
-    least of what its shared memory (the per-block limit plus the 1 KB each block reserves), its 64 K registers
-    (per thread rounded up to the allocation unit of 8) and its 2,048 threads allow, at most 32."""
+    """:func:`occupancy` of the compiled kernel ``ck`` (a ``warmup`` result) on the CUDA ``device``."""
     import torch
 
     ck._init_handles()
     idx = device.index if device.index is not None else torch.cuda.current_device()
     props = triton.runtime.driver.active.utils.get_device_properties(idx)
-    by_smem = (props["max_shared_mem"] + 1024) // (ck.metadata.shared + 1024)
-    regs = -(-max(1, ck.n_regs) // 8) * 8
-    by_regs = 65536 // (regs * 32 * num_warps)
-    by_threads = 2048 // (32 * num_warps)
-    return max(0, min(by_smem, by_regs, by_threads, 32))
+    return occupancy(ck.n_regs, ck.metadata.shared, num_warps, props["max_shared_mem"])
 
 
 def env_int(name: str, default: int, what: str) -> int:
