@@ -1,6 +1,7 @@
 """What openk3's CUDA graph sets share (the prefill forward's :class:`openk3.fast.kda.ChunkGraphs` and
 :class:`openk3.infer.row_graphs.RowGraphs`, the engine's decode-step graphs): warm-up runs on one side stream and
-captures into one memory pool (:class:`GraphCapture`), and warnings given once (:func:`warn_once`)."""
+captures into one memory pool (:class:`GraphCapture`), the process's shared streams (:func:`shared_stream`), and
+warnings given once (:func:`warn_once`)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ class GraphCapture:
     (copied out, or read by the next launch) before the next replay: a later capture may reuse the memory that an
     earlier one used for its intermediates. One warm-up stream, because the allocator keeps the blocks a stream
     freed for that stream alone: a new stream per capture would keep one more warm-up's worth of memory each time.
-    Use it from one thread."""
+    It is the process's shared one (:func:`shared_stream`), so later capture sets do not add a cuBLAS workspace
+    either. Use it from one thread."""
 
     def __init__(self):
         self.pool = None
