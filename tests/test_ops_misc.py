@@ -431,6 +431,14 @@ def test_occupancy_follows_the_sm90_limits():
     assert occupancy(255, 0, 16, smem) == 0  # does not fit at all
 
 
+def test_cuda_index_reads_the_ordinal():
+    """openk3.fast._triton.cuda_index: the ordinal of a CUDA device given as a string or a torch.device (no device
+    needed for one that names it)."""
+    from openk3.fast._triton import cuda_index
+
+    assert cuda_index("cuda:3") == 3 and cuda_index(torch.device("cuda", 1)) == 1
+
+
 def test_attnres_kernel_knobs_reject_bad_values(monkeypatch):
     """The AttnRes kernels' environment knobs: bad names or values raise a ValueError naming the variable at import
     (never a crash inside a launch); good ones land in the tables; register caps by source count fall back to the

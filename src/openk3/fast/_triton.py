@@ -141,6 +141,14 @@ if HAS_TRITON:
 _SM_COUNT: dict[int, int] = {}
 
 
+def cuda_index(device) -> int:
+    """The ordinal of a CUDA ``device`` (``cuda`` without one: the current device)."""
+    import torch
+
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def sm_count(device) -> int:
     """Streaming multiprocessors of a CUDA device (cached); 4 for a CPU tensor (the interpreter: a few programs,
     so that code splitting work over the SMs still runs more than one)."""
@@ -148,7 +156,7 @@ def sm_count(device) -> int:
 
     if device.type != "cuda":
         return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = cuda_index(device)
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
@@ -168,11 +176,8 @@ def occupancy(n_regs: int, shared: int, num_warps: int, max_shared: int) -> int:
 
 def resident_per_sm(ck, num_warps: int, device) -> int:
     """:func:`occupancy` of the compiled kernel ``ck`` (a ``warmup`` result) on the CUDA ``device``."""
-    import torch
-
     ck._init_handles()
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    props = triton.runtime.driver.active.utils.get_device_properties(idx)
+    props = triton.runtime.driver.active.utils.get_device_properties(cuda_index(device))
     return occupancy(ck.n_regs, ck.metadata.shared, num_warps, props["max_shared_mem"])
 
 

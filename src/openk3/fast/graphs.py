@@ -10,6 +10,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from openk3.fast._triton import cuda_index
+
 _WARNED: set = set()
 _STREAMS: dict = {}
 
@@ -23,8 +25,7 @@ def shared_stream(device, name: str, priority: int = 0) -> torch.cuda.Stream:
     streams, each engine built and deleted on one model left ~96 MiB behind on an H100 (bench/NOTES.md v44). Work
     queued on a shared stream is ordered as on any stream (the users wait on events or streams around it); two
     engines driven from two threads at once would queue their side work on one stream, in turn."""
-    dev = torch.device(device)
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    idx = cuda_index(device)
     key = (idx, name, priority)
     s = _STREAMS.get(key)
     if s is None:
