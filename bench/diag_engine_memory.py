@@ -90,7 +90,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.engines < 1 or args.batch < 1 or args.context < 1:
         ap.error("--engines, --batch and --context must be >= 1")
-    from openk3.config import get_preset
+    from bench_e2e_decode import first_layers
     from openk3.infer.engine import Engine, random_model
     from openk3.infer.sampling import SamplingParams
 
@@ -98,7 +98,7 @@ def main() -> None:
     if dev == "cuda" and not torch.cuda.is_available():
         sys.exit("diag_engine_memory.py needs a CUDA device (or --device cpu)")
     preset = args.preset if dev == "cuda" else "tiny"
-    over = get_preset(preset).first_layers(args.layers) if args.layers else {}
+    over = first_layers(preset, args.layers)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     model = random_model(preset, device=dev, dtype=dtype, seed=0, **over)
     V = model.config.vocab_size

@@ -2283,9 +2283,10 @@ def _shared_already(ws: list, dim: int) -> torch.Tensor | None:
     strides = list(torch.empty(shape, device="meta").stride())  # contiguous
     if math.prod(shape) * ws[0].element_size() != st.nbytes():
         return None
+    rest = shape[:dim] + shape[dim + 1 :]  # the sizes off `dim`, which every view must share
     at = 0
     for w in ws:
-        if [n for d, n in enumerate(w.shape) if d != dim] != [n for d, n in enumerate(shape) if d != dim]:
+        if list(w.shape[:dim] + w.shape[dim + 1 :]) != rest:
             return None
         if list(w.stride()) != strides or w.storage_offset() != at * strides[dim]:
             return None
