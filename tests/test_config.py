@@ -143,6 +143,32 @@ def test_kimi_linear_release_config(tmp_path):
         (dict(hidden_size=0), "positive integer"),
         (dict(attn_res_block_size=0), "positive integer"),
         (dict(first_k_dense_replace=99), "first_k_dense_replace"),
+        # types and non-finite values: each a ConfigError naming the field, never a TypeError or a silent NaN model
+        (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number"),
+        (dict(rms_norm_eps="1e-5"), "rms_norm_eps must be a finite number"),
+        (dict(mla_latent_norm_eps=float("inf")), "mla_latent_norm_eps must be a finite number"),
+        (dict(mla_latent_norm_eps=0.0), r"mla_latent_norm_eps must be > 0"),
+        (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor must be a finite number"),
+        (dict(activation_situ_beta=float("nan")), "activation_situ_beta must be a finite number"),
+        (dict(initializer_range=-0.02), r"initializer_range must be >= 0"),
+        (dict(gate_lower_bound=float("nan")), r"\[-10, 0\)"),
+        (dict(gate_lower_bound="-5"), r"\[-10, 0\)"),
+        (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),
+        (dict(mla_use_output_gate=1), "mla_use_output_gate must be true or false"),
+        (dict(max_position_embeddings=-1), "max_position_embeddings must be a positive integer"),
+        (dict(num_nextn_predict_layers=-1), "num_nextn_predict_layers must be an integer >= 0"),
+        (
+            dict(kda_layers="1,2,3", full_attn_layers=[4]),
+            "kda_layers must be a list of 1-based layer numbers",
+        ),
+        (dict(kda_layers=[1, 2, 3], full_attn_layers=[4.0]), "full_attn_layers must be a list"),
+        (dict(bos_token_id="1"), "bos_token_id must be an integer token id"),
+        (dict(eos_token_id=[1, "2"]), "eos_token_id must be an integer token id"),
+        (dict(eos_token_id=[]), "eos_token_id must be an integer token id"),
+        (dict(kda_init="xavier"), "kda_init must be one of"),
+        (dict(topk_method="greedy"), "topk_method 'greedy' is not supported"),
+        (dict(num_experts=8, num_expert_group=2, topk_group=2, use_grouped_topk=False), "ambiguous"),
+        (dict(model_type=3), "model_type must be a string"),
     ],
 )
 def test_validation_messages(over, msg):
@@ -158,6 +184,41 @@ def test_unknown_preset_and_bad_file(tmp_path):
         K3Config.from_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError):
         K3Config.from_pretrained(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    "d, msg",
+    [
+        ({"linear_attn_config": [1, 2]}, "linear_attn_config must be a JSON object"),
+        ({"linear_attn_config": {"kda_layers": "1,2", "full_attn_layers": [3]}}, "kda_layers must be a list"),
+        (
+            {
+                "linear_attn_config": {
+                    "kda_layers": [1, 2],
+                    "full_attn_layers": [3],
+                    "use_full_rank_gate": "no",
+                }
+            },
+            "use_full_rank_gate must be true or false",
+        ),
+        ({"num_hidden_layers": "27"}, "num_hidden_layers must be a positive integer"),
+        (
+            {"num_hidden_layers": 2, "layer_types": "linear_attention"},
+            "layer_types must be a list of strings",
+        ),
+        (
+            {"num_hidden_layers": 2, "layer_types": ["full_attention", "mamba"]},
+            r"unknown entries \['mamba'\]",
+        ),
+        ({"num_hidden_layers": 2, "mlp_layer_types": ["dense", "moe"]}, r"unknown entries \['moe'\]"),
+    ],
+)
+def test_bad_config_json_values(tmp_path, d, msg):
+    """A config.json whose values have the wrong type gets a ConfigError that names the field (a released config
+    writes true / false and integer lists; a string such as "false" must not be read as true)."""
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=msg):
+        K3Config.from_pretrained(tmp_path)
 
 
 def test_transformers_format_round_trip(tmp_path):

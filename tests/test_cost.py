@@ -342,6 +342,9 @@ def test_cli_errors(capsys):
         ["k3", "--hw", "tpu"],
         ["k3", "--sweep", "bogus=1"],
         ["k3", "--ep", "6", "--tp", "4"],
+        ["tiny", "--set", "tie_word_embeddings=maybe"],  # not read as false
+        ["tiny", "--set", "rms_norm_eps=nan"],
+        ["tiny", "--set", "kda_layers=1"],
     ):
         rc, _, err = _run(capsys, *argv)
         assert rc == 2 and err.startswith("openk3 cost: error:") and err.count("\n") == 1, argv

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -41,6 +42,28 @@ class ConfigError(ValueError):
 
 
 _ACTS = ("situ", "silu", "swiglu")
+_BOOLS = (
+    "tie_word_embeddings",
+    "use_full_rank_gate",
+    "mla_use_nope",
+    "mla_use_output_gate",
+    "latent_moe_use_norm",
+    "moe_renormalize",
+    "use_grouped_topk",
+)
+_KDA_INITS = ("fla",)
+_TOPK_METHODS = ("noaux_tc",)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _layer_list(name: str, v: Any) -> list[int]:
+    """A 1-based layer list as given (JSON list of integers) -> sorted ints, or a ConfigError naming the field."""
+    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not all(_is_int(i) for i in v):
+        raise ConfigError(f"{name} must be a list of 1-based layer numbers (integers), got {v!r}")
+    return sorted(v)
 
 
 @dataclass
@@ -115,8 +138,8 @@ class K3Config:
             n = self.num_hidden_layers
             self.full_attn_layers = [i for i in range(1, n + 1) if i % 4 == 0 or i == n]
             self.kda_layers = [i for i in range(1, n + 1) if i not in set(self.full_attn_layers)]
-        self.kda_layers = sorted(int(i) for i in self.kda_layers)
-        self.full_attn_layers = sorted(int(i) for i in self.full_attn_layers)
+        self.kda_layers = _layer_list("kda_layers", self.kda_layers)
+        self.full_attn_layers = _layer_list("full_attn_layers", self.full_attn_layers)
         self.validate()
 
     # ------------------------------------------------------------------------------------------------------
@@ -125,8 +148,25 @@ class K3Config:
             v = getattr(self, name)
             if v is None and allow_none:
                 return
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            if not _is_int(v) or v <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+
+        def real(name: str, *, zero_ok: bool = False) -> None:  # a finite number > 0 (>= 0 with zero_ok)
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"{name} must be a finite number, got {v!r}")
+            if v < 0 or (v == 0 and not zero_ok):
+                raise ConfigError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {v!r}")
+
+        for n in _BOOLS:
+            if not isinstance(getattr(self, n), bool):
+                raise ConfigError(f"{n} must be true or false, got {getattr(self, n)!r}")
+        for n in ("rms_norm_eps", "mla_latent_norm_eps", "routed_scaling_factor"):
+            real(n)
+        real("initializer_range", zero_ok=True)
+        if self.hidden_act == "situ":
+            real("activation_situ_beta")
+            real("activation_situ_linear_beta")
 
         for n in (
             "vocab_size",
@@ -149,14 +189,19 @@ class K3Config:
             "topk_group",
         ):
             pos(n)
+        pos("max_position_embeddings")
         pos("q_lora_rank", allow_none=True)
         pos("routed_expert_hidden_size", allow_none=True)
         pos("attn_res_block_size", allow_none=True)
-        if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 0:
+        if not _is_int(self.num_nextn_predict_layers) or self.num_nextn_predict_layers < 0:
+            raise ConfigError(
+                f"num_nextn_predict_layers must be an integer >= 0, got {self.num_nextn_predict_layers!r}"
+            )
+        if not _is_int(self.qk_rope_head_dim) or self.qk_rope_head_dim < 0:
             raise ConfigError(f"qk_rope_head_dim must be an integer >= 0, got {self.qk_rope_head_dim!r}")
-        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+        if not _is_int(self.num_shared_experts) or self.num_shared_experts < 0:
             raise ConfigError(f"num_shared_experts must be an integer >= 0, got {self.num_shared_experts!r}")
-        if not isinstance(self.first_k_dense_replace, int) or not (
+        if not _is_int(self.first_k_dense_replace) or not (
             0 <= self.first_k_dense_replace <= self.num_hidden_layers
         ):
             raise ConfigError(
@@ -177,7 +222,10 @@ class K3Config:
                 "kda_layers and full_attn_layers must together list every layer 1..num_hidden_layers exactly once; "
                 f"listed twice: {dup}, missing: {missing}"
             )
-        if self.gate_lower_bound is not None and not (-10.0 <= float(self.gate_lower_bound) < 0.0):
+        glb = self.gate_lower_bound
+        if glb is not None and (
+            isinstance(glb, bool) or not isinstance(glb, (int, float)) or not (-10.0 <= glb < 0.0)
+        ):
             raise ConfigError(
                 f"gate_lower_bound must be in [-10, 0) (K3 uses -5.0) or None for the softplus gate, "
                 f"got {self.gate_lower_bound!r}"
@@ -189,6 +237,12 @@ class K3Config:
         if self.num_experts % self.num_expert_group:
             raise ConfigError(
                 f"num_expert_group ({self.num_expert_group}) must divide num_experts ({self.num_experts})"
+            )
+        if self.num_expert_group > 1 and not self.use_grouped_topk:
+            raise ConfigError(
+                f"use_grouped_topk is false but num_expert_group is {self.num_expert_group}: transformers' Kimi "
+                "router applies the group limit regardless of the flag and vLLM's does not, so the routing is "
+                "ambiguous; set use_grouped_topk true (group-limited) or num_expert_group = topk_group = 1"
             )
         if self.topk_group > self.num_expert_group:
             raise ConfigError(
@@ -213,26 +267,35 @@ class K3Config:
             )
         if self.hidden_act not in _ACTS:
             raise ConfigError(f"hidden_act must be one of {_ACTS}, got {self.hidden_act!r}")
-        if self.hidden_act == "situ" and (
-            self.activation_situ_beta <= 0 or self.activation_situ_linear_beta <= 0
-        ):
-            raise ConfigError("activation_situ_beta and activation_situ_linear_beta must be > 0")
         if self.moe_router_activation_func not in ("sigmoid", "softmax"):
             raise ConfigError(
                 f"moe_router_activation_func must be 'sigmoid' or 'softmax', got {self.moe_router_activation_func!r}"
             )
         if self.attn_res_init not in ("zero", "normal"):
             raise ConfigError(f"attn_res_init must be 'zero' or 'normal', got {self.attn_res_init!r}")
-        if self.rms_norm_eps <= 0 or self.mla_latent_norm_eps <= 0:
-            raise ConfigError("rms_norm_eps and mla_latent_norm_eps must be > 0")
-        if self.routed_scaling_factor <= 0:
-            raise ConfigError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        if self.kda_init not in _KDA_INITS:
+            raise ConfigError(f"kda_init must be one of {_KDA_INITS}, got {self.kda_init!r}")
+        if self.topk_method not in _TOPK_METHODS:
+            raise ConfigError(
+                f"topk_method {self.topk_method!r} is not supported: openk3 routes as K3 / Kimi Linear do, "
+                f"{_TOPK_METHODS[0]!r} (sigmoid scores plus e_score_correction_bias for the choice)"
+            )
+        for n in ("model_type", "name"):
+            if not isinstance(getattr(self, n), str):
+                raise ConfigError(f"{n} must be a string, got {getattr(self, n)!r}")
         for tok in ("bos_token_id", "pad_token_id"):
             v = getattr(self, tok)
+            if v is not None and not _is_int(v):
+                raise ConfigError(f"{tok} must be an integer token id or null, got {v!r}")
             if v is not None and not (0 <= v < self.vocab_size):
                 setattr(self, tok, None)  # out-of-vocab special ids (e.g. tiny vocab) are dropped
         if self.eos_token_id is not None:
             ids = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+            if not ids or not all(_is_int(i) for i in ids):
+                raise ConfigError(
+                    f"eos_token_id must be an integer token id, a non-empty list of them, or null; "
+                    f"got {self.eos_token_id!r}"
+                )
             ids = [i for i in ids if 0 <= i < self.vocab_size]
             self.eos_token_id = (ids[0] if len(ids) == 1 else ids) if ids else None
 
@@ -314,9 +377,11 @@ class K3Config:
         known = {f.name for f in fields(cls)}
         kw: dict[str, Any] = {}
         lac = d.pop("linear_attn_config", None) or {}
+        if not isinstance(lac, dict):
+            raise ConfigError(f"linear_attn_config must be a JSON object, got {type(lac).__name__}")
         if lac:
-            kw["kda_layers"] = list(lac.get("kda_layers", []))
-            kw["full_attn_layers"] = list(lac.get("full_attn_layers", []))
+            kw["kda_layers"] = lac.get("kda_layers", [])
+            kw["full_attn_layers"] = lac.get("full_attn_layers", [])
             if "num_heads" in lac:
                 kw["kda_num_heads"] = lac["num_heads"]
             if "head_dim" in lac:
@@ -324,11 +389,11 @@ class K3Config:
             if "short_conv_kernel_size" in lac:
                 kw["short_conv_kernel_size"] = lac["short_conv_kernel_size"]
             kw["gate_lower_bound"] = lac.get("gate_lower_bound", None)
-            kw["use_full_rank_gate"] = bool(lac.get("use_full_rank_gate", False))
+            kw["use_full_rank_gate"] = lac.get("use_full_rank_gate", False)
         else:
             # transformers' KimiLinearConfig.save_pretrained format, or a config with neither: Kimi Linear defaults
             kw["gate_lower_bound"] = d.pop("gate_lower_bound", None)
-            kw["use_full_rank_gate"] = bool(d.pop("use_full_rank_gate", False))
+            kw["use_full_rank_gate"] = d.pop("use_full_rank_gate", False)
             for src, dst in (
                 ("linear_num_heads", "kda_num_heads"),
                 ("linear_head_dim", "kda_head_dim"),
@@ -337,15 +402,29 @@ class K3Config:
                 if src in d:
                     kw[dst] = d.pop(src)
             lt = d.pop("layer_types", None)
-            n = int(d.get("num_hidden_layers", 27))
+            n = d.get("num_hidden_layers", 27)
+            if not _is_int(n) or n <= 0:
+                raise ConfigError(f"num_hidden_layers must be a positive integer, got {n!r}")
             if lt is None:  # transformers' default schedule
                 lt = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+            if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
+                raise ConfigError(f"layer_types must be a list of strings, got {lt!r}")
+            unknown = sorted({t for t in lt if t not in ("full_attention", "linear_attention")})
+            if unknown:
+                raise ConfigError(
+                    f"layer_types: unknown entries {unknown} (full_attention / linear_attention)"
+                )
             if len(lt) != n:
                 raise ConfigError(f"layer_types has {len(lt)} entries but num_hidden_layers is {n}")
             kw["full_attn_layers"] = [i + 1 for i, t in enumerate(lt) if t == "full_attention"]
             kw["kda_layers"] = [i + 1 for i, t in enumerate(lt) if t != "full_attention"]
             mlt = d.pop("mlp_layer_types", None)
+            if mlt is not None and (not isinstance(mlt, list) or not all(isinstance(t, str) for t in mlt)):
+                raise ConfigError(f"mlp_layer_types must be a list of strings, got {mlt!r}")
             if mlt is not None:
+                unknown = sorted({t for t in mlt if t not in ("dense", "sparse")})
+                if unknown:
+                    raise ConfigError(f"mlp_layer_types: unknown entries {unknown} (dense / sparse)")
                 dense = [i for i, t in enumerate(mlt) if t == "dense"]
                 if dense != list(range(len(dense))):
                     raise ConfigError("mlp_layer_types: only a leading run of dense layers is supported")

@@ -1547,7 +1547,10 @@ def _coerce(cfg: K3Config, key: str, raw: str) -> Any:
         except json.JSONDecodeError:
             raise ConfigError(f"{key}: expected a JSON list such as [4,8,12], got {raw!r}") from None
     if isinstance(cur, bool):
-        return raw.lower() in ("1", "true", "yes", "on")
+        word = raw.strip().lower()
+        if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ConfigError(f"{key}: expected true or false, got {raw!r}")
+        return word in ("1", "true", "yes", "on")
     if isinstance(cur, int) or (cur is None and raw.lstrip("-").isdigit()):
         return int(raw)
     if isinstance(cur, float) or cur is None:
