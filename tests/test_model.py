@@ -143,6 +143,14 @@ def test_tiny_preset_covers_everything():
             "batch size 1",
         ),
         (lambda m: m(torch.zeros(1, 6, dtype=torch.long) + 1, cu_seqlens=torch.tensor([[0, 6]])), "1-D"),
+        # loss targets out of range: on CUDA a device-side assert inside cross-entropy, so refused up front
+        (
+            lambda m: m(torch.ones(1, 6, dtype=torch.long), labels=torch.full((1, 6), m.config.vocab_size)),
+            "labels",
+        ),
+        (lambda m: m(torch.ones(1, 6, dtype=torch.long), labels=torch.full((1, 6), -2)), r"or be -100"),
+        (lambda m: m(torch.ones(1, 6, dtype=torch.long), targets=torch.full((1, 6), 1e9).long()), "targets"),
+        (lambda m: m(torch.ones(1, 6, dtype=torch.long), targets=torch.ones(1, 6)), "integer tensor"),
     ],
 )
 def test_bad_inputs(tiny, bad, msg):

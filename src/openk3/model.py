@@ -357,6 +357,20 @@ class K3ForCausalLM(nn.Module):
                 "(is the tokenizer matched to this model?)"
             )
 
+    def _validate_targets(self, name: str, t: torch.Tensor) -> None:
+        """Loss targets: integer ids in [0, vocab_size) or -100 (ignored). Checked here, since an id out of range
+        is a device-side assert inside the CUDA cross-entropy kernel (one host sync, as for ``input_ids``)."""
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+        V = self.config.vocab_size
+        bad = ((t < 0) & (t != -100)) | (t >= V)
+        if bool(bad.any()):
+            v = t[bad]
+            raise ValueError(
+                f"{name} must lie in [0, vocab_size={V}) or be -100 (ignored); got {v.numel()} other values, "
+                f"e.g. {int(v[0])}"
+            )
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -369,6 +383,9 @@ class K3ForCausalLM(nn.Module):
         logits_to_keep: int = 0,
     ) -> K3Output:
         self._validate(input_ids)
+        for name, t in (("labels", labels), ("targets", targets)):  # before the forward: no sync behind it
+            if t is not None:
+                self._validate_targets(name, t)
         B, T = input_ids.shape
         if cu_seqlens is not None:
             cu_seqlens = check_cu_seqlens(cu_seqlens, B, T).to(input_ids.device)
