@@ -13,7 +13,7 @@ from openk3.infer.decode import (
     kda_decode_reference,
     mla_decode_reference,
 )
-from openk3.infer.engine import Engine, IncrementalDetokenizer
+from openk3.infer.engine import Engine, EngineConfig, IncrementalDetokenizer
 from openk3.infer.sampling import SamplingParams
 from openk3.model import K3ForCausalLM
 from openk3.ops.mla import mla_absorbed_attention
@@ -849,9 +849,19 @@ def test_stop_token_and_limits(tiny):
         ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
         ({"gpu_memory_utilization": -1.0}, "gpu_memory_utilization"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        # option types: a string switch is not read as on, a float or string size fails here, not in an allocation
+        ({"prefix_cache": "no"}, "prefix_cache must be True or False"),
+        ({"overlap": 1}, "overlap must be True or False"),
+        ({"page_size": "16"}, "page_size must be an integer"),
+        ({"max_prefill_tokens": 512.0}, "max_prefill_tokens must be an integer"),
+        ({"prefix_cache_bytes": True}, "prefix_cache_bytes must be an integer"),
+        ({"prefix_cache_bytes": 0}, "prefix_cache_bytes must be >= 1"),
+        ({"cuda_graph_max_batch": 0}, "cuda_graph_max_batch must be >= 1"),
     ):
         with pytest.raises(ValueError, match=match):
             Engine(tiny, None, max_seqs=2, max_tokens=256, **kw)
+    with pytest.raises(ValueError, match="max_seqs must be an integer"):
+        Engine(tiny, None, config=EngineConfig(max_seqs=2.5, max_tokens=256))
     assert Engine(tiny, None, max_seqs=2, max_tokens=256, max_model_len=2).max_model_len == 2
 
 

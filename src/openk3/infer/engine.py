@@ -357,6 +357,23 @@ class IncrementalDetokenizer:
         return now[len(before) :]
 
 
+def _check_engine_config(cfg: EngineConfig) -> None:
+    """The option types, before anything is sized from them: a switch must be true / false (a string such as "no"
+    is not read as on), a size an integer (a float or string would fail later inside tensor allocation)."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.type == "bool" and not isinstance(v, bool):
+            raise ValueError(f"engine option {f.name} must be True or False, got {v!r}")
+        if f.type in ("int", "int | None") and not (v is None and f.type == "int | None"):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"engine option {f.name} must be an integer, got {v!r}")
+    # the sizes not range-checked where they are used
+    for name in ("cuda_graph_max_batch", "prefix_cache_bytes"):
+        v = getattr(cfg, name)
+        if v is not None and v < 1:
+            raise ValueError(f"engine option {name} must be >= 1, got {v!r}")
+
+
 def _swap_ids(ids: torch.Tensor, ids_from) -> None:
     """ids[b] = src[k] for each (b, k) of ``ids_from = (pairs, src)`` (device to device; None: nothing). The usual
     case, every row continuing in place ((0, 0), (1, 1), ...), is one copy; otherwise the pairs' indices go to the
@@ -503,6 +520,7 @@ class Engine:
             if not hasattr(cfg, k):
                 raise TypeError(f"unknown engine option {k!r}")
             setattr(cfg, k, v)
+        _check_engine_config(cfg)
         if cfg.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {cfg.max_prefill_tokens}")
         if cfg.max_model_len is not None and cfg.max_model_len < 2:  # (else every request would be refused)
