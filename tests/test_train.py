@@ -159,6 +159,27 @@ def test_bad_data_and_options(corpus, tmp_path):
         Trainer(_tc(str(tmp_path / "missing.txt"), tmp_path / "o"))
     with pytest.raises(TrainError, match="multiple"):
         Trainer(_tc(corpus, tmp_path / "o", batch_tokens=100))
+    # option values of the wrong type or out of range (a run file can hold any of them): refused up front, each
+    # naming its option, before anything is tokenised or built
+    for kw, match in (
+        (dict(lr=float("nan")), "--lr must be a finite number"),
+        (dict(lr="0.02"), "--lr must be a finite number"),
+        (dict(grad_clip=float("inf")), "--grad-clip must be a finite number"),
+        (dict(weight_decay=-0.1), "--weight-decay must be >= 0"),
+        (dict(warmup_frac=1.5), r"--warmup-frac must lie in \[0, 1\]"),
+        (dict(min_lr_ratio=-0.1), r"--min-lr-ratio must lie in \[0, 1\]"),
+        (dict(qk_clip_tau=-1.0), "--qk-clip-tau must be > 0"),
+        (dict(sample_temperature=-1.0), "--sample-temperature must be >= 0"),
+        (dict(sign_rate=0.0), "--sign-rate must be > 0"),
+        (dict(steps=True), "--steps must be an integer"),
+        (dict(seed="1"), "--seed must be an integer"),
+        (dict(keep_ckpts=0), "--keep-ckpts must be a positive integer"),
+        (dict(balance_bins=0), "--balance-bins must be a positive integer"),
+        (dict(resume="yes"), "--resume must be true or false"),
+        (dict(data=5), "--data must be a string"),
+    ):
+        with pytest.raises(TrainError, match=match):
+            Trainer(_tc(corpus, tmp_path / "o", **kw))
     r = subprocess.run(
         [sys.executable, "-m", "openk3", "train", "--data", str(tmp_path / "missing.txt")],
         capture_output=True,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -198,6 +199,23 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------- setup
     def _validate(self) -> None:
         tc = self.tc
+
+        def flag(name: str) -> str:
+            return "--" + name.replace("_", "-")
+
+        # types first: a run file's "0.02" or "yes" is not a number or a switch
+        for f in dataclasses.fields(tc):
+            v = getattr(tc, f.name)
+            if f.type == "bool" and not isinstance(v, bool):
+                raise TrainError(f"{flag(f.name)} must be true or false, got {v!r}")
+            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TrainError(f"{flag(f.name)} must be an integer, got {v!r}")
+            if f.type in ("float", "float | None") and not (v is None and f.type == "float | None"):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise TrainError(f"{flag(f.name)} must be a finite number, got {v!r}")
+            if f.type in ("str", "str | None") and not (v is None and f.type == "str | None"):
+                if not isinstance(v, str):
+                    raise TrainError(f"{flag(f.name)} must be a string, got {v!r}")
         for name in (
             "steps",
             "seq_len",
@@ -206,10 +224,30 @@ class Trainer:
             "ckpt_every",
             "eval_every",
             "log_every",
+            "keep_ckpts",
+            "eval_batches",
+            "balance_bins",
+            "corpus_bytes",
+            "nproc",
+            "ep",
         ):
             v = getattr(tc, name)
-            if not isinstance(v, int) or v < 1:
-                raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+            if v < 1:
+                raise TrainError(f"{flag(name)} must be a positive integer, got {v!r}")
+        if tc.sample_tokens < 0:
+            raise TrainError(f"--sample-tokens must be >= 0 (0: no sample), got {tc.sample_tokens}")
+        for name in ("weight_decay", "grad_clip", "sample_temperature"):  # 0 turns these off
+            if getattr(tc, name) < 0:
+                raise TrainError(f"{flag(name)} must be >= 0, got {getattr(tc, name)!r}")
+        for name in ("warmup_frac", "min_lr_ratio"):
+            if not 0 <= getattr(tc, name) <= 1:
+                raise TrainError(f"{flag(name)} must lie in [0, 1], got {getattr(tc, name)!r}")
+        if tc.sign_rate <= 0:
+            raise TrainError(f"--sign-rate must be > 0, got {tc.sign_rate!r}")
+        if tc.qk_clip_tau is not None and tc.qk_clip_tau <= 0:
+            raise TrainError(
+                f"--qk-clip-tau must be > 0 (or 0 on the command line: off), got {tc.qk_clip_tau!r}"
+            )
         if tc.batch_tokens % tc.seq_len:
             raise TrainError(f"--batch-tokens {tc.batch_tokens} must be a multiple of --seq-len {tc.seq_len}")
         rows = tc.batch_tokens // tc.seq_len
