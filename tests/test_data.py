@@ -199,6 +199,10 @@ def test_loaders(tmp_path):
     assert list(load_documents(tmp_path / "b.jsonl", text_field="body")) == ["doc one", "doc three"]
     with pytest.raises(ValueError, match="text_field"):
         list(load_documents(tmp_path / "b.jsonl"))
+    # a line that is JSON but not a record: a ValueError (the CLI's one-line error), not a TypeError traceback
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"list.jsonl:1: expected a string or a dict record, got list"):
+        list(load_documents(tmp_path / "list.jsonl"))
 
     sub = tmp_path / "dir"
     (sub / "nested").mkdir(parents=True)

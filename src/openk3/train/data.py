@@ -124,7 +124,7 @@ def _record_text(record: Any, text_field: str, where: str) -> str:
         if not isinstance(value, str):
             raise ValueError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string")
         return value
-    raise TypeError(f"{where}: expected a string or a dict record, got {type(record).__name__}")
+    raise ValueError(f"{where}: expected a string or a dict record, got {type(record).__name__}")
 
 
 def _iter_txt(path: Path) -> Iterator[str]:
