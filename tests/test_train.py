@@ -286,3 +286,22 @@ def test_backend_choices(corpus, tmp_path):
     assert train_config_from_args(args).backends == {"moe": "reference", "attnres": "auto"}
     with pytest.raises(ValueError, match="OP=NAME"):
         backend.parse_choices(["moe"])
+
+
+def test_read_metrics_skips_cut_lines(tmp_path, capsys):
+    """A run killed while writing metrics.jsonl leaves a cut line, and a resumed run appends after it: the plot
+    reads every whole step record (the newest of a re-logged step), names the skipped lines, and refuses a file
+    with no step records at all."""
+    recs = [{"step": s, "loss": 5.0 - 0.1 * s} for s in range(1, 6)]
+    lines = [json.dumps(r) for r in recs]
+    cut = lines[2][:9]  # step 3 cut mid-write ...
+    resumed = [json.dumps({"step": 3, "loss": 4.5}), lines[3], lines[4]]  # ... and re-logged after the resume
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(lines[:2]) + "\n" + cut + resumed[0] + "\n" + "\n".join(resumed[1:]) + "\n" + lines[4][:7]
+    )
+    got = read_metrics(str(tmp_path))
+    assert [r["step"] for r in got] == [1, 2, 4, 5]  # the merged cut + resumed line is skipped too
+    assert "skipped 2 line(s)" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('garbage\n[1, 2]\n{"val_loss": 3}\n')
+    with pytest.raises(ValueError, match="holds no training-step records"):
+        read_metrics(str(tmp_path))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -11,14 +12,28 @@ def read_metrics(run_dir: str) -> list[dict]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: is {run_dir!r} an openk3 train output directory?")
     recs: dict[int, dict] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    skipped = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
             line = line.strip()
-            if line:
+            if not line:
+                continue
+            try:
                 r = json.loads(line)
-                recs[r["step"]] = r  # a resumed run re-logs steps: keep the newest
+            except json.JSONDecodeError:
+                r = None
+            # a run killed while writing a line leaves it cut (and a resumed run appends to it): skip such lines
+            if not isinstance(r, dict) or not isinstance(r.get("step"), int) or "loss" not in r:
+                skipped.append(n)
+                continue
+            recs[r["step"]] = r  # a resumed run re-logs steps: keep the newest
+    if skipped:
+        print(
+            f"openk3 plot: skipped {len(skipped)} line(s) of {path} that are not step records: {skipped[:5]}",
+            file=sys.stderr,
+        )
     if not recs:
-        raise ValueError(f"{path} is empty")
+        raise ValueError(f"{path} holds no training-step records")
     return [recs[k] for k in sorted(recs)]
 
 
