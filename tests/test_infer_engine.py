@@ -981,9 +981,11 @@ def test_cli_generate_chat_help_and_errors(tmp_path, monkeypatch, capsys):
     common = ["-n", "4", "--temperature", "0", "--max-total-tokens", "512"]
     assert main(["generate", "--prompt", "def f(x):", "-q", *common]) == 0
     assert capsys.readouterr().out.startswith("def f(x):")
-    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\nagain\n/exit\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\n/help\nagain\n/exit\nnever sent\n"))
     assert main(["chat", *common]) == 0
-    assert capsys.readouterr().out.strip()  # replies were printed
+    out = capsys.readouterr()
+    assert out.out.strip()  # replies were printed
+    assert "history cleared" in out.err and out.err.count("/reset clears the history") == 2  # banner + /help
     for cmd in ("generate", "chat", "serve"):
         with pytest.raises(SystemExit) as e:
             main([cmd, "--help"])

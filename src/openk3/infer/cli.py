@@ -439,11 +439,14 @@ def _render(tok, messages) -> tuple[str, list[int]]:
     return "\n".join(lines) + "\nAssistant:", []
 
 
+_CHAT_HELP = "/reset clears the history, /help shows this, /exit (or /quit, Ctrl-D) quits"
+
+
 def cmd_chat(args) -> int:
     base = _params(args)  # (bad sampling flags are refused before the model loads)
     engine, name, source = _load(args)
     _describe(engine, name, source)
-    _info("[openk3] type a message; /reset clears the history, /exit or Ctrl-D quits")
+    _info(f"[openk3] type a message; {_CHAT_HELP}")
     history = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -458,6 +461,10 @@ def cmd_chat(args) -> int:
             break
         if line == "/reset":
             history = history[:1] if args.system else []
+            _info("[openk3] history cleared")
+            continue
+        if line in ("/help", "/?"):
+            _info(f"[openk3] {_CHAT_HELP}")
             continue
         history.append({"role": "user", "content": line})
         prompt, stop_ids = _render(engine.tokenizer, history)
@@ -557,7 +564,7 @@ def register(sub) -> None:
         "chat",
         help="interactive chat in the terminal (uses the tokenizer's chat template)",
         description="Chat with a model: each line you type is a user turn; the reply streams back. The prompt is "
-        "rendered with the tokenizer's chat template when it has one. /reset clears the history, /exit quits.",
+        "rendered with the tokenizer's chat template when it has one. /reset clears the history, /help lists the commands, /exit quits.",
         formatter_class=fmt,
         epilog="examples:\n  openk3 chat\n  openk3 chat --ckpt runs/default/final --system 'You are terse.' "
         "--temperature 0.7",
