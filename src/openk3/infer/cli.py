@@ -564,7 +564,8 @@ def register(sub) -> None:
         "chat",
         help="interactive chat in the terminal (uses the tokenizer's chat template)",
         description="Chat with a model: each line you type is a user turn; the reply streams back. The prompt is "
-        "rendered with the tokenizer's chat template when it has one. /reset clears the history, /help lists the commands, /exit quits.",
+        "rendered with the tokenizer's chat template when it has one. /reset clears the history, /help lists the "
+        "commands, /exit quits.",
         formatter_class=fmt,
         epilog="examples:\n  openk3 chat\n  openk3 chat --ckpt runs/default/final --system 'You are terse.' "
         "--temperature 0.7",
