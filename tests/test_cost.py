@@ -345,6 +345,12 @@ def test_cli_errors(capsys):
         ["tiny", "--set", "tie_word_embeddings=maybe"],  # not read as false
         ["tiny", "--set", "rms_norm_eps=nan"],
         ["tiny", "--set", "kda_layers=1"],
+        ["tiny", "--set", "hidden_size=7.5"],
+        ["k3", "--sweep", "num_experts="],
+        ["k3", "--sweep", "num_experts=a,b"],
+        ["k3", "--sweep", "latent_alpha=x"],
+        ["k3", "--sweep", "latent_alpha=0"],  # was a ZeroDivisionError traceback
+        ["k3", "--sweep", "latent_alpha=nan"],
     ):
         rc, _, err = _run(capsys, *argv)
         assert rc == 2 and err.startswith("openk3 cost: error:") and err.count("\n") == 1, argv

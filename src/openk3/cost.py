@@ -1516,6 +1516,8 @@ class _Ratio(float):
 def _latent_variant(cfg: K3Config, alpha: float, variant: str) -> K3Config:
     d = cfg.hidden_size
     a0 = d / cfg.moe_width
+    if not (math.isfinite(alpha) and alpha >= 1):
+        raise ConfigError(f"latent_alpha must be a finite number >= 1 (latent width d / alpha), got {alpha}")
     W = round(d / alpha)
     if W < 1 or W > d:
         raise ConfigError(f"latent_alpha={alpha} gives latent width {W}; it must lie in [1, hidden_size={d}]")
@@ -1552,7 +1554,10 @@ def _coerce(cfg: K3Config, key: str, raw: str) -> Any:
             raise ConfigError(f"{key}: expected true or false, got {raw!r}")
         return word in ("1", "true", "yes", "on")
     if isinstance(cur, int) or (cur is None and raw.lstrip("-").isdigit()):
-        return int(raw)
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{key}: expected an integer, got {raw!r}") from None
     if isinstance(cur, float) or cur is None:
         try:
             return float(raw)
@@ -1577,7 +1582,10 @@ def sweep_configs(
     out = []
     for raw in values:
         if key == "latent_alpha":
-            a = float(raw)
+            try:
+                a = float(raw)
+            except ValueError:
+                raise ConfigError(f"latent_alpha values are numbers such as 1,2,4; got {raw!r}") from None
             c = _latent_variant(cfg, a, variant)
             label = f"alpha={raw} ({variant})"
         elif key == "mla_split":

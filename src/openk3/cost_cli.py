@@ -223,6 +223,8 @@ def _run(args) -> int:
                         raise ConfigError(f"--sweep expects KEY=V1,V2,..., got {sw!r}")
                     key, vals = sw.split("=", 1)
                     values = [v for v in vals.split(",") if v.strip()]
+                    if not values:
+                        raise ConfigError(f"--sweep {key}= lists no values; give KEY=V1,V2,...")
                     if key in ("batch", "context"):
                         values = [str(_int(v)) for v in values]
                     variants = (
