@@ -531,7 +531,7 @@ def test_api_key(engine):
             create_app(engine, MODEL, api_key=bad, start_engine=False)
 
 
-def test_request_body_limit(server, engine):
+def test_request_body_limit(server, engine, monkeypatch, capsys):
     """A body over ``max_request_bytes`` gets a 413 JSON error, whether it declares its length or comes chunked;
     one at the limit is served. A bad limit is refused at once (the app and the CLI)."""
     from fastapi.testclient import TestClient
@@ -571,11 +571,24 @@ def test_request_body_limit(server, engine):
     from openk3.infer.cli import cmd_serve
 
     for bad in ("0", "-3", "nan", "inf"):
-        with pytest.raises(SystemExit, match="--max-request-mb must be a positive number"):
+        with pytest.raises(ValueError, match="--max-request-mb must be a positive number"):
             cmd_serve(build_parser().parse_args(["serve", "--max-request-mb", bad]))
     for bad in ("-1", "65536", "99999"):
-        with pytest.raises(SystemExit, match=r"--port must be in \[0, 65535\]"):
+        with pytest.raises(ValueError, match=r"--port must be in \[0, 65535\]"):
             cmd_serve(build_parser().parse_args(["serve", "--port", bad]))
+    # an empty key would serve without one: refused (before the model loads), from the flag and from the variable
+    for bad in ("", "  "):
+        with pytest.raises(ValueError, match="--api-key is empty"):
+            cmd_serve(build_parser().parse_args(["serve", "--api-key", bad]))
+    monkeypatch.setenv("OPENK3_API_KEY", "")
+    with pytest.raises(ValueError, match="OPENK3_API_KEY is set but empty"):
+        cmd_serve(build_parser().parse_args(["serve"]))
+    # through the command: one line, exit status 2
+    from openk3.cli import main
+
+    assert main(["serve", "--port", "70000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["openk3 serve: error: --port must be in [0, 65535], got 70000"]
 
 
 def test_tokenizing_leaves_the_event_loop_free(server, engine, monkeypatch):

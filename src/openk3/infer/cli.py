@@ -507,14 +507,19 @@ def cmd_serve(args) -> int:
 
     max_request_bytes = int(args.max_request_mb * 2**20) if math.isfinite(args.max_request_mb) else 0
     if max_request_bytes < 1:
-        raise SystemExit(f"--max-request-mb must be a positive number, got {args.max_request_mb}")
+        raise ValueError(f"--max-request-mb must be a positive number, got {args.max_request_mb}")
     if not 0 <= args.port <= 65535:  # checked before the model loads, not by uvicorn's bind afterwards
-        raise SystemExit(f"--port must be in [0, 65535], got {args.port}")
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    # an empty key (e.g. --api-key "$KEY" with KEY unset) would serve without one: refused, not taken as "no key"
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty; leave it out to serve without a key")
+    if args.api_key is None and "OPENK3_API_KEY" in os.environ and not os.environ["OPENK3_API_KEY"].strip():
+        raise ValueError("OPENK3_API_KEY is set but empty; unset it to serve without a key")
     key = args.api_key or os.environ.get("OPENK3_API_KEY") or None
     try:
         check_api_key(key)
     except ValueError as e:
-        raise SystemExit(f"--api-key / OPENK3_API_KEY: {e}") from None
+        raise ValueError(f"--api-key / OPENK3_API_KEY: {e}") from None
     engine, name, source = _load(args)
     _describe(engine, name, source)
     if engine.graphs_enabled:
