@@ -840,6 +840,30 @@ def test_stop_token_and_limits(tiny):
     with pytest.raises(ValueError, match="empty"):
         eng.submit([], GREEDY)
     eng.make_request([tiny.config.vocab_size - 1], GREEDY)  # no tokenizer: the model's whole vocabulary
+    # prompts given as token ids: any integer sequence, a 1-D integer tensor or array; a float id would be truncated
+    # to another token and a bool read as 0 / 1, so they are refused, as are other containers
+    import numpy as np
+
+    for ok in (
+        (5, 6),
+        range(5, 8),
+        [np.int64(5), 6],
+        torch.tensor([5, 6]),
+        np.array([5, 6], dtype=np.uint16),
+    ):
+        assert eng.make_request(ok, GREEDY).prompt_ids == [int(t) for t in ok]
+    for bad, match in (
+        ([5, 1.0], "must be integers, got 1.0"),
+        ([True, 5], "must be integers, got True"),
+        ([[5]], "must be integers"),
+        (None, "a string or a sequence of token ids, got NoneType"),
+        (b"ab", "got bytes"),
+        (torch.tensor([5.0]), "1-D integer token ids"),
+        (torch.tensor([[5]]), "1-D integer token ids"),
+        (np.array([5.0]), "1-D integer token ids"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            eng.make_request(bad, GREEDY)
     # settings that leave no request servable, or no memory to plan with, are refused when the engine is built
     for kw, match in (
         ({"max_model_len": 0}, "max_model_len"),
@@ -1001,9 +1025,9 @@ def test_cli_generate_chat_help_and_errors(tmp_path, monkeypatch, capsys):
         assert main([cmd, "--ckpt", missing, "--top-p", "0", *common[:2]]) == 2, cmd
         err = capsys.readouterr().err
         assert "top_p" in err and "does not exist" not in err, (cmd, err)
-    with pytest.raises(SystemExit) as e:
-        main(["serve", "--ckpt", missing, "--api-key", "two words"])
-    assert "printable ASCII" in str(e.value.code)
+    assert main(["serve", "--ckpt", missing, "--api-key", "two words"]) == 2
+    err = capsys.readouterr().err
+    assert "printable ASCII" in err and "does not exist" not in err, err
     # a prompt the engine refuses (longer than the context) is not echoed before the one-line error
     assert main(["generate", "-q", "--prompt", "x " * 600, *common]) == 2
     out = capsys.readouterr()

@@ -262,6 +262,9 @@ def test_stop_helpers():
         ({"seed": 2**63}, "seed"),
         ({"seed": -(2**63) - 1}, "seed"),
         ({"seed": 10**5000}, "seed"),
+        ({"stop": 5}, "stop"),  # not a list: was a TypeError from iterating it
+        ({"stop_token_ids": 7}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),  # a truthy string is not a switch
     ],
 )
 def test_params_validation(kw, match):

@@ -28,6 +28,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import numbers
 import os
 import queue
 import random
@@ -929,6 +930,28 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass token ids")
             return self.tokenizer.encode(prompt, allow_special=True)
+        if isinstance(prompt, torch.Tensor):
+            if (
+                prompt.ndim != 1
+                or prompt.dtype.is_floating_point
+                or prompt.dtype == torch.bool
+                or prompt.is_complex()
+            ):
+                raise PromptError(
+                    f"a prompt tensor must be 1-D integer token ids, got {prompt.dtype} {tuple(prompt.shape)}"
+                )
+            return prompt.tolist()
+        if type(prompt).__module__ == "numpy" and getattr(prompt, "ndim", None) is not None:  # an ndarray
+            if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+                raise PromptError(
+                    f"a prompt array must be 1-D integer token ids, got {prompt.dtype} {prompt.shape}"
+                )
+            return prompt.tolist()
+        if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence):
+            raise PromptError(f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}")
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if bad:  # a float would be truncated to another token, a bool read as 0 / 1
+            raise PromptError(f"prompt token ids must be integers, got {bad[0]!r}")
         return [int(t) for t in prompt]
 
     def make_request(

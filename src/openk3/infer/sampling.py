@@ -170,10 +170,16 @@ class SamplingParams:
             self.logit_bias = biases or None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not all(isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             raise SamplingParamError("stop", "stop must be a string or a list of strings")
         self.stop = [s for s in self.stop if s]
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamError(
+                "ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}"
+            )
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
             raise SamplingParamError(
                 "stop_token_ids", "stop_token_ids must be a list of non-negative integers"
             )
