@@ -42,21 +42,33 @@ class ConfigError(ValueError):
 
 
 _ACTS = ("situ", "silu", "swiglu")
-_BOOLS = (
-    "tie_word_embeddings",
-    "use_full_rank_gate",
-    "mla_use_nope",
-    "mla_use_output_gate",
-    "latent_moe_use_norm",
-    "moe_renormalize",
-    "use_grouped_topk",
-)
 _KDA_INITS = ("fla",)
 _TOPK_METHODS = ("noaux_tc",)
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+_KIND_OK = {
+    "bool": lambda v: isinstance(v, bool),
+    "int": _is_int,
+    "float": lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v),
+    "str": lambda v: isinstance(v, str),
+}
+
+
+def mistyped_field(obj: Any, kinds: tuple[str, ...] = tuple(_KIND_OK)) -> tuple[str, str, Any] | None:
+    """The first field of the dataclass ``obj`` whose value lacks its annotated type, as (name, kind, value), or
+    None. Only fields annotated with one of ``kinds`` ("bool", "int", "float": a finite int or float, "str"),
+    optionally "| None", are checked; the caller words the error. Used by the configs (K3Config, the engine's and
+    the trainer's options) so that a string "false" or a float size is refused, not read as something else."""
+    for f in fields(obj):
+        kind, optional = (f.type[: -len(" | None")], True) if f.type.endswith(" | None") else (f.type, False)
+        v = getattr(obj, f.name)
+        if kind in kinds and not (optional and v is None) and not _KIND_OK[kind](v):
+            return f.name, kind, v
+    return None
 
 
 def _layer_list(name: str, v: Any) -> list[int]:
@@ -158,9 +170,9 @@ class K3Config:
             if v < 0 or (v == 0 and not zero_ok):
                 raise ConfigError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {v!r}")
 
-        for n in _BOOLS:
-            if not isinstance(getattr(self, n), bool):
-                raise ConfigError(f"{n} must be true or false, got {getattr(self, n)!r}")
+        bad = mistyped_field(self, ("bool",))
+        if bad:
+            raise ConfigError(f"{bad[0]} must be true or false, got {bad[2]!r}")
         for n in ("rms_norm_eps", "mla_latent_norm_eps", "routed_scaling_factor"):
             real(n)
         real("initializer_range", zero_ok=True)

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from openk3.config import mistyped_field
 from openk3.fast._triton import pdl_scope
 from openk3.fast.graphs import GraphCapture, shared_stream
 from openk3.infer import gemv as _gemv
@@ -358,16 +359,16 @@ class IncrementalDetokenizer:
         return now[len(before) :]
 
 
+_MUST_BE = {"bool": "True or False", "int": "an integer"}
+
+
 def _check_engine_config(cfg: EngineConfig) -> None:
     """The option types, before anything is sized from them: a switch must be true / false (a string such as "no"
     is not read as on), a size an integer (a float or string would fail later inside tensor allocation)."""
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if f.type == "bool" and not isinstance(v, bool):
-            raise ValueError(f"engine option {f.name} must be True or False, got {v!r}")
-        if f.type in ("int", "int | None") and not (v is None and f.type == "int | None"):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"engine option {f.name} must be an integer, got {v!r}")
+    bad = mistyped_field(cfg, ("bool", "int"))
+    if bad:
+        name, kind, v = bad
+        raise ValueError(f"engine option {name} must be {_MUST_BE[kind]}, got {v!r}")
     # the sizes not range-checked where they are used
     for name in ("cuda_graph_max_batch", "prefix_cache_bytes"):
         v = getattr(cfg, name)
@@ -941,7 +942,7 @@ class Engine:
                     f"a prompt tensor must be 1-D integer token ids, got {prompt.dtype} {tuple(prompt.shape)}"
                 )
             return prompt.tolist()
-        if type(prompt).__module__ == "numpy" and getattr(prompt, "ndim", None) is not None:  # an ndarray
+        if isinstance(prompt, np.ndarray):
             if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
                 raise PromptError(
                     f"a prompt array must be 1-D integer token ids, got {prompt.dtype} {prompt.shape}"

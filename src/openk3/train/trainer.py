@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import random
 import shutil
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from openk3.config import K3Config, get_preset
+from openk3.config import K3Config, get_preset, mistyped_field
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.pt"
@@ -204,18 +203,16 @@ class Trainer:
             return "--" + name.replace("_", "-")
 
         # types first: a run file's "0.02" or "yes" is not a number or a switch
-        for f in dataclasses.fields(tc):
-            v = getattr(tc, f.name)
-            if f.type == "bool" and not isinstance(v, bool):
-                raise TrainError(f"{flag(f.name)} must be true or false, got {v!r}")
-            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int)):
-                raise TrainError(f"{flag(f.name)} must be an integer, got {v!r}")
-            if f.type in ("float", "float | None") and not (v is None and f.type == "float | None"):
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                    raise TrainError(f"{flag(f.name)} must be a finite number, got {v!r}")
-            if f.type in ("str", "str | None") and not (v is None and f.type == "str | None"):
-                if not isinstance(v, str):
-                    raise TrainError(f"{flag(f.name)} must be a string, got {v!r}")
+        bad = mistyped_field(tc)
+        if bad:
+            name, kind, v = bad
+            must = {
+                "bool": "true or false",
+                "int": "an integer",
+                "float": "a finite number",
+                "str": "a string",
+            }
+            raise TrainError(f"{flag(name)} must be {must[kind]}, got {v!r}")
         for name in (
             "steps",
             "seq_len",
