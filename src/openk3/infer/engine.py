@@ -950,10 +950,15 @@ class Engine:
             return prompt.tolist()
         if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence):
             raise PromptError(f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        ids = list(prompt)
+        if all(
+            type(t) is int for t in ids
+        ):  # the usual case (JSON ids, a tokenizer's output): nothing to convert
+            return ids
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
         if bad:  # a float would be truncated to another token, a bool read as 0 / 1
             raise PromptError(f"prompt token ids must be integers, got {bad[0]!r}")
-        return [int(t) for t in prompt]
+        return [int(t) for t in ids]
 
     def make_request(
         self,
