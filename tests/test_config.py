@@ -265,3 +265,91 @@ def test_first_layers():
     for bad in (0, 28, -1, 2.0, True, "4"):
         with pytest.raises(ConfigError, match=r"first_layers: n must be an integer in \[1, 27\]"):
             full.first_layers(bad)
+
+
+_K3_ONLY = (
+    "attn_res_block_size",
+    "routed_expert_hidden_size",
+    "latent_moe_use_norm",
+    "activation_situ_beta",
+    "activation_situ_linear_beta",
+)
+
+
+def test_export_matches_released_text_configs(tmp_path):
+    """save_pretrained writes the released text config: every field of the released K3 text config with its value,
+    and for a Kimi Linear model every field of that release without the K3-only fields whose feature is off (a
+    reader that takes a present SiTU beta or latent width as the switch then sees the plain model)."""
+    released = _released_k3_json()["text_config"]
+    get_preset("k3").save_pretrained(tmp_path / "k3")
+    saved = json.loads((tmp_path / "k3" / "config.json").read_text())
+    for k, v in released.items():
+        if k != "quantization_config":
+            assert saved.get(k) == v, (k, saved.get(k), v)
+    kl = get_preset("kimi-linear-48b")
+    kl.save_pretrained(tmp_path / "kl")
+    saved = json.loads((tmp_path / "kl" / "config.json").read_text())
+    assert not set(_K3_ONLY) & set(saved), sorted(set(_K3_ONLY) & set(saved))
+    assert saved["hidden_act"] == "silu" and saved["mla_use_output_gate"] is False
+    assert "gate_lower_bound" not in saved["linear_attn_config"]
+    assert K3Config.from_pretrained(tmp_path / "kl").to_dict() == kl.to_dict()
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"hidden_act": "silu"},
+        {"attn_res_block_size": None},
+        {"routed_expert_hidden_size": None},
+        {"routed_expert_hidden_size": 96},  # the hidden size: no latent projections
+        {"hidden_act": "silu", "attn_res_block_size": None, "routed_expert_hidden_size": None},
+        {"latent_moe_use_norm": False},
+        {"activation_situ_beta": 2.0, "activation_situ_linear_beta": 7.0},
+    ],
+)
+def test_config_round_trip_with_features_off(tmp_path, over):
+    """Each K3 switch turned off (or changed) survives save -> load: an omitted field is read back as off, a
+    present one as written."""
+    cfg = get_preset("tiny", **over)
+    assert cfg.hidden_size == 96
+    cfg.save_pretrained(tmp_path)
+    back = K3Config.from_pretrained(tmp_path)
+    assert back.to_dict() == cfg.to_dict()
+    assert (back.hidden_act, back.use_attn_res, back.use_latent_moe) == (
+        cfg.hidden_act,
+        cfg.use_attn_res,
+        cfg.use_latent_moe,
+    )
+    if cfg.hidden_act == "situ":
+        assert (back.activation_situ_beta, back.activation_situ_linear_beta) == (
+            cfg.activation_situ_beta,
+            cfg.activation_situ_linear_beta,
+        )
+
+
+def test_newer_transformers_fields(tmp_path):
+    """transformers' newer KimiLinearConfig writes attn_res_block_size 0 for "off" and may name the dense layers'
+    width dense_ffn_hidden (intermediate_size where it is unset)."""
+    d = get_preset("kimi-linear-48b").to_dict()
+    d["attn_res_block_size"] = 0
+    d["dense_ffn_hidden"] = 4096
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = K3Config.from_pretrained(tmp_path)
+    assert cfg.attn_res_block_size is None and not cfg.use_attn_res
+    assert cfg.intermediate_size == 4096
+    d["dense_ffn_hidden"] = None
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert (
+        K3Config.from_pretrained(tmp_path).intermediate_size
+        == get_preset("kimi-linear-48b").intermediate_size
+    )
+    for bad in ("4096", 0, 2.5):
+        d["dense_ffn_hidden"] = bad
+        (tmp_path / "config.json").write_text(json.dumps(d))
+        with pytest.raises(ConfigError, match="dense_ffn_hidden"):
+            K3Config.from_pretrained(tmp_path)
+    d["dense_ffn_hidden"] = None
+    d["attn_res_block_size"] = -1
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match="attn_res_block_size"):
+        K3Config.from_pretrained(tmp_path)

@@ -62,6 +62,60 @@ def test_transformers_kimi_linear_logits_match(tmp_path, rel, q_lora):
     assert rel(got, ref) < 1e-4, rel(got, ref)
 
 
+@pytest.mark.parametrize("q_lora", [None, 16])
+def test_our_export_loads_in_transformers(tmp_path, rel, q_lora):
+    """The other direction: a Kimi-Linear-family model built and saved by openk3 (released names and layouts,
+    config.json without K3-only fields) loads in transformers with no missing, unexpected or mismatched key, and
+    its logits equal ours."""
+    from transformers import AutoModelForCausalLM
+
+    from openk3 import get_preset
+
+    cfg = get_preset(
+        "kimi-linear-48b",
+        vocab_size=211,
+        hidden_size=48,
+        num_hidden_layers=6,
+        kda_layers=[],
+        full_attn_layers=[],
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        kda_num_heads=3,
+        kda_head_dim=16,
+        moe_intermediate_size=24,
+        intermediate_size=80,
+        num_experts=6,
+        num_experts_per_token=2,
+        kv_lora_rank=20,
+        q_lora_rank=q_lora,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=6,
+        v_head_dim=10,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    ours = K3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # non-trivial values for params that init to constants
+        for n, p in ours.named_parameters():
+            if "norm" in n or "A_log" in n or "dt_bias" in n:
+                p.add_(0.1 * torch.randn_like(p))
+        for mod in ours.modules():
+            if hasattr(mod, "e_score_correction_bias"):
+                mod.e_score_correction_bias.normal_(0, 0.05)
+    assert cfg.layer_types.count("mla") >= 1 and cfg.first_k_dense_replace == 1
+    ours.save_pretrained(tmp_path)
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True, dtype=torch.float32)
+    assert type(hf).__name__ == "KimiLinearForCausalLM"
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert not info.get(kind), (kind, info.get(kind))
+    ids = torch.randint(0, cfg.vocab_size, (2, 23))
+    with torch.no_grad():
+        got = ours(ids).logits
+        ref = hf.eval()(ids).logits
+    assert rel(got, ref) < 1e-4, rel(got, ref)
+
+
 def test_transformers_cached_decode_matches(tmp_path, rel):
     """Our prefill + cached decode steps equal transformers' full forward."""
     hf = _hf_model(tmp_path)

@@ -80,6 +80,60 @@ def test_save_load_identical(tiny, tmp_path, shard, prefix):
     assert back.config.to_dict() == tiny.config.to_dict()
 
 
+@pytest.mark.parametrize(
+    "full_rank, bound",
+    [(True, -5.0), (False, None), (False, -5.0), (True, None)],
+)
+def test_a_log_layout_follows_the_gate_projection(tmp_path, full_rank, bound):
+    """A_log is written in the layout of the KDA class the engines build from use_full_rank_gate (K3's zero-padded
+    1-D vector, Kimi Linear's [1, 1, H, 1]), and loads back to the same model; gate combinations outside the two
+    releases get a note from engine_notes."""
+    from safetensors import safe_open
+
+    from openk3.checkpoint import engine_notes
+
+    m = _model(use_full_rank_gate=full_rank, gate_lower_bound=bound)
+    cfg = m.config
+    m.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        a = f.get_tensor("model.layers.0.self_attn.A_log")
+    H = cfg.kda_num_heads
+    if full_rank:
+        assert a.shape == (max(H, cfg.kda_head_dim),) and torch.all(a[H:] == 0)
+    else:
+        assert a.shape == (1, 1, H, 1)
+    back = K3ForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, cfg.vocab_size, (1, 11))
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, m(ids).logits)
+    gate_notes = [n for n in engine_notes(cfg) if n.startswith("KDA gate")]
+    assert bool(gate_notes) == ((bound is None) == full_rank), gate_notes
+    if gate_notes and not full_rank:
+        assert "softplus" in gate_notes[0]
+
+
+def test_engine_notes_of_the_releases():
+    """No note for the two released layouts' gates; K3's features are named for SGLang, none for Kimi Linear."""
+    from openk3.checkpoint import engine_notes
+
+    assert engine_notes(get_preset("kimi-linear-48b")) == []
+    notes = engine_notes(get_preset("k3"))
+    assert len(notes) == 1 and notes[0].startswith("K3 features (SiTU, AttnRes, latent MoE, MLA output gate")
+    plain = get_preset(
+        "tiny",
+        hidden_act="silu",
+        attn_res_block_size=None,
+        routed_expert_hidden_size=None,
+        mla_use_output_gate=False,
+        q_lora_rank=None,
+        use_full_rank_gate=False,
+        gate_lower_bound=None,
+    )
+    assert engine_notes(plain) == []
+    notes = engine_notes(plain.replace(attn_res_block_size=2))
+    assert len(notes) == 1 and notes[0].startswith("K3 features (AttnRes):"), notes
+
+
 def test_bf16_load_keeps_fp32_params(tiny, tmp_path):
     tiny.save_pretrained(tmp_path)
     back = K3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)

@@ -209,6 +209,8 @@ def test_run_file_export_and_plot(corpus, tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
+    # the default preset is K3: the export says which engines take it
+    assert "note: K3 features (SiTU, AttnRes, latent MoE" in out.stderr, out.stderr
     m = K3ForCausalLM.from_pretrained(tmp_path / "x")
     assert os.path.exists(tmp_path / "x" / "tokenizer.json")
     assert m.config.vocab_size <= 512

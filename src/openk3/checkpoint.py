@@ -369,13 +369,52 @@ def to_released(model) -> dict[str, torch.Tensor]:
             continue
         if k.endswith("self_attn.A_log"):
             H = cfg.kda_num_heads
-            if cfg.gate_lower_bound is not None:  # K3 release: 1-D, zero-padded to head_dim
+            # the layout goes with the gate projection, as the engines' loaders choose their KDA class by it
+            if cfg.use_full_rank_gate:  # K3 release: 1-D, zero-padded to head_dim
                 n = max(H, cfg.kda_head_dim)
                 t = torch.cat([t.reshape(-1), t.new_zeros(n - H)])
             else:  # Kimi Linear release
                 t = t.reshape(1, 1, H, 1)
         out[k] = t
     return out
+
+
+def engine_notes(cfg: K3Config) -> list[str]:
+    """How the serving engines that take the released format would read a checkpoint of ``cfg``, where that is
+    not as openk3 computes it or not at all (from their loaders' source: vLLM's ``kimi_linear.py`` and Kimi K3
+    model, SGLang's ``kimi_linear.py`` and ``kimi_k3.py``). Empty for the released K3 and Kimi Linear layouts."""
+    notes = []
+    if cfg.gate_lower_bound is not None and not cfg.use_full_rank_gate:
+        notes.append(
+            "KDA gate: a gate_lower_bound with the low-rank gate projection is not a released combination (K3: "
+            "full-rank gate with a lower bound; Kimi Linear: low-rank gate, no bound). vLLM's and SGLang's "
+            "low-rank KDA has no lower bound and would compute the softplus gate"
+        )
+    elif cfg.gate_lower_bound is None and cfg.use_full_rank_gate:
+        notes.append(
+            "KDA gate: the full-rank gate projection without a gate_lower_bound is not a released combination "
+            "(K3: full-rank gate with a lower bound; Kimi Linear: low-rank gate, no bound); other engines may "
+            "not compute it as openk3 does"
+        )
+    k3 = [
+        name
+        for name, on in (
+            ("SiTU", cfg.hidden_act == "situ"),
+            ("AttnRes", cfg.use_attn_res),
+            ("latent MoE", cfg.use_latent_moe),
+            ("MLA output gate", cfg.mla_use_output_gate),
+            ("q_lora_rank", cfg.q_lora_rank is not None),
+            ("full-rank KDA gate", cfg.use_full_rank_gate),
+        )
+        if on
+    ]
+    if k3:
+        notes.append(
+            f"K3 features ({', '.join(k3)}): vLLM serves this text checkpoint through its Kimi K3 model; "
+            "SGLang registers K3 only as the multimodal checkpoint (vision tower included) and its Kimi Linear "
+            "model takes none of these features"
+        )
+    return notes
 
 
 def save_pretrained(model, path, *, max_shard_size: int | None = None, prefix: str = "") -> None:

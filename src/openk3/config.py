@@ -378,6 +378,16 @@ class K3Config:
             lac["gate_lower_bound"] = glb
         d["linear_attn_config"] = lac
         d.pop("name")
+        # K3-only fields whose feature is off are left out, as in Kimi Linear's released config: readers that take
+        # a present value as the switch (SGLang's Kimi Linear MoE turns SiTU betas into a clamped gpt-oss GLU, the
+        # engines' K3 loaders build latent projections whenever routed_expert_hidden_size is set, transformers'
+        # strict config refuses a null attn_res_block_size) then see the plain model; from_dict reads them back as off
+        if d["attn_res_block_size"] is None:
+            del d["attn_res_block_size"]
+        if not self.use_latent_moe:
+            del d["routed_expert_hidden_size"], d["latent_moe_use_norm"]
+        if self.hidden_act != "situ":
+            del d["activation_situ_beta"], d["activation_situ_linear_beta"]
         d["architectures"] = ["KimiLinearForCausalLM"]
         return d
 
@@ -445,6 +455,12 @@ class K3Config:
             kw.setdefault("mla_use_output_gate", d.pop("mla_use_output_gate", False))
             kw["routed_expert_hidden_size"] = d.pop("routed_expert_hidden_size", None)
             kw["attn_res_block_size"] = d.pop("attn_res_block_size", None)
+        # newer transformers' KimiLinearConfig: the dense layers' width, intermediate_size where unset
+        dense = d.pop("dense_ffn_hidden", None)
+        if dense is not None:
+            if not _is_int(dense) or dense <= 0:
+                raise ConfigError(f"dense_ffn_hidden must be a positive integer or null, got {dense!r}")
+            kw["intermediate_size"] = dense
         # aliases used by transformers / older configs
         aliases = {
             "model_max_length": "max_position_embeddings",
@@ -463,6 +479,8 @@ class K3Config:
         # a Kimi-Linear config without the K3 fields: keep the family's defaults off
         kw.setdefault("routed_expert_hidden_size", None)
         kw.setdefault("attn_res_block_size", None)
+        if kw["attn_res_block_size"] == 0 and not isinstance(kw["attn_res_block_size"], bool):
+            kw["attn_res_block_size"] = None  # transformers' KimiLinearConfig writes 0 for "off"
         kw.setdefault("mla_use_output_gate", False)
         if "hidden_act" not in kw:
             kw["hidden_act"] = "silu"

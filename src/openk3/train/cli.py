@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from openk3.config import K3Config
 from openk3.ops.backend import split_choices
 from openk3.train.trainer import TrainConfig, TrainError
 
@@ -141,12 +142,16 @@ def train_main(tc: TrainConfig) -> int:
 
 
 def run_export(args) -> int:
+    from openk3.checkpoint import engine_notes
     from openk3.train.trainer import export_run
 
     out = export_run(args.run_dir, args.out_dir)
     print(
-        f"wrote released-format checkpoint to {out} (load with K3ForCausalLM.from_pretrained or vLLM/SGLang)"
+        f"wrote released-format checkpoint to {out} (openk3 generate / serve --ckpt {out}, "
+        "K3ForCausalLM.from_pretrained; vLLM and SGLang: docs/inference.md)"
     )
+    for note in engine_notes(K3Config.from_pretrained(out)):
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 
