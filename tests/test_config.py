@@ -301,7 +301,7 @@ def test_export_matches_released_text_configs(tmp_path):
         {"hidden_act": "silu"},
         {"attn_res_block_size": None},
         {"routed_expert_hidden_size": None},
-        {"routed_expert_hidden_size": 96},  # the hidden size: no latent projections
+        {"routed_expert_hidden_size": 96},  # the hidden size: still latent (projections and norm)
         {"hidden_act": "silu", "attn_res_block_size": None, "routed_expert_hidden_size": None},
         {"latent_moe_use_norm": False},
         {"activation_situ_beta": 2.0, "activation_situ_linear_beta": 7.0},

@@ -308,3 +308,14 @@ def test_mxfp4_expert_weights_dequantised_on_load(tmp_path, rel):
     save_file(sd, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="without their pair"):
         K3ForCausalLM.from_pretrained(tmp_path)
+
+
+def test_latent_moe_at_the_hidden_size_keeps_its_projections():
+    """routed_expert_hidden_size equal to hidden_size is still the latent path (down / up projections and the norm),
+    as the release's code builds it; only None is the plain MoE."""
+    cfg = get_preset("tiny", routed_expert_hidden_size=96)
+    assert cfg.hidden_size == 96 and cfg.use_latent_moe
+    moe = K3ForCausalLM(cfg).model.layers[1].block_sparse_moe
+    assert moe.routed_expert_down_proj.weight.shape == (96, 96) and moe.routed_expert_norm is not None
+    plain = K3ForCausalLM(get_preset("tiny", routed_expert_hidden_size=None)).model.layers[1].block_sparse_moe
+    assert not hasattr(plain, "routed_expert_down_proj")

@@ -119,7 +119,7 @@ class K3Config:
     num_experts_per_token: int = 16
     num_shared_experts: int = 2
     moe_intermediate_size: int = 3072
-    routed_expert_hidden_size: int | None = 3584  # latent width; None -> plain (full-width) MoE
+    routed_expert_hidden_size: int | None = 3584  # latent width (<= hidden_size); None -> plain (full-width) MoE
     latent_moe_use_norm: bool = True
     first_k_dense_replace: int = 1
     moe_layer_freq: int = 1
@@ -347,9 +347,9 @@ class K3Config:
 
     @property
     def use_latent_moe(self) -> bool:
-        return (
-            self.routed_expert_hidden_size is not None and self.routed_expert_hidden_size != self.hidden_size
-        )
+        # set means latent, even at the hidden size: the release's code (and vLLM's and SGLang's K3 models) then
+        # still build the down / up projections and the norm
+        return self.routed_expert_hidden_size is not None
 
     @property
     def qk_head_dim(self) -> int:
@@ -379,9 +379,9 @@ class K3Config:
         d["linear_attn_config"] = lac
         d.pop("name")
         # K3-only fields whose feature is off are left out, as in Kimi Linear's released config: readers that take
-        # a present value as the switch (SGLang's Kimi Linear MoE turns SiTU betas into a clamped gpt-oss GLU, the
-        # engines' K3 loaders build latent projections whenever routed_expert_hidden_size is set, transformers'
-        # strict config refuses a null attn_res_block_size) then see the plain model; from_dict reads them back as off
+        # a present value as the switch (SGLang's Kimi Linear MoE turns SiTU betas into a clamped gpt-oss GLU,
+        # transformers' strict config refuses a null attn_res_block_size) then see the plain model; from_dict reads
+        # them back as off
         if d["attn_res_block_size"] is None:
             del d["attn_res_block_size"]
         if not self.use_latent_moe:
