@@ -1,5 +1,6 @@
 """Model-level invariants of the reference K3ForCausalLM on the tiny preset (CPU, fp32)."""
 
+import json
 import os
 
 import pytest
@@ -136,10 +137,14 @@ def test_engine_notes_of_the_releases():
 
 def test_bf16_load_keeps_fp32_params(tiny, tmp_path):
     tiny.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
     back = K3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     kda = back.model.layers[0].self_attn
     assert kda.A_log.dtype == torch.float32 and kda.q_conv1d.weight.dtype == torch.float32
     assert kda.q_proj.weight.dtype == torch.bfloat16
+    back.save_pretrained(tmp_path / "bf16")  # the matmul weights' dtype, not that of the fp32 islands
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert K3ForCausalLM.from_pretrained(tmp_path / "bf16").config.to_dict() == tiny.config.to_dict()
     ids = torch.randint(0, tiny.config.vocab_size, (1, 9))
     assert torch.isfinite(back(ids).logits).all()
 

@@ -451,4 +451,6 @@ def save_pretrained(model, path, *, max_shard_size: int | None = None, prefix: s
         total = sum(v.numel() * v.element_size() for v in sd.values())
         with open(os.path.join(path, INDEX_NAME), "w", encoding="utf-8") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": wm}, f, indent=2, sort_keys=True)
-    model.config.save_pretrained(path)
+    # the matmul weights' dtype (the fp32 islands of SPEC.md §5.3 aside), as the embedding holds it
+    emb = model.model.embed_tokens.weight.dtype
+    model.config.save_pretrained(path, dtype=str(emb).removeprefix("torch."))

@@ -507,12 +507,17 @@ class K3Config:
             raise ConfigError(f"{p} must hold a JSON object")
         return cls.from_dict(d)
 
-    def save_pretrained(self, directory: str | os.PathLike) -> str:
+    def save_pretrained(self, directory: str | os.PathLike, *, dtype: str | None = None) -> str:
+        """Write ``config.json``; ``dtype`` (e.g. "bfloat16"): the weights' dtype, recorded as the release records
+        it (engines choose their compute dtype from it)."""
         os.makedirs(directory, exist_ok=True)
         p = os.path.join(os.fspath(directory), "config.json")
         tmp = p + ".tmp"
+        d = self.to_dict()
+        if dtype is not None:
+            d["dtype"] = dtype
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            json.dump(d, f, indent=2, sort_keys=True)
             f.write("\n")
         os.replace(tmp, p)
         return p
