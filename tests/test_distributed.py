@@ -261,6 +261,43 @@ def _sc_qb(rank, tmp):
     }
 
 
+def _sc_qk_clip(rank, tmp):
+    """QK-Clip on FSDP2-sharded MLA weights (DTensors) scales the same rows as on a plain model."""
+    from openk3.train.distributed import apply_fsdp, build_mesh
+    from openk3.train.optim import qk_clip_
+
+    c = _tiny()
+    ref = _model(0)
+    mesh = build_mesh(WORLD, ep=1)
+    model = apply_fsdp(_model(0), mesh, param_dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    out = {"sharded": 0, "err": 0.0, "clipped": 0}
+    for name, mod in ref.named_modules():
+        if not hasattr(mod, "kv_b_proj"):
+            continue
+        ml = 50.0 + 100.0 * torch.rand(c.num_attention_heads, generator=g)  # some heads above tau = 100
+        pairs = []
+        for m in (mod, model.get_submodule(name)):
+            qw = m.q_proj.weight if m.q_lora_rank is None else m.q_b_proj.weight
+            pairs.append((qw, m.kv_b_proj.weight))
+        kw = dict(
+            tau=100.0,
+            num_heads=c.num_attention_heads,
+            qk_nope_head_dim=c.qk_nope_head_dim,
+            qk_rope_head_dim=c.qk_rope_head_dim,
+            v_head_dim=c.v_head_dim,
+        )
+        with torch.no_grad():
+            gamma = qk_clip_(*pairs[0], ml, **kw)
+            qk_clip_(*pairs[1], ml, **kw)
+        out["clipped"] += int((gamma < 1).sum())
+        for a, b in zip(pairs[0], pairs[1]):
+            out["sharded"] += int(hasattr(b, "full_tensor"))
+            full = _full(model, name, b)
+            out["err"] = max(out["err"], float((full - a).abs().max()))
+    return out
+
+
 def _train_one_step(model, rank, mesh):
     from openk3.train.distributed import allreduce_grads
 
@@ -324,6 +361,7 @@ SCENARIOS = {
     "fsdp": _sc_fsdp,
     "ep_fsdp": _sc_ep_fsdp,
     "qb": _sc_qb,
+    "qk_clip": _sc_qk_clip,
     "dcp": _sc_dcp,
 }
 
@@ -421,6 +459,12 @@ def test_qb_allreduce(results):
         assert res["ranks_equal"] and res["single_equal"], res
         assert res["tokens"] == res["tokens_ref"] == [85] * 3
         assert res["bias_spread"] > 0
+
+
+def test_qk_clip_on_fsdp_shards(results):
+    for res in _get(results, "qk_clip"):
+        assert res["clipped"] > 0 and res["sharded"] > 0, res
+        assert res["err"] == 0.0, res
 
 
 @pytest.mark.parametrize("case", ["fsdp->fsdp", "ep_fsdp->ep_fsdp", "ep_fsdp->fsdp"])

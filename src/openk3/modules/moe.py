@@ -167,9 +167,10 @@ class SparseMoE(nn.Module):
         parts = self.pre_output(x, projections)
         u = None
         for m, part in zip(self.output_projections(), parts):
-            y = part if m is None else m(part)
-            u = y if u is None else u + y
-        return u.view(x.shape)
+            y = (part if m is None else m(part)).view(x.shape)
+            u = y if u is None else u + y  # (summed in the output shape: the result is not a view when a
+            # second term exists, which FSDP2 warns about for a wrapped module's output)
+        return u
 
     def pre_output(
         self, x: torch.Tensor, projections: list[torch.Tensor] | None = None

@@ -624,7 +624,16 @@ def qk_clip_(
         ks = torch.cat([sq[:, None].expand(H, dn), torch.ones(H, dv, device=sq.device)], dim=1).reshape(-1, 1)
         for w, s in ((q_weight, qs), (kv_b_weight, ks)):
             work = torch.promote_types(w.dtype, torch.float32)
-            w.copy_((w.to(work) * s.to(device=w.device, dtype=work)).to(w.dtype))
+            s = s.to(device=w.device, dtype=work)
+            if _is_sharded(w):  # FSDP2 shard: scale the full matrix (rare: only when a head clips), keep this
+                # rank's shard; every rank gathers and scales the same values
+                from torch.distributed.tensor import distribute_tensor
+
+                full = (w.full_tensor().to(work) * s).to(w.dtype)
+                new = distribute_tensor(full, w.device_mesh, w.placements, src_data_rank=None)
+                w.to_local().copy_(new.to_local())
+            else:
+                w.copy_((w.to(work) * s).to(w.dtype))
     return gamma
 
 
