@@ -254,7 +254,7 @@ SPEC = {
     "model.layers.1.self_attn.kv_b_proj.weight": ((MH * (DN + DV), KVR), ("muon", DN + DV, False, True)),
     "model.layers.1.self_attn.g_proj.weight": ((MH * DV, D), WHOLE),
     "model.layers.1.self_attn.o_proj.weight": ((D, MH * DV), WHOLE),
-    "model.layers.1.block_sparse_moe.gate.weight": ((E, D), ADAM_D),
+    "model.layers.1.block_sparse_moe.gate.weight": ((E, D), WHOLE),  # a matrix: Muon (router="adamw": AdamW)
     "model.layers.1.block_sparse_moe.experts.w1": ((E, I, LAT), ("muon", None, True, True)),
     "model.layers.1.block_sparse_moe.experts.w2": ((E, LAT, I), ("muon", None, True, True)),
     "model.layers.1.block_sparse_moe.experts.w3": ((E, I, LAT), ("muon", None, True, True)),
@@ -314,6 +314,13 @@ def test_default_classifier():
         assert tuple(got) == SPEC[name][1] or (got.kind == "muon" and got[:3] == SPEC[name][1][:3]), (
             f"{name}: {got} != {SPEC[name][1]}"
         )
+    # router="adamw": the router weight on AdamW with decay; nothing else moves; other values are refused
+    r = "model.layers.1.block_sparse_moe.gate.weight"
+    for name, p in model.named_parameters():
+        got = ParamClass(*default_param_classifier(name, p, **CLASSIFY_KW, router="adamw"))
+        assert got == (ADAM_D if name == r else ParamClass(*_classify(name, p))), name
+    with pytest.raises(ValueError, match="router"):
+        default_param_classifier(r, model.get_parameter(r), router="sgd")
     # a 1-D e_score_correction_bias parameter (if someone registers it as one) goes to AdamW, no decay
     assert (
         _classify("model.layers.1.block_sparse_moe.gate.e_score_correction_bias", torch.zeros(E)) == ADAM_ND

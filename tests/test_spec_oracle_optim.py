@@ -109,11 +109,11 @@ _ADAMW_TOKENS = ("embed_tokens", "lm_head", "norm", "A_log", "dt_bias", "conv1d"
 
 
 def _spec_muon_layout(name: str, p: torch.Tensor, cfg) -> tuple[str, int | None]:
-    """SPEC §6.1/§6.3 mapping: ("adamw"|"muon"|"unspecified", head_dim)."""
+    """SPEC §6.1/§6.3 mapping: ("adamw"|"muon", head_dim)."""
     if any(t in name for t in _ADAMW_TOKENS) or p.dim() == 1:
         return "adamw", None
     if name.endswith("block_sparse_moe.gate.weight"):
-        return "unspecified", None  # the router matrix: SPEC lists neither group
+        return "muon", None  # a matrix: only non-matrix parameters go to AdamW (§6.1)
     layer = int(name.split("layers.")[1].split(".")[0]) + 1  # 1-based like the config lists
     leaf = name.split(".")[-2]
     if layer in cfg.kda_layers and leaf in ("q_proj", "k_proj", "v_proj"):

@@ -94,6 +94,22 @@ def test_loss_falls_and_balancing_moves_bias(corpus, tmp_path):
     assert torch.equal(m.model.layers[1].block_sparse_moe.gate.e_score_correction_bias, bias[0])
 
 
+def test_router_optimizer_and_resume_with_other_groups(corpus, tmp_path):
+    """The router weight is on Muon by default and on AdamW with --router-optimizer adamw; a run resumed with the
+    other choice is refused with a message naming the options (not a bare optimizer-state error)."""
+    tr = Trainer(_tc(corpus, tmp_path, steps=3, ckpt_every=3))
+    gate = tr.moes[0].gate.weight
+    group = next(g for g in tr.optimizer.param_groups if any(p is gate for p in g["params"]))
+    assert group["use_muon"] and group["head_dim"] is None
+    tr.run()
+    tr2 = Trainer(_tc(corpus, tmp_path, steps=6, ckpt_every=3, router_optimizer="adamw", resume=True))
+    gate = tr2.moes[0].gate.weight
+    group = next(g for g in tr2.optimizer.param_groups if any(p is gate for p in g["params"]))
+    assert not group["use_muon"] and group["weight_decay"] > 0
+    with pytest.raises(TrainError, match="--router-optimizer"):
+        tr2.run()
+
+
 def test_qk_clip_caps_logits(corpus, tmp_path):
     tr = Trainer(_tc(corpus, tmp_path, steps=2, qk_clip_tau=0.05, ckpt_every=100))
     tr.run()
@@ -177,6 +193,7 @@ def test_bad_data_and_options(corpus, tmp_path):
         (dict(balance_bins=0), "--balance-bins must be a positive integer"),
         (dict(resume="yes"), "--resume must be true or false"),
         (dict(data=5), "--data must be a string"),
+        (dict(router_optimizer="sgd"), "--router-optimizer must be muon or adamw"),
     ):
         with pytest.raises(TrainError, match=match):
             Trainer(_tc(corpus, tmp_path / "o", **kw))

@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="openk3",
         description="Kimi K3 in PyTorch: train, run, serve and cost-model the architecture.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  openk3 train              # tiny preset on the embedded corpus, CPU, ~3 min\n"
+        epilog="examples:\n  openk3 train              # tiny preset on the embedded corpus, CPU, ~2 min\n"
         "  openk3 params k3\n  openk3 demo --preset tiny\n  openk3 env",
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")

@@ -24,7 +24,10 @@ Assumed choices (not published for K3):
 * Per-block RMS scale uses the block's own dims (``0.2 * sqrt(max(d_h, d_in))``).
 * ``kv_b_proj`` is split into whole ``k_nope + v`` head blocks (256 x 512 for K3), not k / v halves.
 * AdamW parameters that are vectors (norm gains, biases, ``A_log``, ``dt_bias``, conv kernels, AttnRes
-  vectors) get no weight decay; embeddings, LM head and router weights do.
+  vectors) get no weight decay; embeddings and the LM head do.
+* The MoE router's weight ``[E, d]`` is a matrix, so it is on whole-matrix Muon (SPEC §6.1: only non-matrix
+  parameters go to AdamW, standard Muon practice as in Moonlight); ``router="adamw"`` puts it on AdamW with
+  decay instead.
 """
 
 from __future__ import annotations
@@ -410,10 +413,12 @@ def default_param_classifier(
     mla_kv_head_dim: int | None = None,
     kda_layers: Iterable[int] = frozenset(),
     mla_layers: Iterable[int] = frozenset(),
+    router: str = "muon",
 ) -> ParamClass:
     """Classify a parameter by its (checkpoint-style) name.
 
-    AdamW: ``embed_tokens``, ``lm_head``, the MoE router ``...gate.weight`` (decayed); norm gains
+    AdamW: ``embed_tokens``, ``lm_head`` (decayed), the MoE router ``...gate.weight`` when ``router="adamw"``
+    (decayed; by default it is a whole-matrix Muon parameter); norm gains
     (any dotted component containing ``norm``), biases, ``A_log``, ``dt_bias``, ``*conv1d*``, AttnRes vectors
     (``*_res_proj*``, ``*_res_norm*``), ``e_score_correction_bias``, every 1-D parameter and every 2-D
     parameter with a dimension of size 1 (not decayed).
@@ -439,8 +444,12 @@ def default_param_classifier(
         return ParamClass("adamw", None, False, False)
     if "embed_tokens" in name or "lm_head" in name:
         return ParamClass("adamw", None, False, True)
+    if router not in ("muon", "adamw"):
+        raise ValueError(f"router must be 'muon' or 'adamw', got {router!r}")
     if _ROUTER_RE.search(name):
-        return ParamClass("adamw", None, False, True)
+        return (
+            ParamClass("adamw", None, False, True) if router == "adamw" else ParamClass("muon", None, False)
+        )
     if param.ndim == 3 and _EXPERT_RE.search(name):
         return ParamClass("muon", None, True)
     if param.ndim != 2:
@@ -468,8 +477,9 @@ def _cfg_get(config: Any, key: str, default: Any = None) -> Any:
     return getattr(config, key, default)
 
 
-def classifier_from_config(config: Any) -> Callable[[str, torch.Tensor], ParamClass]:
-    """Bind :func:`default_param_classifier` to a model config (``K3Config`` or an HF-style dict).
+def classifier_from_config(config: Any, *, router: str = "muon") -> Callable[[str, torch.Tensor], ParamClass]:
+    """Bind :func:`default_param_classifier` to a model config (``K3Config`` or an HF-style dict) and a
+    ``router`` choice ("muon" or "adamw").
 
     Reads ``kda_layers`` / ``full_attn_layers`` (1-based, as in the released config; also looked up inside
     ``linear_attn_config``), ``kda_head_dim`` (or ``linear_attn_config.head_dim``) and
@@ -486,6 +496,7 @@ def classifier_from_config(config: Any) -> Callable[[str, torch.Tensor], ParamCl
         mla_kv_head_dim=(nope + v) if nope is not None and v is not None else None,
         kda_layers=frozenset(int(i) - 1 for i in kda),
         mla_layers=frozenset(int(i) - 1 for i in full),
+        router=router,
     )
     return lambda name, param: default_param_classifier(name, param, **kw)
 
@@ -507,19 +518,29 @@ def build_optimizer(
     per_head: bool = True,
     classify: Callable[[str, torch.Tensor], Any] | None = None,
     config: Any = None,
+    router: str = "muon",
 ) -> MuonWithAuxAdam:
     """Build one :class:`MuonWithAuxAdam` for ``model``.
 
     ``classify(name, param)`` returns a :class:`ParamClass` (or a 3/4-tuple, or None to skip); by default
     :func:`classifier_from_config` when ``config`` is given, else :func:`default_param_classifier` without
-    head dims (every matrix whole-matrix Muon). ``per_head=False`` drops all head blocks (plain Muon
+    head dims (every matrix whole-matrix Muon); both with ``router`` ("muon": the MoE router weight on
+    whole-matrix Muon, "adamw": on AdamW with decay). ``per_head=False`` drops all head blocks (plain Muon
     ablation). Frozen parameters (``requires_grad=False``) are skipped. One param group is made per
     (kind, head_dim, is_expert, decay) combination, in first-seen order, each labelled with ``group_name``;
     Muon groups use ``muon_lr or lr`` and ``weight_decay``; AdamW groups use ``adam_lr or lr`` and
     ``adam_weight_decay`` (default ``weight_decay``) or 0 for no-decay parameters.
     """
+    if router not in ("muon", "adamw"):
+        raise ValueError(f"router must be 'muon' or 'adamw', got {router!r}")
     if classify is None:
-        classify = classifier_from_config(config) if config is not None else default_param_classifier
+        if config is not None:
+            classify = classifier_from_config(config, router=router)
+        else:
+
+            def classify(name, param):
+                return default_param_classifier(name, param, router=router)
+
     muon_lr = lr if muon_lr is None else muon_lr
     adam_lr = lr if adam_lr is None else adam_lr
     adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay

@@ -54,6 +54,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     per_head_muon: bool = True
+    router_optimizer: str = "muon"  # muon | adamw: the MoE router weight's optimizer
     balance: str = "qb"  # qb | sign | none
     balance_bins: int = 512
     sign_rate: float = 1e-3
@@ -257,6 +258,8 @@ class Trainer:
             raise TrainError("--lr and --adam-lr must be > 0")
         if tc.schedule not in ("cosine", "wsd"):
             raise TrainError(f"--schedule must be cosine or wsd, got {tc.schedule!r}")
+        if tc.router_optimizer not in ("muon", "adamw"):
+            raise TrainError(f"--router-optimizer must be muon or adamw, got {tc.router_optimizer!r}")
         if tc.balance not in ("qb", "sign", "none"):
             raise TrainError(f"--balance must be qb, sign or none, got {tc.balance!r}")
         from openk3.ops import backend as _backend
@@ -376,6 +379,7 @@ class Trainer:
             weight_decay=tc.weight_decay,
             per_head=tc.per_head_muon,
             config=cfg,
+            router=tc.router_optimizer,
         )
         sched = warmup_cosine if tc.schedule == "cosine" else wsd
         kw = {"min_lr_ratio": tc.min_lr_ratio} if tc.schedule == "cosine" else {}
@@ -507,6 +511,13 @@ class Trainer:
                     )
             for k, v in own.items():
                 v.copy_(sd[k].to(v.dtype))
+        groups = [(g.get("group_name"), len(g["params"])) for g in st["optimizer"]["param_groups"]]
+        own_groups = [(g.get("group_name"), len(g["params"])) for g in self.optimizer.param_groups]
+        if groups != own_groups:
+            raise TrainError(
+                f"checkpoint {path} was written with other optimizer groups ({groups} against {own_groups}); "
+                "resume with the same --per-head-muon / --router-optimizer, or use a new --out"
+            )
         self.optimizer.load_state_dict(st["optimizer"])
         self._restore(st, with_optimizer=True)
 
