@@ -365,3 +365,19 @@ def test_cli_plots(capsys, tmp_path):
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert len(pngs) == 5, pngs
     assert all((tmp_path / p).stat().st_size > 10_000 for p in pngs)
+
+
+@pytest.mark.parametrize("preset", ["k3", "kimi-linear-48b", "tiny"])
+def test_cache_bytes_equal_the_engines_pool(preset):
+    """The cost model's cache sizes are what the serving engine allocates: the MLA latent per token (bf16 cache)
+    and the fp32 KDA state plus fp32 short-conv history per sequence."""
+    from openk3.infer.cache import CacheLayout
+
+    cfg = get_preset(preset)
+    lay = CacheLayout.from_config(cfg)
+    cb = cost.cache_bytes(cfg, 4096)
+    assert cb.mla_per_token == lay.bytes_per_token(torch.bfloat16)
+    assert cb.kda_state + cb.kda_conv == lay.bytes_per_sequence()
+    db = cost.decode_step_bytes(cfg, 2, 4096)
+    assert db.parts["kda_state"] + db.parts["kda_conv"] == 2 * 2 * lay.bytes_per_sequence()  # read + written
+    assert db.dtypes["conv"] == "fp32"

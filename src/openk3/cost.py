@@ -620,7 +620,7 @@ def decode_step_bytes(
     dense_dtype: str = "bf16",
     kv_dtype: str = "bf16",
     state_dtype: str = "fp32",
-    conv_dtype: str = "bf16",
+    conv_dtype: str = "fp32",  # the engine keeps the short-conv history in fp32 (openk3.infer.cache)
     mode: str = "decode",
 ) -> DecodeBytes:
     """HBM bytes read + written by one step over the whole model.
@@ -664,7 +664,13 @@ def decode_step_bytes(
         tokens=tokens,
         parts=parts,
         experts_touched_per_layer=touched,
-        dtypes={"expert": expert_dtype, "dense": dense_dtype, "kv": kv_dtype, "state": state_dtype},
+        dtypes={
+            "expert": expert_dtype,
+            "dense": dense_dtype,
+            "kv": kv_dtype,
+            "state": state_dtype,
+            "conv": conv_dtype,
+        },
     )
 
 
@@ -813,7 +819,7 @@ def cache_bytes(
     *,
     kv_dtype: str = "bf16",
     state_dtype: str = "fp32",
-    conv_dtype: str = "bf16",
+    conv_dtype: str = "fp32",  # the engine keeps the short-conv history in fp32 (openk3.infer.cache)
 ) -> CacheBytes:
     n = _counts(cfg)
     kb, sb, cb = _dtype_bytes(kv_dtype), _dtype_bytes(state_dtype), _dtype_bytes(conv_dtype)
