@@ -131,6 +131,59 @@ def test_completion_and_usage(client, engine):
     assert chat.choices[0].message.content == engine.tokenizer.decode([tid] * 4)
 
 
+def test_stop_token_usage_special_tokens_and_model_route(server, client, engine):
+    """The token that ends a reply is generated output: counted in completion_tokens and given its logprob, with no
+    text. Special tokens the model generates are left out of the text (skip_special_tokens, vLLM's default) unless
+    the request turns that off. GET /v1/models/{id} answers for the served model, 404 otherwise."""
+    tok = engine.tokenizer
+    eos = tok.eos_id
+    r = client.completions.create(
+        model=MODEL, prompt="a = 1", max_tokens=5, temperature=0, logprobs=1, logit_bias={str(eos): 100}
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.text == "" and r.usage.completion_tokens == 1
+    assert len(c.logprobs.tokens) == 1 and c.logprobs.token_logprobs[0] <= 0.0
+    im_end = tok.token_to_id("<|im_end|>")
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, logit_bias={str(im_end): 100}
+    )
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 1
+    bos = tok.bos_id
+    kw = dict(model=MODEL, prompt="a = 1", max_tokens=3, temperature=0, logit_bias={str(bos): 100})
+    r = client.completions.create(extra_body={"ignore_eos": True}, **kw)
+    assert r.choices[0].text == "" and r.usage.completion_tokens == 3
+    r = client.completions.create(extra_body={"ignore_eos": True, "skip_special_tokens": False}, **kw)
+    assert r.choices[0].text == tok.decode([bos] * 3) == "<|bos|>" * 3
+    bad = httpx.post(server + "/v1/completions", json={**kw, "skip_special_tokens": "no"}, timeout=30)
+    assert bad.status_code == 400 and "skip_special_tokens" in bad.json()["error"]["message"]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other-model")
+    r = httpx.get(server + "/v1/completions", timeout=10)  # a wrong method: 405 with its Allow header
+    assert r.status_code == 405 and r.headers.get("allow") == "POST" and "error" in r.json()
+
+
+def test_stream_usage_null_until_the_last_chunk(server):
+    """stream_options.include_usage: every chunk carries "usage": null and one last chunk (no choices) the counts;
+    include_usage: null is the default (off), not an error."""
+    for path, extra in (("/v1/completions", {"prompt": "a = 1"}), ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"}]})):  # fmt: skip
+        body = {"model": MODEL, "max_tokens": 4, "stream": True, "ignore_eos": True, **extra}
+        with httpx.stream(
+            "POST", server + path, json={**body, "stream_options": {"include_usage": True}}, timeout=60
+        ) as r:
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        assert all("usage" in e for e in events)
+        assert all(e["usage"] is None for e in events[:-1]) and events[-1]["choices"] == []
+        assert events[-1]["usage"]["completion_tokens"] == 4
+        with httpx.stream(
+            "POST", server + path, json={**body, "stream_options": {"include_usage": None}}, timeout=60
+        ) as r:
+            assert r.status_code == 200
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        assert events and not any("usage" in e for e in events)
+
+
 def test_chat_completion(client):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
@@ -715,7 +768,8 @@ def test_openk3_serve_process(tmp_path):
         taken = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
         assert taken.returncode != 0 and "could not start" in taken.stderr, taken.stderr[-2000:]
 
-        # SIGTERM while a stream runs: the stream ends (aborted) and the process exits promptly
+        # SIGTERM while a stream runs: the stream ends with a 503-type error event (no finish reason outside
+        # OpenAI's enum) and [DONE], and the process exits promptly
         body = {"model": name, "prompt": "x", "max_tokens": 300, "ignore_eos": True, "stream": True}
         got: list[str] = []
 
@@ -737,7 +791,8 @@ def test_openk3_serve_process(tmp_path):
         assert time.monotonic() - t0 < 15, "the server took too long to stop"
         th.join(30)
         assert not th.is_alive()
-        assert any('"finish_reason":"abort"' in x for x in got), got[-3:]
+        assert not any('"abort"' in x for x in got), got[-3:]
+        assert any('"code":"server_shutdown"' in x for x in got) and "data: [DONE]" in got[-3:], got[-3:]
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

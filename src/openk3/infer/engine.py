@@ -337,13 +337,16 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without re-decoding everything; holds back text while the
     last bytes do not form a whole character yet."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip: frozenset[int] = frozenset()):
         self.tok = tokenizer
+        self.skip = skip  # ids left out of the text (special tokens)
         self.ids: list[int] = []
         self.prefix = 0
         self.read = 0
 
     def push(self, token_id: int) -> str:
+        if token_id in self.skip:
+            return ""
         self.ids.append(token_id)
         before = self.tok.decode(self.ids[self.prefix : self.read])
         now = self.tok.decode(self.ids[self.prefix :])
@@ -592,6 +595,9 @@ class Engine:
             snap_bytes = max(64 << 20, 16 * self.pool.bytes_per_sequence)
         self.prefix = PrefixCache(self.pool, cfg.prefix_interval, snap_bytes) if cfg.prefix_cache else None
         self.eos_ids = self._eos_ids()
+        # the tokenizer's special tokens (left out of generated text unless SamplingParams.skip_special_tokens is off)
+        specials = getattr(tokenizer, "special_tokens", None) or {}
+        self._special_ids = frozenset(int(i) for i in specials.values())
         self.tok_vocab = tokenizer.vocab_size if tokenizer is not None else self.mcfg.vocab_size
         if self.tok_vocab > self.mcfg.vocab_size:
             raise ValueError(
@@ -1002,7 +1008,9 @@ class Engine:
                 )
         req = Request(ids, params, request_id, on_output, max_new)
         if self.tokenizer is not None:
-            req.detok = IncrementalDetokenizer(self.tokenizer)
+            req.detok = IncrementalDetokenizer(
+                self.tokenizer, self._special_ids if params.skip_special_tokens else frozenset()
+            )
         if not params.greedy:
             req.seed = params.seed if params.seed is not None else random.getrandbits(63)
         return req
@@ -1750,6 +1758,8 @@ class Engine:
             req.counts[t : t + 1].add_(1.0)
         p = req.params
         if t in req.stop_ids or (not p.ignore_eos and t in self.eos_ids):
+            # the stop token is generated output (counted in usage, with its logprob), without text
+            self._emit(req, [t], "", lps)
             self._finish(req, "stop")
             return
         text = self._extend_text(req, req.detok.push(t)) if req.detok is not None else ""

@@ -75,7 +75,8 @@ class SamplingParams:
     strings that end generation (not included in the text); ``stop_token_ids``: extra ids that end generation; the
     end-of-sequence id does too unless ``ignore_eos``. ``logprobs`` k (0..20; ``None`` = off): each generated token's
     log-probability under the model's distribution (``log_softmax`` of the logits, before penalty, temperature and
-    filters) and the k most likely tokens with theirs. ``prompt_logprobs`` k: the same for each prompt token after
+    filters) and the k most likely tokens with theirs. ``skip_special_tokens`` (vLLM's default, on): special
+    tokens the model generates (``<|im_end|>``, BOS, ...) are left out of the text; their ids and logprobs stay. ``prompt_logprobs`` k: the same for each prompt token after
     the first (a request asking for them does not reuse a cached prefix). ``logit_bias`` (OpenAI semantics):
     ``{token id: bias}``, each bias in [-100, 100] added to that token's logit before the penalties, temperature and
     filters (a large negative bias bans the token, a large positive one forces it); logprobs stay those of the
@@ -93,6 +94,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
@@ -173,10 +175,9 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             raise SamplingParamError("stop", "stop must be a string or a list of strings")
         self.stop = [s for s in self.stop if s]
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingParamError(
-                "ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}"
-            )
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):

@@ -60,6 +60,16 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _cancelled() -> ApiError:
+    """A request the engine aborted while the client still waited (the server shutting down)."""
+    return ApiError(
+        503,
+        "the request was cancelled: the server is shutting down",
+        type_="server_error",
+        code="server_shutdown",
+    )
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
@@ -148,6 +158,7 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
         stop=list(stop),
         stop_token_ids=list(stop_ids),
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
+        skip_special_tokens=bool(_get(body, "skip_special_tokens", bool, True)),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias,
@@ -215,7 +226,9 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
     if not stream:  # (as OpenAI and vLLM answer: the options of a stream that is not asked for)
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    include_usage = so.get("include_usage", False)
+    include_usage = so.get("include_usage")
+    if include_usage is None:
+        include_usage = False
     if not isinstance(include_usage, bool):
         raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
     return stream, stream and include_usage
@@ -438,9 +451,9 @@ def create_app(
 
     app = FastAPI(title="openk3", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    def err_response(e: ApiError) -> JSONResponse:
+    def err_response(e: ApiError, headers=None) -> JSONResponse:
         http_errors[e.status] = http_errors.get(e.status, 0) + 1
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -449,7 +462,10 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
         code = "not_found" if exc.status_code == 404 else None
-        return err_response(ApiError(exc.status_code, str(exc.detail), code=code))
+        # (a 405 keeps its Allow header)
+        return err_response(
+            ApiError(exc.status_code, str(exc.detail), code=code), getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc):
@@ -571,20 +587,24 @@ def create_app(
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "openk3",
+            "max_model_len": engine.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "openk3",
-                    "max_model_len": engine.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise ApiError(404, f"model {model_id!r} not found", param="model", code="model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():
@@ -664,7 +684,7 @@ def create_app(
                 "model": model_name,
                 "choices": choices,
             }
-            if usage_ is not None:
+            if usage_ is not None or include_usage:  # (a stream with usage: null in every chunk but the last)
                 d["usage"] = usage_
             return d
 
@@ -678,6 +698,9 @@ def create_app(
                     async for i, out in group.outputs():
                         if out.error:
                             yield _sse(ApiError(500, out.error, type_="server_error").body())
+                            continue
+                        if out.finished and out.finish_reason == "abort":
+                            yield _sse(_cancelled().body())
                             continue
                         completion += len(out.new_token_ids)
                         text, pairs = out.new_text, []
@@ -781,7 +804,7 @@ def create_app(
 
         def chunk(choices, usage_=None, obj="chat.completion.chunk"):
             d = {"id": cid, "object": obj, "created": now, "model": model_name, "choices": choices}
-            if usage_ is not None:
+            if usage_ is not None or include_usage:  # (a stream with usage: null in every chunk but the last)
                 d["usage"] = usage_
             return d
 
@@ -801,6 +824,9 @@ def create_app(
                     async for i, out in group.outputs():
                         if out.error:
                             yield _sse(ApiError(500, out.error, type_="server_error").body())
+                            continue
+                        if out.finished and out.finish_reason == "abort":
+                            yield _sse(_cancelled().body())
                             continue
                         completion += len(out.new_token_ids)
                         lp = chat_logprobs(out.new_logprobs) if out.new_logprobs else None
@@ -907,6 +933,8 @@ async def _collect(group, request) -> _Collected:
             for i, out in batch:
                 if out.error:
                     raise ApiError(500, out.error, type_="server_error")
+                if out.finished and out.finish_reason == "abort":
+                    raise _cancelled()
                 got.texts[i] += out.new_text
                 got.completion += len(out.new_token_ids)
                 got.logprobs[i] += out.new_logprobs or []
