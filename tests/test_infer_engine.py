@@ -496,6 +496,28 @@ def _check_logprobs(model, r, tol=1e-4):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_max_tokens_zero_scores_the_prompt(tiny, overlap):
+    """max_tokens 0: the prompt is prefilled and its logprobs reported (those of a full forward), no token is drawn,
+    the request finishes with "length" and frees its pages; a generating request beside it is unaffected."""
+    eng = Engine(tiny, None, page_size=8, max_seqs=4, max_tokens=1024, overlap=overlap, prefix_interval=8)
+    prompts = _prompts(43, [1, 9, 40, 12])
+    score = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    gen = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    reqs = eng.generate(prompts, [score, score, score, gen])
+    for r in reqs[:3]:
+        assert r.output_ids == [] and r.finish_reason == "length"
+        if r.num_prompt > 1:
+            _check_logprobs(tiny, r)
+        else:
+            assert r.prompt_logprobs == [None]
+    alone = eng.generate([prompts[3]], gen)[0]
+    assert len(reqs[3].output_ids) == 6 and reqs[3].output_ids == alone.output_ids
+    assert eng.stats()["requests_running"] == 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1).validate()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
 def test_logprobs_match_full_forward(tiny, overlap):
     """SamplingParams.logprobs / prompt_logprobs: log_softmax of the model's logits at every generated and prompt
     token (sampled, greedy and penalised rows in one batch; a one-token prompt); a request asking for prompt

@@ -237,7 +237,6 @@ def test_stop_helpers():
     "kw, match",
     [
         ({"max_tokens": -1}, "max_tokens"),
-        ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),

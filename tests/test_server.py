@@ -163,6 +163,20 @@ def test_stop_token_usage_special_tokens_and_model_route(server, client, engine)
     assert r.status_code == 405 and r.headers.get("allow") == "POST" and "error" in r.json()
 
 
+def test_echo_with_max_tokens_zero_scores_the_prompt(client, engine):
+    """/v1/completions with echo, logprobs and max_tokens 0 (how evaluation harnesses score a text): the prompt
+    back with its logprobs, no completion token; the values equal those of a request that also generates."""
+    prompt = "def add(a, b):\n    return a + b"
+    kw = dict(model=MODEL, prompt=prompt, echo=True, logprobs=1, temperature=0)
+    r = client.completions.create(max_tokens=0, **kw)
+    c = r.choices[0]
+    n = len(engine.tokenizer.encode(prompt))
+    assert c.text == prompt and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert len(c.logprobs.tokens) == n and c.logprobs.token_logprobs[0] is None
+    ref = client.completions.create(max_tokens=1, **kw).choices[0].logprobs.token_logprobs[:n]
+    assert all(abs(a - b) < 1e-4 for a, b in zip(c.logprobs.token_logprobs[1:], ref[1:]))
+
+
 def test_stream_usage_null_until_the_last_chunk(server):
     """stream_options.include_usage: every chunk carries "usage": null and one last chunk (no choices) the counts;
     include_usage: null is the default (off), not an error."""

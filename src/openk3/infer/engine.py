@@ -1131,6 +1131,7 @@ class Engine:
                 self._drain_inbox()
                 self._admit()
                 self._run_prefill()
+                self._finish_scored()
                 self._run_decode()
         except Exception as e:  # never let one bad step kill the server
             log.exception("engine step failed")
@@ -1147,6 +1148,12 @@ class Engine:
             self.waiting = deque(r for r in self.waiting if not r.finished)
         self.metrics["steps_total"] += 1
         self.metrics["step_seconds_total"] += time.perf_counter() - t0
+
+    def _finish_scored(self) -> None:
+        """Requests of max_tokens 0 whose prompt is prefilled (its logprobs computed): finished, no token drawn."""
+        for r in list(self.active):
+            if r.max_new == 0 and not r.finished and r.num_computed >= len(r.all_ids) - 1:
+                self._finish(r, "length")
 
     def _drain_inbox(self) -> None:
         while True:

@@ -64,7 +64,8 @@ class SamplingParamError(ValueError):
 class SamplingParams:
     """Per-request generation settings.
 
-    ``max_tokens``: new tokens to generate at most (``None``: up to the context length). ``temperature`` 0 is
+    ``max_tokens``: new tokens to generate at most (``None``: up to the context length; 0: none, the prompt is only
+    scored: prefilled, with its ``prompt_logprobs`` if asked, finishing with "length"). ``temperature`` 0 is
     greedy (:meth:`validate` sets one below ``MIN_TEMPERATURE`` to 0: dividing the fp32 logits by it would overflow
     them, or it would round to 0 there). ``top_k`` 0 or -1 and ``top_p`` == 1 disable those filters.
     ``repetition_penalty`` > 1 discourages tokens already present in the prompt or the output, < 1 favours them (HF
@@ -124,8 +125,8 @@ class SamplingParams:
                 raise SamplingParamError(
                     "max_tokens", f"max_tokens must be an integer, got {self.max_tokens!r}"
                 )
-            if self.max_tokens < 1:
-                raise SamplingParamError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
+            if self.max_tokens < 0:
+                raise SamplingParamError("max_tokens", f"max_tokens must be >= 0, got {self.max_tokens}")
         self.temperature = num("temperature", self.temperature, 0.0, 100.0)
         if self.temperature < MIN_TEMPERATURE:
             self.temperature = 0.0

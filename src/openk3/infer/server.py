@@ -133,8 +133,10 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
             mt_name = "max_completion_tokens"
     else:
         max_tokens = _get(body, "max_tokens", int, 16)
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"'{mt_name}' must be >= 1, got {max_tokens}", param=mt_name)
+    # 0 (completions only): score the prompt without generating, as the legacy API and vLLM allow with echo
+    low = 1 if chat else 0
+    if max_tokens is not None and max_tokens < low:
+        raise ApiError(400, f"'{mt_name}' must be >= {low}, got {max_tokens}", param=mt_name)
     stop = body.get("stop")
     if stop is None:
         stop = []
