@@ -139,6 +139,22 @@ def _write_ranks(path, merges):
     return len(ranks)
 
 
+def _assert_token_bytes_join(tok):
+    """Each token's bytes (token_bytes) joined give the text's UTF-8 bytes, also where a character is split over
+    tokens; a special token's bytes are its text."""
+    text = "h\u00e9llo \U0001f600 \u65e5\u672c w\u00f6rld \U0001f680! " + UNSEEN_TEXT
+    ids = tok.encode(text, allow_special=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    for i in tok.special_tokens.values():
+        assert tok.token_bytes(i) == tok.decode([i]).encode("utf-8")
+
+
+def test_token_bytes_of_the_trained_bpe(bpe):
+    tok, _ = bpe
+    _assert_token_bytes_join(tok)
+    assert any(tok.decode([i]) == "\ufffd" for i in range(tok.vocab_size))  # byte tokens inside characters
+
+
 def test_tiktoken_ranks_file(tmp_path):
     pytest.importorskip("tiktoken")
     merges = [b"th", b"he", b"the", b"in", b" the", b"ing", b"  "]
@@ -153,6 +169,7 @@ def test_tiktoken_ranks_file(tmp_path):
     assert tok.decode(tok.encode(UNSEEN_TEXT, allow_special=False)) == UNSEEN_TEXT
     assert tok.encode("x<|eos|>") == [ord("x"), n + 1]
     _assert_batch_encode_matches(tok)
+    _assert_token_bytes_join(tok)
 
     # bos/eos/chat template from a tokenizer_config.json next to the file, as Kimi ships it
     config = {

@@ -177,6 +177,35 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(client, engine):
     assert all(abs(a - b) < 1e-4 for a, b in zip(c.logprobs.token_logprobs[1:], ref[1:]))
 
 
+def test_logprob_bytes_and_text_offsets_of_multibyte_text(client, engine):
+    """A token that is part of a UTF-8 character (its text alone is U+FFFD) reports its own bytes in chat logprobs,
+    so that clients can join them; completions' text_offset indexes the returned text, so each token whose text
+    is whole starts there, after emoji and CJK characters split over several tokens."""
+    tok = engine.tokenizer
+    part = next(
+        i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd" and len(tok.token_bytes(i)) == 1
+    )
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1, logprobs=True,
+        logit_bias={str(part): 100},
+    )  # fmt: skip
+    item = chat.choices[0].logprobs.content[0]
+    assert item.bytes == list(tok.token_bytes(part)) and item.bytes != list("\ufffd".encode())
+    prompt = "h\u00e9llo \U0001f600 \u65e5\u672c w\u00f6rld \U0001f680!"
+    ids = tok.encode(prompt)
+    assert len(ids) > len(prompt.split()) and any(
+        tok.decode([i]) == "\ufffd" for i in ids
+    )  # split characters
+    r = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=0, max_tokens=0)
+    c = r.choices[0]
+    offs = c.logprobs.text_offset
+    assert c.text == prompt and len(offs) == len(ids) and offs == sorted(offs)
+    for i, off in zip(ids, offs):
+        piece = tok.decode([i])
+        if "\ufffd" not in piece:
+            assert c.text[off:].startswith(piece), (piece, off, c.text[off:])
+
+
 def test_stream_usage_null_until_the_last_chunk(server):
     """stream_options.include_usage: every chunk carries "usage": null and one last chunk (no choices) the counts;
     include_usage: null is the default (off), not an error."""
@@ -364,7 +393,10 @@ def test_logprobs_completions_echo_and_chat(client, server, engine):
     for j, top in enumerate(got.top_logprobs):  # greedy: the chosen token is the most likely one
         assert 3 <= len(top) <= 4 and got.tokens[j] in top
         assert abs(max(top.values()) - got.token_logprobs[j]) < 1e-6
-    assert got.text_offset == [sum(len(t) for t in got.tokens[:j]) for j in range(5)]
+    # offsets index the choice's text (no echo: from 0, as vLLM); a whole token's text starts at its offset
+    assert got.text_offset[0] == 0 and got.text_offset == sorted(got.text_offset)
+    for t, off in zip(got.tokens, got.text_offset):
+        assert "\ufffd" in t or r.choices[0].text[off:].startswith(t), (t, off)
     # echo: the prompt's text and its tokens' logprobs first
     for _ in range(2):  # the second time the prefix cache holds this prompt: it must not be used
         e = client.completions.create(echo=True, **kw).choices[0]
@@ -394,7 +426,7 @@ def test_logprobs_completions_echo_and_chat(client, server, engine):
             item.token == item.top_logprobs[0].token
             and abs(item.logprob - item.top_logprobs[0].logprob) < 1e-6
         )
-        assert item.bytes == list(item.token.encode("utf-8"))
+        assert bytes(item.bytes).decode("utf-8", errors="replace") == item.token  # the token's own bytes
     streamed = [
         it for ev in client.chat.completions.create(stream=True, **ck) if ev.choices and ev.choices[0].logprobs
         for it in ev.choices[0].logprobs.content

@@ -22,6 +22,7 @@ first one ``null``: scoring a text as evaluation harnesses do); chat takes ``log
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import dataclasses
 import hmac
@@ -68,6 +69,21 @@ def _cancelled() -> ApiError:
         type_="server_error",
         code="server_shutdown",
     )
+
+
+class _TextOffsets:
+    """Character offsets of tokens in a choice's text, fed each token's bytes (or, without a tokenizer, its text):
+    a token's offset is the number of whole characters before its first byte, so the tokens of one multi-byte
+    character share that character's offset."""
+
+    def __init__(self):
+        self.chars = 0
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, piece: bytes | str) -> int:
+        at = self.chars
+        self.chars += len(piece) if isinstance(piece, str) else len(self._dec.decode(piece))
+        return at
 
 
 def _sse(obj: Any) -> str:
@@ -552,9 +568,12 @@ def create_app(
     def tok_text(i: int) -> str:
         return tok.decode([i]) if tok is not None else f"token_id:{i}"
 
-    def completion_logprobs(pairs, offset: int) -> tuple[dict, int]:
-        """The completions API's logprobs object for (token id, TokenLogprob or None) pairs whose text starts at
-        ``offset``; returns it and the offset after them."""
+    def tok_bytes(i: int) -> bytes:
+        return tok.token_bytes(i) if tok is not None else tok_text(i).encode("utf-8")
+
+    def completion_logprobs(pairs, offsets: _TextOffsets) -> dict:
+        """The completions API's logprobs object for (token id, TokenLogprob or None) pairs; ``offsets`` follows
+        the choice's text (each token's ``text_offset`` is where its first byte's character starts in it)."""
         d: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, e in pairs:
             t = tok_text(tid)
@@ -565,16 +584,15 @@ def create_app(
             d["tokens"].append(t)
             d["token_logprobs"].append(None if e is None else e.logprob)
             d["top_logprobs"].append(top)
-            d["text_offset"].append(offset)
-            offset += len(t)
-        return d, offset
+            d["text_offset"].append(offsets.push(tok_bytes(tid) if tok is not None else t))
+        return d
 
     def chat_logprobs(entries) -> dict:
-        """The chat API's logprobs object ({"content": [...]}) for TokenLogprobs."""
+        """The chat API's logprobs object ({"content": [...]}) for TokenLogprobs; ``bytes`` are the token's own
+        (a part of a character for some byte-level tokens, whose text alone is U+FFFD)."""
 
         def item(i: int, v: float) -> dict:
-            t = tok_text(i)
-            return {"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+            return {"token": tok_text(i), "logprob": v, "bytes": list(tok_bytes(i))}
 
         return {
             "content": [
@@ -695,7 +713,7 @@ def create_app(
             async def gen():
                 completion = 0
                 started: set[int] = set()
-                offsets = [0] * len(group.reqs)
+                offsets = [_TextOffsets() for _ in group.reqs]
                 try:
                     async for i, out in group.outputs():
                         if out.error:
@@ -715,7 +733,7 @@ def create_app(
                         lp = None
                         if want_lp:
                             pairs += [(e.id, e) for e in out.new_logprobs or []]
-                            lp, offsets[i] = completion_logprobs(pairs, offsets[i])
+                            lp = completion_logprobs(pairs, offsets[i])
                         if text or out.finished or pairs:
                             c = {
                                 "index": i,
@@ -740,7 +758,7 @@ def create_app(
             lp = None
             if want_lp:
                 pairs = prompt_pairs(i, got.prompt_logprobs[i]) if echo else []
-                lp, _ = completion_logprobs(pairs + [(e.id, e) for e in got.logprobs[i]], 0)
+                lp = completion_logprobs(pairs + [(e.id, e) for e in got.logprobs[i]], _TextOffsets())
             text = (echo_text(i) if echo else "") + got.texts[i]
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": got.reasons[i]})
         return chunk(choices, usage(group.prompt_tokens, got.completion))

@@ -67,6 +67,23 @@ DEFAULT_SPLIT_PATTERN = "|".join(
     ]
 )
 
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Character -> byte of the byte-level BPE alphabet (the GPT-2 convention that HF's ByteLevel pre-tokenizer
+    uses): the printable Latin-1 bytes stand for themselves, the other 68 bytes for code points 256, 257, ... in
+    byte order."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    kept_set = set(kept)
+    out = {chr(b): b for b in kept}
+    extra = 0
+    for b in range(256):
+        if b not in kept_set:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 _TOKENIZER_JSON = "tokenizer.json"
 _TIKTOKEN_FILE = "tiktoken.model"
 _CONFIG_JSON = "tokenizer_config.json"
@@ -184,6 +201,8 @@ class Tokenizer:
             raise ValueError("Tokenizer needs exactly one backend; use Tokenizer.train_bpe or from_file")
         self._hf = hf
         self._tt = tiktoken_encoding
+        # an HF byte-level BPE spells each byte as one printable character (token_bytes undoes it)
+        self._byte_level = hf is not None and type(hf.decoder).__name__ == "ByteLevel"
         self._tt_ranks = tiktoken_ranks
         self._pattern = pattern
         self.special_tokens: dict[str, int] = dict(special_tokens or {})
@@ -235,6 +254,23 @@ class Tokenizer:
         if self._hf is not None:
             return self._hf.decode(ids, skip_special_tokens=False)
         return self._tt.decode(ids, errors="replace")
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token ``i`` stands for (a part of a UTF-8 character for some byte-level tokens, whose
+        :meth:`decode` alone is U+FFFD); a special token's are those of its text."""
+        i = int(i)
+        if self._tt is not None:
+            try:
+                return self._tt.decode_single_token_bytes(i)
+            except KeyError:
+                return self.decode([i]).encode("utf-8")
+        piece = self._hf.id_to_token(i)
+        if piece is not None and i not in self.special_tokens.values() and self._byte_level:
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:
+                pass
+        return self.decode([i]).encode("utf-8")
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a special token or (HF backend) any vocabulary entry; None if unknown."""
