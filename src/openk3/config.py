@@ -119,9 +119,7 @@ class K3Config:
     num_experts_per_token: int = 16
     num_shared_experts: int = 2
     moe_intermediate_size: int = 3072
-    routed_expert_hidden_size: int | None = (
-        3584  # latent width (<= hidden_size); None -> plain (full-width) MoE
-    )
+    routed_expert_hidden_size: int | None = 3584  # latent width (<= hidden); None -> plain (full-width) MoE
     latent_moe_use_norm: bool = True
     first_k_dense_replace: int = 1
     moe_layer_freq: int = 1

@@ -77,8 +77,9 @@ class SamplingParams:
     end-of-sequence id does too unless ``ignore_eos``. ``logprobs`` k (0..20; ``None`` = off): each generated token's
     log-probability under the model's distribution (``log_softmax`` of the logits, before penalty, temperature and
     filters) and the k most likely tokens with theirs. ``skip_special_tokens`` (vLLM's default, on): special
-    tokens the model generates (``<|im_end|>``, BOS, ...) are left out of the text; their ids and logprobs stay. ``prompt_logprobs`` k: the same for each prompt token after
-    the first (a request asking for them does not reuse a cached prefix). ``logit_bias`` (OpenAI semantics):
+    tokens the model generates (``<|im_end|>``, BOS, ...) are left out of the text; their ids and logprobs stay.
+    ``prompt_logprobs`` k: the same for each prompt token after the first (a request asking for them does not reuse
+    a cached prefix). ``logit_bias`` (OpenAI semantics):
     ``{token id: bias}``, each bias in [-100, 100] added to that token's logit before the penalties, temperature and
     filters (a large negative bias bans the token, a large positive one forces it); logprobs stay those of the
     model's distribution, without it.

@@ -72,17 +72,17 @@ def _cancelled() -> ApiError:
 
 
 class _TextOffsets:
-    """Character offsets of tokens in a choice's text, fed each token's bytes (or, without a tokenizer, its text):
-    a token's offset is the number of whole characters before its first byte, so the tokens of one multi-byte
-    character share that character's offset."""
+    """Character offsets of tokens in a choice's text, fed each token's bytes: a token's offset is the number of
+    whole characters before its first byte, so the tokens of one multi-byte character share that character's
+    offset."""
 
     def __init__(self):
         self.chars = 0
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def push(self, piece: bytes | str) -> int:
+    def push(self, piece: bytes) -> int:
         at = self.chars
-        self.chars += len(piece) if isinstance(piece, str) else len(self._dec.decode(piece))
+        self.chars += len(self._dec.decode(piece))
         return at
 
 
@@ -584,7 +584,7 @@ def create_app(
             d["tokens"].append(t)
             d["token_logprobs"].append(None if e is None else e.logprob)
             d["top_logprobs"].append(top)
-            d["text_offset"].append(offsets.push(tok_bytes(tid) if tok is not None else t))
+            d["text_offset"].append(offsets.push(tok_bytes(tid)))
         return d
 
     def chat_logprobs(entries) -> dict:
