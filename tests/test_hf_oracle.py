@@ -37,15 +37,20 @@ def _hf_model(tmp_path, **over):
     kw.update(over)
     cfg = KimiLinearConfig(**kw)
     torch.manual_seed(torch.seed() % 2**31)
-    m = KimiLinearForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # non-trivial values for params that init to constants
+    m = _perturbed(KimiLinearForCausalLM(cfg).float().eval())
+    m.save_pretrained(tmp_path)
+    return m
+
+
+def _perturbed(m):
+    """``m`` with non-trivial values for the parameters and buffers that initialise to constants."""
+    with torch.no_grad():
         for n, p in m.named_parameters():
             if "norm" in n or "A_log" in n or "dt_bias" in n:
                 p.add_(0.1 * torch.randn_like(p))
         for mod in m.modules():
             if hasattr(mod, "e_score_correction_bias"):
                 mod.e_score_correction_bias.copy_(0.05 * torch.randn_like(mod.e_score_correction_bias))
-    m.save_pretrained(tmp_path)
     return m
 
 
@@ -95,14 +100,7 @@ def test_our_export_loads_in_transformers(tmp_path, rel, q_lora):
         eos_token_id=None,
         pad_token_id=None,
     )
-    ours = K3ForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # non-trivial values for params that init to constants
-        for n, p in ours.named_parameters():
-            if "norm" in n or "A_log" in n or "dt_bias" in n:
-                p.add_(0.1 * torch.randn_like(p))
-        for mod in ours.modules():
-            if hasattr(mod, "e_score_correction_bias"):
-                mod.e_score_correction_bias.normal_(0, 0.05)
+    ours = _perturbed(K3ForCausalLM(cfg).float().eval())
     assert cfg.layer_types.count("mla") >= 1 and cfg.first_k_dense_replace == 1
     ours.save_pretrained(tmp_path)
     hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True, dtype=torch.float32)
