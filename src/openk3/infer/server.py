@@ -61,14 +61,19 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _cancelled() -> ApiError:
-    """A request the engine aborted while the client still waited (the server shutting down)."""
-    return ApiError(
-        503,
-        "the request was cancelled: the server is shutting down",
-        type_="server_error",
-        code="server_shutdown",
-    )
+def _output_error(out: RequestOutput) -> ApiError | None:
+    """The error a request output stands for: the engine's failure (500), or an abort while the client still
+    waited (the server shutting down: 503, not a finish reason outside OpenAI's set); None otherwise."""
+    if out.error:
+        return ApiError(500, out.error, type_="server_error")
+    if out.finished and out.finish_reason == "abort":
+        return ApiError(
+            503,
+            "the request was cancelled: the server is shutting down",
+            type_="server_error",
+            code="server_shutdown",
+        )
+    return None
 
 
 class _TextOffsets:
@@ -716,11 +721,9 @@ def create_app(
                 offsets = [_TextOffsets() for _ in group.reqs]
                 try:
                     async for i, out in group.outputs():
-                        if out.error:
-                            yield _sse(ApiError(500, out.error, type_="server_error").body())
-                            continue
-                        if out.finished and out.finish_reason == "abort":
-                            yield _sse(_cancelled().body())
+                        err = _output_error(out)
+                        if err is not None:
+                            yield _sse(err.body())
                             continue
                         completion += len(out.new_token_ids)
                         text, pairs = out.new_text, []
@@ -842,11 +845,9 @@ def create_app(
                         }
                         yield _sse(chunk([c]))
                     async for i, out in group.outputs():
-                        if out.error:
-                            yield _sse(ApiError(500, out.error, type_="server_error").body())
-                            continue
-                        if out.finished and out.finish_reason == "abort":
-                            yield _sse(_cancelled().body())
+                        err = _output_error(out)
+                        if err is not None:
+                            yield _sse(err.body())
                             continue
                         completion += len(out.new_token_ids)
                         lp = chat_logprobs(out.new_logprobs) if out.new_logprobs else None
@@ -951,10 +952,9 @@ async def _collect(group, request) -> _Collected:
     try:
         async for batch in group.events(request):
             for i, out in batch:
-                if out.error:
-                    raise ApiError(500, out.error, type_="server_error")
-                if out.finished and out.finish_reason == "abort":
-                    raise _cancelled()
+                err = _output_error(out)
+                if err is not None:
+                    raise err
                 got.texts[i] += out.new_text
                 got.completion += len(out.new_token_ids)
                 got.logprobs[i] += out.new_logprobs or []

@@ -32,6 +32,7 @@ Assumed choices (not published for K3):
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -537,10 +538,7 @@ def build_optimizer(
         if config is not None:
             classify = classifier_from_config(config, router=router)
         else:
-
-            def classify(name, param):
-                return default_param_classifier(name, param, router=router)
-
+            classify = functools.partial(default_param_classifier, router=router)
     muon_lr = lr if muon_lr is None else muon_lr
     adam_lr = lr if adam_lr is None else adam_lr
     adam_wd = weight_decay if adam_weight_decay is None else adam_weight_decay
