@@ -462,13 +462,16 @@ def _nucleus_mass_above(xs: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
     return (pr * (xs > xt)).sum(-1)
 
 
-def run_draw_case(B, V, dtype, temps, ks, ps, pens, seed, scale=3.0, seen_frac=0.0, ninf=False, step=0.0):
+def run_draw_case(
+    B, V, dtype, temps, ks, ps, pens, seed, scale=3.0, seen_frac=0.0, ninf=False, step=0.0, min_p=0.0
+):
     """:func:`openk3.infer.sampling.sample` with draw keys through the Triton kernels against the PyTorch path
     (sort-based top-p, the same Gumbel noise): the same token per row, except where the reference's own token lies
     within fp32 rounding of the top-p boundary. Returns (the tokens, the rows' filtered scaled logits)."""
     from openk3.infer.sampling import (
         apply_repetition_penalty,
         apply_temperature,
+        min_p_filter,
         sample,
         sample_keys,
         top_k_filter,
@@ -483,7 +486,9 @@ def run_draw_case(B, V, dtype, temps, ks, ps, pens, seed, scale=3.0, seen_frac=0
     seen = (torch.rand(B, V, generator=gen) < seen_frac).to(DEV) if seen_frac else None
     x = x.to(DEV)
     keys = sample_keys(range(seed, seed + B), [3] * B)
-    kw = dict(temperature=temps, top_k=ks, top_p=ps, repetition_penalty=pens, seen=seen, keys=keys)
+    kw = dict(
+        temperature=temps, top_k=ks, top_p=ps, repetition_penalty=pens, seen=seen, keys=keys, min_p=min_p
+    )
     with poisoned_empty():
         got = sample(x, fast=True, **kw)
     want = sample(x, fast=False, **kw)
@@ -492,6 +497,8 @@ def run_draw_case(B, V, dtype, temps, ks, ps, pens, seed, scale=3.0, seen_frac=0
     per = (lambda v: [v] * B) if not isinstance(temps, list) else (lambda v: v)
     xp = x.float() if seen is None else apply_repetition_penalty(x, seen, pens)
     xs = apply_temperature(xp, temps)
+    each = lambda v: v if isinstance(v, list) else [v] * B  # noqa: E731
+    xs = min_p_filter(xs, [m if t > 0 else 0.0 for m, t in zip(each(min_p), each(temps))])
     kk = [k if 0 < k < V else V for k in (ks if isinstance(ks, list) else [ks] * B)]
     xs = top_k_filter(xs, torch.tensor(kk, device=DEV))
     diff = (got != want).cpu()
@@ -517,6 +524,8 @@ def run_draw_case(B, V, dtype, temps, ks, ps, pens, seed, scale=3.0, seen_frac=0
         (3, 2049, torch.bfloat16, "greedy"),
         (5, 1025, torch.float32, "minus-inf"),
         (6, 3000, torch.float32, "ties"),
+        (6, 3000, torch.float32, "min-p"),
+        (5, 2500, torch.bfloat16, "min-p-penalty"),
     ],
 )
 def test_sample_kernels(B, V, dtype, settings):
@@ -543,6 +552,17 @@ def test_sample_kernels(B, V, dtype, settings):
         temps, ks, ps, kw = [1.0] * B, [0, 5, 0, 0, 2], [0.5, 0.7, 1.0, 1e-9, 0.99], {"ninf": True}
     elif settings == "ties":  # groups of equal logits straddle the boundary: kept together by both paths
         temps, ks, ps, kw = [1.0] * B, [0, 0, 30, 0, 0, 0], [0.1, 0.3, 0.5, 0.7, 0.9, 0.97], {"step": 0.5}
+    elif settings == "min-p":  # alone, with top-k (the tighter bound wins either way), with top-p, greedy
+        temps, ks, ps = [1.0, 0.7, 1.5, 1.0, 0.0, 2.0], [0, 0, 3, 400, 0, 0], [1.0, 1.0, 1.0, 0.6, 1.0, 0.9]
+        kw = {"min_p": [0.3, 0.05, 0.01, 0.01, 0.5, 1.0]}
+    elif settings == "min-p-penalty":  # the bound is taken on the penalised logits
+        temps, ks, ps, pens = (
+            [0.9] * B,
+            [0, 20, 0, 0, 0],
+            [1.0, 1.0, 0.8, 1.0, 1.0],
+            [1.5, 1.2, 2.0, 1.0, 3.0],
+        )
+        kw = {"min_p": [0.2, 0.1, 0.05, 0.0, 0.4], "seen_frac": 0.2}
     got, xs = run_draw_case(B, V, dtype, temps, ks, ps, pens, seed, **kw)
     assert bool(torch.isfinite(xs.gather(1, got[:, None])).all()), "drew a token the filters exclude"
     if settings == "small-p":

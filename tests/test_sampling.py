@@ -264,6 +264,14 @@ def test_stop_helpers():
         ({"stop": 5}, "stop"),  # not a list: was a TypeError from iterating it
         ({"stop_token_ids": 7}, "stop_token_ids"),
         ({"ignore_eos": "yes"}, "ignore_eos"),  # a truthy string is not a switch
+        ({"min_p": -0.01}, "min_p"),
+        ({"min_p": 1.01}, "min_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"min_p": "0.1"}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 1.0}, "min_tokens"),
+        ({"min_tokens": True}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ],
 )
 def test_params_validation(kw, match):
@@ -282,6 +290,32 @@ def test_params_defaults_and_normalisation():
         assert SamplingParams(repetition_penalty=pen).validate().repetition_penalty == pen
     for seed in (-(2**63), -1, 0, 2**63 - 1):  # every signed 64-bit seed is taken
         assert SamplingParams(seed=seed).validate().seed == seed
+    for mp in (0, 0.05, 1):
+        assert SamplingParams(min_p=mp).validate().min_p == mp
+    assert SamplingParams(min_tokens=16).validate().min_tokens == 16  # == max_tokens (16) is allowed
+    assert SamplingParams(min_tokens=500, max_tokens=None).validate().min_tokens == 500
+
+
+def test_min_p_keeps_tokens_within_the_ratio_of_the_best():
+    """min_p keeps token i iff p_i >= min_p * p_max (probabilities in fp64, away from the boundary), whatever the
+    scale; the best token and its ties always stay, 0 keeps every token, 1 only the best (and ties)."""
+    from openk3.infer.sampling import min_p_filter
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 300) * torch.tensor([0.3, 1.0, 4.0, 10.0]).repeat(8)[:, None]
+    x[0, :3] = x[0].max() + 1  # a three-way tie at the top
+    for mp in (0.0, 1e-3, 0.1, 0.5, 1.0):
+        got = min_p_filter(x, mp)
+        pr = torch.softmax(x.double(), -1)
+        ratio = pr / pr.amax(-1, keepdim=True)
+        decided = (ratio - mp).abs() > 1e-9
+        assert torch.equal(torch.isfinite(got)[decided], (ratio >= mp)[decided]), mp
+        assert torch.equal(got[torch.isfinite(got)], x[torch.isfinite(got)])  # kept logits unchanged
+        assert bool(torch.isfinite(got[0, :3]).all())  # tied best tokens stay
+        if mp == 0.0:
+            assert torch.equal(got, x)
+    per_row = min_p_filter(x[:2], [0.0, 1.0])
+    assert bool(torch.isfinite(per_row[0]).all()) and int(torch.isfinite(per_row[1]).sum()) == 1
 
 
 def test_sample_refuses_bad_shapes_and_an_unavailable_fast_path():

@@ -1,5 +1,5 @@
-"""Peer oracle for the token draw: transformers' logits processors (repetition penalty, temperature, top-k, top-p in
-the order ``generate`` applies them) give the distribution; the same counter-based Gumbel noise draws from it. The
+"""Peer oracle for the token draw: transformers' logits processors (repetition penalty, temperature, min-p, top-k,
+top-p: vLLM's order, which is ``generate``'s but for min-p, applied there after top-p) give the distribution; the same counter-based Gumbel noise draws from it. The
 engine's ``sample`` must pick the same token on every row, greedy rows included."""
 
 import random
@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers.generation.logits_process import (  # noqa: E402
     LogitsProcessorList,
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -19,7 +20,7 @@ from transformers.generation.logits_process import (  # noqa: E402
 from openk3.infer.sampling import gumbel_argmax_reference, sample, sample_keys  # noqa: E402
 
 
-def _hf_scores(logits, input_ids, temperature, top_k, top_p, penalty):
+def _hf_scores(logits, input_ids, temperature, top_k, top_p, penalty, min_p=0.0):
     """One row's processed scores as transformers computes them (greedy: the penalty alone, then argmax)."""
     procs = LogitsProcessorList()
     if penalty != 1.0:
@@ -27,6 +28,8 @@ def _hf_scores(logits, input_ids, temperature, top_k, top_p, penalty):
     if temperature > 0:
         if temperature != 1.0:
             procs.append(TemperatureLogitsWarper(temperature))
+        if min_p > 0:
+            procs.append(MinPLogitsWarper(min_p))
         if top_k > 0:
             procs.append(TopKLogitsWarper(top_k))
         if top_p < 1.0:
@@ -47,18 +50,19 @@ def test_sample_matches_transformers_processors(V):
         ks = [rng.choice([0, 1, 5, 50, V]) for _ in range(B)]
         ps = [rng.choice([1.0, 0.95, 0.5, 0.1]) for _ in range(B)]
         pens = [rng.choice([1.0, 1.3, 0.8]) for _ in range(B)]
+        mps = [rng.choice([0.0, 0.0, 0.02, 0.2, 0.7]) for _ in range(B)]
         keys = sample_keys([rng.getrandbits(63) for _ in range(B)], [rng.randrange(1000) for _ in range(B)])
         got = sample(
             logits, temperature=temps, top_k=ks, top_p=ps, repetition_penalty=pens, seen=seen, keys=keys,
-            fast=False,
+            min_p=mps, fast=False,
         )  # fmt: skip
         for b in range(B):
-            s = _hf_scores(logits[b], input_ids[b], temps[b], ks[b], ps[b], pens[b])
+            s = _hf_scores(logits[b], input_ids[b], temps[b], ks[b], ps[b], pens[b], mps[b])
             if temps[b] == 0:
                 want = int(s.argmax())
             else:
                 want = int(gumbel_argmax_reference(s[None], torch.tensor([keys[b]]))[0])
-            assert int(got[b]) == want, (trial, b, temps[b], ks[b], ps[b], pens[b])
+            assert int(got[b]) == want, (trial, b, temps[b], ks[b], ps[b], pens[b], mps[b])
             rows += 1
     assert rows == 12 * B
 
@@ -97,3 +101,31 @@ def test_filters_keep_what_transformers_keeps():
                 both = torch.isfinite(ours) & torch.isfinite(hf)
                 assert torch.equal(ours[both], hf[both]), (t, k, p)
     assert undecided <= 8, undecided  # the exclusion stays a handful of boundary tokens (4 here) out of ~1.5M
+
+
+def test_min_p_keeps_what_transformers_keeps():
+    """min-p's kept set equals transformers' ``MinPLogitsWarper`` (probabilities there, log space here) at several
+    temperatures and ratios, away from the boundary; with top-k the two filters commute, so transformers' top-k then
+    min-p keeps what our min-p then top-k keeps."""
+    from openk3.infer.sampling import apply_temperature, min_p_filter, top_k_filter
+
+    torch.manual_seed(5)
+    x = torch.randn(64, 500) * 3
+    zeros = torch.zeros(64, 1, dtype=torch.long)
+    undecided = 0
+    for t in (0.5, 1.0, 2.0):
+        xs = apply_temperature(x, t)
+        gap = (xs.double() - xs.double().amax(-1, keepdim=True)).double()
+        for mp in (0.001, 0.05, 0.3, 0.9):
+            decided = (gap - torch.log(torch.tensor(mp, dtype=torch.float64))).abs() > 1e-5
+            undecided += int((~decided).sum())
+            ours = min_p_filter(xs, mp)
+            hf = LogitsProcessorList([TemperatureLogitsWarper(t), MinPLogitsWarper(mp)])(zeros, x.clone())
+            assert torch.equal(torch.isfinite(ours)[decided], torch.isfinite(hf)[decided]), (t, mp)
+            for k in (1, 5, 60):
+                ours_k = top_k_filter(min_p_filter(xs, mp), k)
+                hf_k = LogitsProcessorList(
+                    [TemperatureLogitsWarper(t), TopKLogitsWarper(k), MinPLogitsWarper(mp)]
+                )(zeros, x.clone())
+                assert torch.equal(torch.isfinite(ours_k)[decided], torch.isfinite(hf_k)[decided]), (t, mp, k)
+    assert undecided <= 8, undecided

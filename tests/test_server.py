@@ -282,6 +282,61 @@ def test_stop_strings(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_min_tokens_and_min_p(client, engine):
+    """vLLM's min_tokens: EOS and stop_token_ids are banned until that many tokens are out (a reply forced towards
+    EOS then ends on exactly the next token), and stop strings are looked for only from then on (an occurrence
+    ending earlier does not end the reply; one ending later does). min_p 1 keeps only the most likely token, so a
+    hot, seeded draw gives the greedy reply; min_p 0 is no filter."""
+    eos = engine.tokenizer.eos_id
+    kw = dict(model=MODEL, prompt="x = 1", max_tokens=12, temperature=0, logit_bias={str(eos): 100})
+    for n in (0, 1, 5):
+        r = client.completions.create(extra_body={"min_tokens": n}, **kw)
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == n + 1, (n, r)
+    r = client.completions.create(extra_body={"min_tokens": 5, "ignore_eos": True}, **kw)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
+    forced = 300  # a stop id the bias forces: the same, through stop_token_ids
+    kw_id = dict(kw, logit_bias={str(forced): 100})
+    r = client.completions.create(extra_body={"min_tokens": 4, "stop_token_ids": [forced]}, **kw_id)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 5
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=9, temperature=0,
+        logit_bias={str(eos): 100}, extra_body={"min_tokens": 3},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 4
+
+    # stop strings: a stop that ends inside the first min_tokens tokens' text is not looked for
+    base = dict(model=MODEL, prompt="import sys\n", max_tokens=16, temperature=0, logprobs=0)
+    full = client.completions.create(extra_body={"ignore_eos": True}, **base).choices[0]
+    toks = full.logprobs.tokens
+    assert "".join(toks) == full.text and len(full.text) >= 8
+    stop = toks[0] if toks[0] else full.text[:1]
+    m = 4
+    early = len("".join(toks[: m - 1]))  # the text before the m-th token: a stop must end past it
+    cut = full.text.find(stop, max(0, early - len(stop) + 1))
+    for mt, want in ((0, full.text[: full.text.find(stop)]), (m, full.text if cut < 0 else full.text[:cut])):
+        r = client.completions.create(stop=[stop], extra_body={"ignore_eos": True, "min_tokens": mt}, **base)
+        assert r.choices[0].text == want, (mt, stop, full.text)
+        assert r.choices[0].finish_reason == ("length" if mt and cut < 0 else "stop")
+
+    greedy = (
+        client.completions.create(
+            model=MODEL, prompt="def f(", max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    hot = dict(model=MODEL, prompt="def f(", max_tokens=10, temperature=1.5, seed=11)
+    r = client.completions.create(extra_body={"ignore_eos": True, "min_p": 1.0}, **hot)
+    assert r.choices[0].text == greedy
+    texts = {
+        client.completions.create(extra_body={"ignore_eos": True, "min_p": 0.0}, **dict(hot, seed=s))
+        .choices[0]
+        .text
+        for s in range(4)
+    }
+    assert texts != {greedy}  # without the filter, hot draws leave the greedy path
+
+
 # ------------------------------------------------------------------------------------------------ load
 def test_32_concurrent_streams(server, engine):
     async def one(client, i):
@@ -470,6 +525,12 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
             ("repetition_penalty", 1e300),  # inf in fp32
             ("stop_token_ids", [10**6]),  # past the vocabulary: never drawn, so never a stop
             ("top_k", -2),
+            ("min_p", 1.5),
+            ("min_p", -0.1),
+            ("min_p", "0.1"),
+            ("min_tokens", -1),
+            ("min_tokens", 2.5),
+            ("min_tokens", 17),  # more than max_tokens (the default 16)
             ("temperature", 101),
             ("temperature", 10**400),
             ("logit_bias", {"5": 10**400}),
@@ -958,7 +1019,7 @@ def test_loop_bridge_batches_wakeups_and_keeps_order():
 
 
 def test_unsupported_fields_are_refused_not_ignored(server):
-    """A field whose effect the server does not implement (JSON mode, tools, vLLM's min_p, ...) gets a 400 naming it:
+    """A field whose effect the server does not implement (JSON mode, tools, guided decoding, ...) gets a 400 naming it:
     answering as if it were honoured would be a wrong answer that looks right. Their no-op values are served, and
     so are fields the server does not know at all (as OpenAI-compatible servers ignore them)."""
     hi = [{"role": "user", "content": "hi"}]
@@ -971,8 +1032,6 @@ def test_unsupported_fields_are_refused_not_ignored(server):
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [tool["function"]]),
         ("function_call", {"name": "f"}),
-        ("min_p", 0.1),
-        ("min_tokens", 5),
         ("use_beam_search", True),
         ("guided_json", {"type": "object"}),
         ("guided_regex", "[0-9]+"),
@@ -984,7 +1043,9 @@ def test_unsupported_fields_are_refused_not_ignored(server):
         ("tools", []),
         ("tool_choice", "none"),
         ("min_p", 0),
+        ("min_p", 0.1),
         ("min_tokens", 0),
+        ("min_tokens", 1),
         ("use_beam_search", False),
         ("guided_json", None),
         ("some_future_field", {"x": 1}),

@@ -274,6 +274,18 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_new_default: int | None) 
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 or -1 = off)")
     g.add_argument("--top-p", type=float, default=0.95, help="nucleus mass (1 = off; default 0.95)")
     g.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="keep tokens at least this times as likely as the best (0 = off)",
+    )
+    g.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="no end-of-sequence or stop before this many tokens (default 0)",
+    )
+    g.add_argument(
         "--repetition-penalty", type=float, default=1.0, help="HF-style penalty in [0.01, 100] (1 = off)"
     )
     g.add_argument(
@@ -368,6 +380,8 @@ def _params(args):
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
+        min_tokens=args.min_tokens,
         repetition_penalty=args.repetition_penalty,
         frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty,

@@ -1319,7 +1319,8 @@ class Engine:
         stops = req.params.stop
         start = len(req.text)
         req.text += delta
-        if stops:
+        # (vLLM: stop strings are looked for once min_tokens are out; one ending before then never ends the text)
+        if stops and len(req.output_ids) >= req.params.min_tokens:
             i = find_stop(req.text, stops, start)
             if i >= 0:
                 req.text = req.text[:i]
@@ -1679,7 +1680,7 @@ class Engine:
     def _sample_rows(self, batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Next token ids [B] (on the logits' device) of ``batch``'s rows of ``logits``."""
         self._mask_vocab(logits)
-        logits = _add_logit_bias(logits, [r.params.logit_bias for r in batch])
+        logits = _add_logit_bias(logits, [self._row_bias(r) for r in batch])
         seen = _stack_rows([r.seen for r in batch], logits, torch.bool)
         counts = _stack_rows([r.counts for r in batch], logits, torch.float32)
         return sample(
@@ -1692,10 +1693,20 @@ class Engine:
             counts=counts,
             frequency_penalty=[r.params.frequency_penalty for r in batch],
             presence_penalty=[r.params.presence_penalty for r in batch],
+            min_p=[r.params.min_p for r in batch],
             keys=sample_keys([r.seed or 0 for r in batch], [len(r.output_ids) for r in batch])
             if any(r.seed is not None for r in batch)
             else None,
         )
+
+    def _row_bias(self, req: Request) -> dict[int, float] | None:
+        """The biases added to ``req``'s next logits: its ``logit_bias``, and while fewer than ``min_tokens`` tokens
+        are out, -inf on the ids that would end it (its stop ids, and end-of-sequence unless ``ignore_eos``)."""
+        p = req.params
+        if len(req.output_ids) >= p.min_tokens:
+            return p.logit_bias
+        ban = set(req.stop_ids) if p.ignore_eos else set(req.stop_ids) | set(self.eos_ids)
+        return {**(p.logit_bias or {}), **dict.fromkeys(ban, float("-inf"))}
 
     def _last_token_is_final(self, req: Request) -> bool:
         """Whether the pending token of ``req`` ends it by length (known before the token itself)."""

@@ -1,8 +1,9 @@
 """Token sampling and stop-string handling as pure functions.
 
-Order of the logit transforms (the usual one, as in HF ``generate`` and vLLM): repetition penalty, frequency and
-presence penalties, temperature, top-k, top-p, then a draw from the softmax. ``temperature == 0`` means greedy
-(argmax of the penalised logits). All functions work on a batch ``logits: [B, V]`` with per-row parameters, and
+Order of the logit transforms (vLLM's): repetition penalty, frequency and presence penalties, temperature, min-p,
+top-k, top-p, then a draw from the softmax. ``temperature == 0`` means greedy (argmax of the penalised logits).
+Min-p and top-k keep a top set bounded by the row's own values, so they commute; transformers' ``generate`` applies
+min-p after top-p instead, which differs only where both are on (there top-p's mass is taken before min-p's cut). All functions work on a batch ``logits: [B, V]`` with per-row parameters, and
 never modify their inputs.
 """
 
@@ -25,6 +26,7 @@ __all__ = [
     "apply_count_penalties",
     "apply_repetition_penalty",
     "apply_temperature",
+    "min_p_filter",
     "top_k_filter",
     "top_p_filter",
     "sample",
@@ -67,7 +69,10 @@ class SamplingParams:
     ``max_tokens``: new tokens to generate at most (``None``: up to the context length; 0: none, the prompt is only
     scored: prefilled, with its ``prompt_logprobs`` if asked, finishing with "length"). ``temperature`` 0 is
     greedy (:meth:`validate` sets one below ``MIN_TEMPERATURE`` to 0: dividing the fp32 logits by it would overflow
-    them, or it would round to 0 there). ``top_k`` 0 or -1 and ``top_p`` == 1 disable those filters.
+    them, or it would round to 0 there). ``top_k`` 0 or -1, ``top_p`` == 1 and ``min_p`` == 0 disable those
+    filters; ``min_p`` in [0, 1] keeps the tokens at least ``min_p`` times as likely as the most likely one (after
+    the temperature, as vLLM). ``min_tokens`` (vLLM semantics, at most ``max_tokens``): the end-of-sequence and
+    ``stop_token_ids`` ids are banned until that many tokens are out, and stop strings are not looked for before.
     ``repetition_penalty`` > 1 discourages tokens already present in the prompt or the output, < 1 favours them (HF
     semantics; in [0.01, 100]).
     ``frequency_penalty`` / ``presence_penalty`` (OpenAI semantics, in [-2, 2]) subtract ``frequency * count +
@@ -89,6 +94,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -137,6 +144,16 @@ class SamplingParams:
         if self.top_k < -1:
             raise SamplingParamError("top_k", f"top_k must be >= 1, or 0 or -1 for off; got {self.top_k}")
         self.top_p = num("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        self.min_p = num("min_p", self.min_p, 0.0, 1.0)
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise SamplingParamError(
+                "min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+            )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
         # (the penalty divides or multiplies fp32 logits: one of 1e-300 rounds to 0 there, 1e300 to inf)
         self.repetition_penalty = num(
             "repetition_penalty", self.repetition_penalty, 1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY
@@ -231,6 +248,17 @@ def apply_temperature(
     B = logits.shape[0]
     t = _col(temperature, B, logits)
     return logits.float() / torch.where(t > 0, t, torch.ones_like(t))
+
+
+def min_p_filter(logits: torch.Tensor, p: float | Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """Min-p filter (vLLM's and transformers' ``min_p``): keep the tokens whose probability is at least ``p`` times
+    the most likely token's, i.e. ``x_i >= max_j x_j + log(p)`` on the (temperature-scaled) logits; the rest become
+    -inf. The most likely token (and any tied with it) is always kept; ``p == 0`` leaves the row unchanged."""
+    B = logits.shape[0]
+    pp = _col(p, B, logits)
+    x = logits.float()
+    bound = x.amax(-1, keepdim=True) + torch.log(pp)  # (log 0 = -inf: nothing dropped)
+    return logits.masked_fill(x < bound, float("-inf"))
 
 
 def top_k_filter(logits: torch.Tensor, k: int | Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -354,6 +382,7 @@ def sample(
     counts: torch.Tensor | None = None,
     frequency_penalty: Sequence[float] | float = 0.0,
     presence_penalty: Sequence[float] | float = 0.0,
+    min_p: Sequence[float] | float = 0.0,
 ) -> torch.Tensor:
     """Next token per row. logits: [B, V]; per-row settings (scalars broadcast); ``seen [B, V]`` marks tokens for the
     repetition penalty, ``counts [B, V]`` each token's occurrences in the row's output for the frequency / presence
@@ -376,7 +405,8 @@ def sample(
     ps = _per_row(top_p, B, float)
     freqs = _per_row(frequency_penalty, B, float)
     pres = _per_row(presence_penalty, B, float)
-    if not (len(temps) == len(pens) == len(ks) == len(ps) == len(freqs) == len(pres) == B):
+    mps = _per_row(min_p, B, float)
+    if not (len(temps) == len(pens) == len(ks) == len(ps) == len(freqs) == len(pres) == len(mps) == B):
         raise ValueError(f"sample: per-row settings must have one value per row ({B})")
     if keys is not None and len(keys) != B:
         raise ValueError(f"keys: expected one per row ({B}), got {len(keys)}")
@@ -399,7 +429,7 @@ def sample(
         if not ok:
             raise RuntimeError(f"sample(fast=True) needs the Triton kernels on these logits: {why}")
     if fast and (keys is not None or not sampled_rows):
-        return _sample_triton(logits, temps, ks, ps, pens, seen, keys, sampled_rows)
+        return _sample_triton(logits, temps, ks, ps, pens, seen, keys, sampled_rows, mps)
     penalised = seen is not None and any(r != 1.0 for r in pens)
     # greedy rows alone, no penalty: the argmax of the logits as they are (the fp32 copy has the same order)
     x = logits.float() if penalised or sampled_rows else logits
@@ -410,6 +440,9 @@ def sample(
         return greedy_ids
     rows = device_tensor(sampled_rows, torch.long, x.device)
     xs = apply_temperature(x[rows], [temps[i] for i in sampled_rows])
+    m_rows = [mps[i] for i in sampled_rows]
+    if any(m > 0 for m in m_rows):
+        xs = min_p_filter(xs, m_rows)
     k_rows = [ks[i] for i in sampled_rows]
     p_rows = [ps[i] for i in sampled_rows]
     if any(0 < k < V for k in k_rows):
@@ -435,9 +468,11 @@ def sample(
     return out
 
 
-def _sample_triton(logits, temps, ks, ps, pens, seen, keys, sampled_rows) -> torch.Tensor:
+def _sample_triton(logits, temps, ks, ps, pens, seen, keys, sampled_rows, mps) -> torch.Tensor:
     """:func:`sample`'s keyed draw through :func:`openk3.infer.sample_kernels.sample_triton`: one host-to-device
-    copy of the per-row settings and one of the keys; top-k rows add a ``torch.topk`` for their bound."""
+    copy of the per-row settings and one of the keys; top-k rows add a ``torch.topk`` for their bound, min-p rows a
+    row max (``max + T log(min_p)`` on the penalised logits is the kernel's bound of ``x >= max + log(min_p)`` on
+    the scaled ones)."""
     from openk3.infer.sample_kernels import sample_triton
 
     B, V = logits.shape
@@ -446,17 +481,23 @@ def _sample_triton(logits, temps, ks, ps, pens, seen, keys, sampled_rows) -> tor
     params = device_tensor([[t, p, 0.0, r] for t, p, r in zip(temps, ps, pens)], torch.float32, dev)
     kt = device_tensor(list(keys) if keys is not None else [0] * B, torch.long, dev)
     k_rows = [i for i in sampled_rows if 0 < ks[i] < V]
+    m_rows = [i for i in sampled_rows if mps[i] > 0]
     lower = None
     x = logits
-    if k_rows:
-        if penalised:  # the bound is a statistic of the penalised logits: apply the penalty here, once
+    if k_rows or m_rows:
+        if penalised:  # the bounds are statistics of the penalised logits: apply the penalty here, once
             x = apply_repetition_penalty(logits, seen, pens)
             seen = None
+        lower = torch.full((B,), float("-inf"), dtype=torch.float32, device=dev)
+    if k_rows:
         rk = device_tensor(k_rows, torch.long, dev)
         top = torch.topk(x[rk], max(ks[i] for i in k_rows), dim=-1).values
         kth = top.gather(1, device_tensor([[ks[i] - 1] for i in k_rows], torch.long, dev))[:, 0]
-        lower = torch.full((B,), float("-inf"), dtype=torch.float32, device=dev)
         lower[rk] = kth.float()
+    if m_rows:
+        rm = device_tensor(m_rows, torch.long, dev)
+        shift = device_tensor([temps[i] * math.log(mps[i]) for i in m_rows], torch.float32, dev)
+        lower[rm] = torch.maximum(lower[rm], x[rm].float().amax(-1) + shift)
     return sample_triton(
         x,
         params,

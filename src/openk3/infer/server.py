@@ -6,10 +6,10 @@ counts). Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` wit
 the server keeps serving after any of them. A client that disconnects (streaming or not) has its request aborted
 (pages and slot freed at the next engine step).
 
-Extra request fields beyond OpenAI's (as vLLM accepts them): ``top_k``, ``repetition_penalty``, ``stop_token_ids``,
-``ignore_eos``. Fields whose effect the server does not implement (``response_format`` other than text, ``tools``,
-``min_p``, ...: ``_UNSUPPORTED``) are refused with a 400 unless they ask for nothing; other unknown fields are
-ignored.
+Extra request fields beyond OpenAI's (as vLLM accepts them): ``top_k``, ``min_p``, ``min_tokens``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``. Fields whose effect the server
+does not implement (``response_format`` other than text, ``tools``, guided decoding, ...: ``_UNSUPPORTED``) are
+refused with a 400 unless they ask for nothing; other unknown fields are ignored.
 
 Log-probabilities (of the model's distribution: ``log_softmax`` of the logits before penalty, temperature and
 filters): completions take ``logprobs`` k (0-20: each token's logprob and the k most likely tokens, plus the chosen
@@ -111,7 +111,7 @@ def _get(body: dict, name: str, types, default=None, *, allow_none=True):
 
 # Fields of OpenAI's API (and vLLM's extras) whose effect this server does not implement, each with a test for the
 # values that ask for nothing: any other value is refused, since answering as if it had been honoured (plain text
-# for a JSON schema, no tool call, no min_p filter) would be a wrong answer that looks right.
+# for a JSON schema, no tool call, no grammar) would be a wrong answer that looks right.
 _UNSUPPORTED = {
     "suffix": lambda v: not v,
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
@@ -119,8 +119,6 @@ _UNSUPPORTED = {
     "functions": lambda v: v is None or v == [],
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"),
-    "min_p": lambda v: v is None or (type(v) in (int, float) and v == 0),
-    "min_tokens": lambda v: v is None or (type(v) is int and v == 0),
     "use_beam_search": lambda v: v is None or v is False,
     "guided_json": lambda v: v is None,
     "guided_regex": lambda v: v is None,
@@ -174,6 +172,8 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
         temperature=_get(body, "temperature", (int, float), 1.0),
         top_p=_get(body, "top_p", (int, float), 1.0),
         top_k=top_k,
+        min_p=_get(body, "min_p", (int, float), 0.0),
+        min_tokens=_get(body, "min_tokens", int, 0),
         repetition_penalty=_get(body, "repetition_penalty", (int, float), 1.0),
         frequency_penalty=_get(body, "frequency_penalty", (int, float), 0.0),
         presence_penalty=_get(body, "presence_penalty", (int, float), 0.0),
