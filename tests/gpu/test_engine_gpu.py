@@ -488,13 +488,14 @@ def test_engine_logprobs_on_cuda(overlap):
 
 def test_engine_draw_kernels_match_torch_path(monkeypatch):
     """The engine's token draw through the Triton kernels (sampling.FAST_DRAW on, the default) and through the
-    PyTorch path (sort-based top-p): the same tokens for seeded requests with top-p, top-k, a repetition penalty and
-    a greedy row in one batch (a difference would need a token within fp32 rounding of the top-p boundary)."""
+    PyTorch path (sort-based top-p): the same tokens for seeded requests with top-p, top-k, min-p, a repetition
+    penalty and a greedy row in one batch (a difference would need a token within fp32 rounding of a filter's
+    boundary)."""
     from openk3.infer import sampling
 
     model = _model("small", torch.bfloat16)
     V = model.config.vocab_size
-    prompts = _prompts(31, [9, 30, 17, 5], V)
+    prompts = _prompts(31, [9, 30, 17, 5, 12], V)
     sp = [
         SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1, ignore_eos=True),
         SamplingParams(max_tokens=24, temperature=1.0, top_p=0.3, top_k=20, seed=2, ignore_eos=True),
@@ -502,12 +503,13 @@ def test_engine_draw_kernels_match_torch_path(monkeypatch):
         SamplingParams(
             max_tokens=24, temperature=1.2, repetition_penalty=1.2, top_k=5, seed=3, ignore_eos=True
         ),
+        SamplingParams(max_tokens=24, temperature=1.5, min_p=0.05, top_p=0.9, seed=4, ignore_eos=True),
     ]
     outs = {}
     for on in (True, False):
         monkeypatch.setitem(sampling.FAST_DRAW, "on", on)
         eng = Engine(
-            model, None, page_size=16, max_seqs=4, max_tokens=4096, use_cuda_graphs=True, prefix_cache=False
+            model, None, page_size=16, max_seqs=5, max_tokens=4096, use_cuda_graphs=True, prefix_cache=False
         )
         outs[on] = [r.output_ids for r in eng.generate(prompts, sp)]
     assert outs[True] == outs[False]
@@ -523,8 +525,10 @@ def test_engine_draw_kernels_match_torch_path(monkeypatch):
         dict(temperature=0.8, top_p=0.95, logprobs=2),
         dict(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.3),
         dict(temperature=0.8, top_p=0.95, logit_bias={5: 2.0, 9: -100.0}),
+        # min_tokens' ban (id 7, never drawn later either: the rows must run to max_tokens) inside the checked steps
+        dict(temperature=0.8, min_p=0.1, min_tokens=10, stop_token_ids=[7], logit_bias={7: -100.0}),
     ],
-    ids=["greedy", "top-p", "top-k-seeded", "penalty", "logprobs", "count-penalties", "logit-bias"],
+    ids=["greedy", "top-p", "top-k-seeded", "penalty", "logprobs", "count-penalties", "logit-bias", "min-p"],
 )
 def test_engine_decode_steps_do_not_synchronise(kw):
     """Decode steps with CUDA graphs and overlap issue no synchronising CUDA call beyond the step's wait for the
