@@ -268,7 +268,12 @@ def test_torchrun_fsdp_ep_matches_single_process(corpus, tmp_path):
     assert len(a) == len(b) == 3
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
     assert os.path.exists(tmp_path / "two" / "checkpoints" / "step_0000002" / "config.json")
-    r = _run_ranks([*two[:-4], "--steps", "4", "--nproc", "2", "--ep", "2", "--resume"], env)
+    resume = [*two[:-4], "--steps", "4", "--nproc", "2", "--ep", "2", "--resume"]
+    # the router on another optimizer than the checkpoint's: refused by every rank before the load (DCP would load
+    # what it finds by parameter name and start the router's optimizer state afresh)
+    r = _run_ranks([*resume, "--router-optimizer", "adamw"], env)
+    assert r.returncode != 0 and "other optimizer groups" in r.stderr, r.stderr[-3000:]
+    r = _run_ranks(resume, env)
     assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr[-3000:]
     r = subprocess.run(
         [sys.executable, "-m", "openk3", "export", str(tmp_path / "two"), str(tmp_path / "x")],

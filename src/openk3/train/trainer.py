@@ -155,6 +155,11 @@ def set_rng_state(st: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+def _group_signature(param_groups) -> list[list]:
+    """[name, parameter count] of each optimizer group: what a resumed run's optimizer must match."""
+    return [[g.get("group_name"), len(g["params"])] for g in param_groups]
+
+
 def list_checkpoints(out: str) -> list[str]:
     d = os.path.join(out, CKPT_DIR)
     if not os.path.isdir(d):
@@ -461,7 +466,19 @@ class Trainer:
     def _extra_state(self) -> dict[str, Any]:
         st = self.state_dict()
         st.pop("optimizer")
+        # (DCP keys the optimizer state by parameter: the grouping is kept here, so that a resume can check it)
+        st["optimizer_groups"] = _group_signature(self.optimizer.param_groups)
         return st
+
+    def _check_groups(self, path: str, groups: list | None) -> None:
+        """TrainError unless ``groups`` (a checkpoint's :func:`_group_signature`; None: not recorded) are this
+        run's: a parameter on another optimizer would resume with fresh state or another state's buffers."""
+        own = _group_signature(self.optimizer.param_groups)
+        if groups is not None and [list(g) for g in groups] != own:
+            raise TrainError(
+                f"checkpoint {path} was written with other optimizer groups ({groups} against {own}); "
+                "resume with the same --per-head-muon / --router-optimizer, or use a new --out"
+            )
 
     def load_checkpoint(self, path: str) -> None:
         """Restore everything from ``path``; raises TrainError (changing nothing on disk) if unusable."""
@@ -478,6 +495,12 @@ class Trainer:
                 raise TrainError(
                     f"checkpoint {path} was written for a different model config; use the same options"
                 )
+            extra = os.path.join(path, "extra.rank0.pt")
+            try:  # (every rank reads rank 0's small extra state: all of them refuse, before any collective load)
+                groups = torch.load(extra, map_location="cpu", weights_only=True).get("optimizer_groups")
+            except (OSError, RuntimeError, EOFError) as e:
+                raise TrainError(f"checkpoint {path} is corrupted or incomplete ({e})") from None
+            self._check_groups(path, groups)
             st = D.load_dcp(path, self.model, self.optimizer)
             self._restore(st, with_optimizer=False)
             return
@@ -511,13 +534,7 @@ class Trainer:
                     )
             for k, v in own.items():
                 v.copy_(sd[k].to(v.dtype))
-        groups = [(g.get("group_name"), len(g["params"])) for g in st["optimizer"]["param_groups"]]
-        own_groups = [(g.get("group_name"), len(g["params"])) for g in self.optimizer.param_groups]
-        if groups != own_groups:
-            raise TrainError(
-                f"checkpoint {path} was written with other optimizer groups ({groups} against {own_groups}); "
-                "resume with the same --per-head-muon / --router-optimizer, or use a new --out"
-            )
+        self._check_groups(path, _group_signature(st["optimizer"]["param_groups"]))
         self.optimizer.load_state_dict(st["optimizer"])
         self._restore(st, with_optimizer=True)
 
