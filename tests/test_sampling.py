@@ -272,6 +272,15 @@ def test_stop_helpers():
         ({"min_tokens": 1.0}, "min_tokens"),
         ({"min_tokens": True}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),  # nothing could be drawn
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [True]}, "allowed_token_ids"),
+        ({"bad_words": [3]}, "bad_words"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 2.0}, "truncate_prompt_tokens"),
+        ({"truncation_side": "both"}, "truncation_side"),
     ],
 )
 def test_params_validation(kw, match):
@@ -294,6 +303,9 @@ def test_params_defaults_and_normalisation():
         assert SamplingParams(min_p=mp).validate().min_p == mp
     assert SamplingParams(min_tokens=16).validate().min_tokens == 16  # == max_tokens (16) is allowed
     assert SamplingParams(min_tokens=500, max_tokens=None).validate().min_tokens == 500
+    p = SamplingParams(bad_words="word", allowed_token_ids=(4, 5), truncate_prompt_tokens=-1).validate()
+    assert p.bad_words == ["word"] and p.allowed_token_ids == [4, 5] and p.truncate_prompt_tokens == -1
+    assert SamplingParams(bad_words=["", "  "]).validate().bad_words == []  # blank words ban nothing
 
 
 def test_min_p_keeps_tokens_within_the_ratio_of_the_best():

@@ -282,6 +282,63 @@ def test_stop_strings(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_vllm_output_extras(client, engine):
+    """vLLM's extras with its meanings: include_stop_str_in_output keeps the stop string (also streamed);
+    allowed_token_ids restricts every drawn token; bad_words bans a word's last token where the output ends with
+    its other tokens (a one-token word everywhere); truncate_prompt_tokens keeps the prompt's last (or, with
+    truncation_side "right", first) k tokens, as usage and echo show."""
+    tok = engine.tokenizer
+    kw = dict(
+        model=MODEL, prompt="import sys\n", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    full = client.completions.create(logprobs=0, **kw).choices[0]
+    stop = full.text[3:6]
+    cut = full.text.index(stop)
+    inc = dict(kw, extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    r = client.completions.create(stop=[stop], **inc).choices[0]
+    assert r.text == full.text[: cut + len(stop)] and r.finish_reason == "stop"
+    chunks = list(client.completions.create(stop=stop, stream=True, **inc))
+    assert "".join(c.choices[0].text for c in chunks) == full.text[: cut + len(stop)]
+
+    a, b = tok.encode("a"), tok.encode("b")
+    assert len(a) == len(b) == 1
+    only = dict(kw, temperature=1.0, seed=3, extra_body={"ignore_eos": True, "allowed_token_ids": a + b})
+    r = client.completions.create(**only)
+    assert r.usage.completion_tokens == 24 and set(r.choices[0].text) <= {"a", "b"}, r.choices[0].text
+
+    # bad words, on a vocabulary of four one-character tokens (so that text positions are token positions)
+    chars = "abcd"
+    ids = [tok.encode(c, allow_special=False) for c in chars]
+    assert all(len(i) == 1 for i in ids)
+    few = dict(kw, extra_body={"ignore_eos": True, "allowed_token_ids": [i[0] for i in ids]})
+    plain = client.completions.create(**few).choices[0].text
+    assert len(plain) == 24 and set(plain) <= set(chars)
+    first = plain[0]
+    r = client.completions.create(**dict(few, extra_body={**few["extra_body"], "bad_words": [first]}))
+    assert (
+        first not in r.choices[0].text and len(r.choices[0].text) == 24
+    )  # a one-token word: banned everywhere
+    # a two-token word: its first token is still drawn, the second never right after it
+    j = next(j for j in range(20) if len(tok.encode(plain[j : j + 2], allow_special=False)) == 2)
+    two = plain[j : j + 2]
+    r = client.completions.create(**dict(few, extra_body={**few["extra_body"], "bad_words": [two]}))
+    got = r.choices[0].text
+    assert got[: j + 1] == plain[: j + 1] and got[j + 1] != plain[j + 1] and two not in got, (two, got, plain)
+
+    prompt = "def main(argv):\n    return len(argv) + 1\n"
+    p_ids = tok.encode(prompt)
+    for side, kept in (("left", p_ids[-5:]), ("right", p_ids[:5])):
+        extra = {"ignore_eos": True, "truncate_prompt_tokens": 5, "truncation_side": side}
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True, extra_body=extra
+        )
+        same = client.completions.create(
+            model=MODEL, prompt=kept, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert r.usage.prompt_tokens == 5
+        assert r.choices[0].text == tok.decode(kept) + same.choices[0].text, side
+
+
 def test_min_tokens_and_min_p(client, engine):
     """vLLM's min_tokens: EOS and stop_token_ids are banned until that many tokens are out (a reply forced towards
     EOS then ends on exactly the next token), and stop strings are looked for only from then on (an occurrence
@@ -531,6 +588,16 @@ def test_bad_requests_get_4xx_json_and_server_keeps_serving(server, client):
             ("min_tokens", -1),
             ("min_tokens", 2.5),
             ("min_tokens", 17),  # more than max_tokens (the default 16)
+            ("allowed_token_ids", []),
+            ("allowed_token_ids", [-1]),
+            ("allowed_token_ids", [10**6]),  # past the vocabulary
+            ("allowed_token_ids", "5"),
+            ("bad_words", "word"),  # a list, as vLLM takes it
+            ("bad_words", [5]),
+            ("include_stop_str_in_output", "yes"),
+            ("truncate_prompt_tokens", 0),
+            ("truncate_prompt_tokens", -2),
+            ("truncation_side", "middle"),
             ("temperature", 101),
             ("temperature", 10**400),
             ("logit_bias", {"5": 10**400}),
@@ -1033,6 +1100,12 @@ def test_unsupported_fields_are_refused_not_ignored(server):
         ("functions", [tool["function"]]),
         ("function_call", {"name": "f"}),
         ("use_beam_search", True),
+        ("structured_outputs", {"json": {"type": "object"}}),
+        ("spaces_between_special_tokens", False),
+        ("length_penalty", 2.0),
+        ("prompt_logprobs", 1),
+        ("logprob_token_ids", [5]),
+        ("watermarking", True),
         ("guided_json", {"type": "object"}),
         ("guided_regex", "[0-9]+"),
         ("guided_choice", ["a", "b"]),
@@ -1046,6 +1119,9 @@ def test_unsupported_fields_are_refused_not_ignored(server):
         ("min_p", 0.1),
         ("min_tokens", 0),
         ("min_tokens", 1),
+        ("spaces_between_special_tokens", True),
+        ("length_penalty", 1),
+        ("prompt_logprobs", None),
         ("use_beam_search", False),
         ("guided_json", None),
         ("some_future_field", {"x": 1}),
@@ -1061,6 +1137,21 @@ def test_unsupported_fields_are_refused_not_ignored(server):
             for field, value in served:
                 r = h.post(server + route, json=dict(base, **{field: value}))
                 assert r.status_code == 200, (route, field, r.text)
+        # vLLM's chat-template options (completions' echo is a field it serves)
+        chat_base = {"model": MODEL, "messages": hi, "max_tokens": 1}
+        for field, value in (
+            ("echo", True),
+            ("continue_final_message", True),
+            ("add_generation_prompt", False),
+            ("chat_template", "{{ messages }}"),
+            ("chat_template_kwargs", {"thinking": True}),
+            ("documents", [{"text": "x"}]),
+        ):
+            e = _err(h.post(server + "/v1/chat/completions", json=dict(chat_base, **{field: value})), 400)
+            assert e["param"] == field, (field, e)
+        for field, value in (("echo", False), ("add_generation_prompt", True), ("chat_template_kwargs", {})):
+            r = h.post(server + "/v1/chat/completions", json=dict(chat_base, **{field: value}))
+            assert r.status_code == 200, (field, r.text)
         call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
         msgs = [
             {"role": "user", "content": "hi"},

@@ -487,6 +487,8 @@ class Request:
         self.detok = None
         self.seen: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None  # output-token counts (frequency / presence penalties)
+        self.allowed: torch.Tensor | None = None  # [V] bool: the ids it may draw (params.allowed_token_ids)
+        self.bad_seqs: list[tuple[int, ...]] = []  # token sequences of params.bad_words
         self.seed: int | None = None  # sampled requests: the draw seed (params.seed, or a random one)
         self.logits_log: list[torch.Tensor] = []
         self.logprobs: list = []  # TokenLogprob per output token (params.logprobs)
@@ -982,6 +984,9 @@ class Engine:
         V = self.tok_vocab  # the model's rows past the tokenizer's vocabulary are padding, never a token
         if min(ids) < 0 or max(ids) >= V:
             raise PromptError(f"prompt token ids must lie in [0, {V})")
+        if params.truncate_prompt_tokens is not None:  # (vLLM's: -1 is the context length)
+            k = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            ids = ids[-k:] if params.truncation_side == "left" else ids[:k]
         n, ctx = len(ids), self.max_model_len
         if n >= ctx:
             raise ContextLengthError(
@@ -1000,13 +1005,20 @@ class Engine:
                 )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if params.bad_words and self.tokenizer is None:
+            raise SamplingParamError("bad_words", "bad_words need a tokenizer")
         # token ids past the tokenizer's vocabulary are never drawn: a bias on one does nothing, a stop id never stops
-        for name, ids_ in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids_ in (
+            ("logit_bias", params.logit_bias),
+            ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids),
+        ):
             if ids_ and (top := max(ids_)) >= self.tok_vocab:
                 raise SamplingParamError(
                     name, f"{name} token ids must lie in [0, {self.tok_vocab}), got {top}"
                 )
         req = Request(ids, params, request_id, on_output, max_new)
+        req.bad_seqs = self._bad_word_ids(params.bad_words)
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(
                 self.tokenizer, self._special_ids if params.skip_special_tokens else frozenset()
@@ -1320,12 +1332,15 @@ class Engine:
         start = len(req.text)
         req.text += delta
         # (vLLM: stop strings are looked for once min_tokens are out; one ending before then never ends the text)
+        keep_stop = req.params.include_stop_str_in_output
         if stops and len(req.output_ids) >= req.params.min_tokens:
-            i = find_stop(req.text, stops, start)
+            i, hit = find_stop(req.text, stops, start, with_stop=True)
             if i >= 0:
-                req.text = req.text[:i]
+                req.text = req.text[: i + len(hit)] if keep_stop else req.text[:i]
                 final = req.stop_hit = True
-        upto = len(req.text) if final or not stops else len(req.text) - stop_holdback(req.text, stops)
+        # (text that may start a stop string is held back, unless a stop would be sent anyway)
+        hold = not (final or not stops or keep_stop)
+        upto = len(req.text) - stop_holdback(req.text, stops) if hold else len(req.text)
         upto = max(upto, req.emitted)
         out = req.text[req.emitted : upto]
         req.emitted = upto
@@ -1680,6 +1695,15 @@ class Engine:
     def _sample_rows(self, batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Next token ids [B] (on the logits' device) of ``batch``'s rows of ``logits``."""
         self._mask_vocab(logits)
+        if any(r.params.allowed_token_ids is not None for r in batch):  # (first, as vLLM's processor)
+            keep = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            for r in batch:
+                if r.params.allowed_token_ids is not None and r.allowed is None:
+                    r.allowed = torch.zeros_like(keep).index_fill_(
+                        0, device_tensor(r.params.allowed_token_ids, torch.long, keep.device), True
+                    )
+            rows = torch.stack([keep if r.allowed is None else r.allowed for r in batch])
+            logits = logits.masked_fill(~rows, float("-inf"))
         logits = _add_logit_bias(logits, [self._row_bias(r) for r in batch])
         seen = _stack_rows([r.seen for r in batch], logits, torch.bool)
         counts = _stack_rows([r.counts for r in batch], logits, torch.float32)
@@ -1703,10 +1727,29 @@ class Engine:
         """The biases added to ``req``'s next logits: its ``logit_bias``, and while fewer than ``min_tokens`` tokens
         are out, -inf on the ids that would end it (its stop ids, and end-of-sequence unless ``ignore_eos``)."""
         p = req.params
-        if len(req.output_ids) >= p.min_tokens:
+        ban = set()
+        if len(req.output_ids) < p.min_tokens:
+            ban |= req.stop_ids if p.ignore_eos else req.stop_ids | self.eos_ids
+        out = req.output_ids
+        # bad words (vLLM's rule): a word's last token, where the output ends with its other tokens
+        for seq in req.bad_seqs:
+            head = len(seq) - 1
+            if head == 0 or (head <= len(out) and tuple(out[len(out) - head :]) == seq[:-1]):
+                ban.add(seq[-1])
+        if not ban:
             return p.logit_bias
-        ban = set(req.stop_ids) if p.ignore_eos else set(req.stop_ids) | set(self.eos_ids)
         return {**(p.logit_bias or {}), **dict.fromkeys(ban, float("-inf"))}
+
+    def _bad_word_ids(self, words: list[str]) -> list[tuple[int, ...]]:
+        """The token sequences of ``bad_words``: each word as it is and after a space (where that tokenizes
+        otherwise), as vLLM bans them."""
+        seqs: list[tuple[int, ...]] = []
+        for w in words:
+            for text in (w.lstrip(), " " + w.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, allow_special=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     def _last_token_is_final(self, req: Request) -> bool:
         """Whether the pending token of ``req`` ends it by length (known before the token itself)."""

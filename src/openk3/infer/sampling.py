@@ -73,6 +73,11 @@ class SamplingParams:
     filters; ``min_p`` in [0, 1] keeps the tokens at least ``min_p`` times as likely as the most likely one (after
     the temperature, as vLLM). ``min_tokens`` (vLLM semantics, at most ``max_tokens``): the end-of-sequence and
     ``stop_token_ids`` ids are banned until that many tokens are out, and stop strings are not looked for before.
+    ``include_stop_str_in_output``: the stop string that ended the text stays in it. ``allowed_token_ids``: only
+    these ids can be drawn (the others' logits become -inf first). ``bad_words``: strings never generated (each
+    tokenized as it is and after a space; a word's last token is banned where the output ends with its other
+    tokens). ``truncate_prompt_tokens`` k: only the last k prompt tokens are kept (the first k with
+    ``truncation_side="right"``; -1: the context length). These five are vLLM's extras, with its meanings.
     ``repetition_penalty`` > 1 discourages tokens already present in the prompt or the output, < 1 favours them (HF
     semantics; in [0.01, 100]).
     ``frequency_penalty`` / ``presence_penalty`` (OpenAI semantics, in [-2, 2]) subtract ``frequency * count +
@@ -107,6 +112,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
 
     def validate(self) -> SamplingParams:
         """Raise :class:`SamplingParamError` (a ``ValueError`` naming the field) for an invalid value; returns self."""
@@ -194,7 +204,7 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             raise SamplingParamError("stop", "stop must be a string or a list of strings")
         self.stop = [s for s in self.stop if s]
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
@@ -202,6 +212,33 @@ class SamplingParams:
         ):
             raise SamplingParamError(
                 "stop_token_ids", "stop_token_ids must be a list of non-negative integers"
+            )
+        a = self.allowed_token_ids
+        if a is not None:
+            if (
+                not isinstance(a, (list, tuple))
+                or not a
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in a)
+            ):
+                raise SamplingParamError(
+                    "allowed_token_ids", "allowed_token_ids must be a non-empty list of non-negative integers"
+                )
+            self.allowed_token_ids = list(a)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        words = self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+            raise SamplingParamError("bad_words", "bad_words must be a list of strings")
+        self.bad_words = [w for w in self.bad_words if w.strip()]
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
+            raise SamplingParamError(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens must be an integer >= 1, or -1 for the context length; got {k!r}",
+            )
+        if self.truncation_side not in ("left", "right"):
+            raise SamplingParamError(
+                "truncation_side", f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}"
             )
         return self
 
@@ -537,15 +574,16 @@ def logprob_entries(chosen, top_v, top_i, ids, ks) -> list[TokenLogprob | None]:
 
 
 # --------------------------------------------------------------------------------------------- stop strings
-def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int:
+def find_stop(text: str, stops: Sequence[str], start: int = 0, *, with_stop: bool = False):
     """Index of the earliest occurrence of any stop string in ``text`` that ends after ``start`` (search from
-    ``start - len(stop) + 1``), or -1."""
-    best = -1
+    ``start - len(stop) + 1``), or -1; with ``with_stop`` the pair (index, that stop string; the first listed of
+    those found there), ``(-1, "")`` when none is."""
+    best, hit = -1, ""
     for s in stops:
         i = text.find(s, max(0, start - len(s) + 1))
         if i >= 0 and (best < 0 or i < best):
-            best = i
-    return best
+            best, hit = i, s
+    return (best, hit) if with_stop else best
 
 
 def stop_holdback(text: str, stops: Sequence[str]) -> int:

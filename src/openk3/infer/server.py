@@ -7,9 +7,11 @@ the server keeps serving after any of them. A client that disconnects (streaming
 (pages and slot freed at the next engine step).
 
 Extra request fields beyond OpenAI's (as vLLM accepts them): ``top_k``, ``min_p``, ``min_tokens``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``. Fields whose effect the server
-does not implement (``response_format`` other than text, ``tools``, guided decoding, ...: ``_UNSUPPORTED``) are
-refused with a 400 unless they ask for nothing; other unknown fields are ignored.
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``include_stop_str_in_output``,
+``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``, ``truncation_side``. Fields whose effect the server
+does not implement (``response_format`` other than text, ``tools``, guided decoding, vLLM's chat-template options,
+...: ``_UNSUPPORTED``, ``_UNSUPPORTED_CHAT``) are refused with a 400 unless they ask for nothing; other unknown fields
+are ignored.
 
 Log-probabilities (of the model's distribution: ``log_softmax`` of the logits before penalty, temperature and
 filters): completions take ``logprobs`` k (0-20: each token's logprob and the k most likely tokens, plus the chosen
@@ -124,17 +126,32 @@ _UNSUPPORTED = {
     "guided_regex": lambda v: v is None,
     "guided_choice": lambda v: v is None,
     "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+    "spaces_between_special_tokens": lambda v: v is None or v is True,
+    "length_penalty": lambda v: v is None or (type(v) in (int, float) and v == 1),
+    "prompt_logprobs": lambda v: v is None,  # (vLLM's own output field; completions score a prompt with echo)
+    "logprob_token_ids": lambda v: v is None or v == [],
+    "watermarking": lambda v: v is None or v is False,
+}
+# ... and those of vLLM's chat requests (completions' `echo` is served)
+_UNSUPPORTED_CHAT = {
+    "echo": lambda v: v is None or v is False,
+    "continue_final_message": lambda v: v is None or v is False,
+    "add_generation_prompt": lambda v: v is None or v is True,
+    "chat_template": lambda v: v is None,
+    "chat_template_kwargs": lambda v: v is None or v == {},
+    "documents": lambda v: v is None or v == [],
 }
 
 
-def _refuse_unsupported(body: dict) -> None:
-    for name, no_op in _UNSUPPORTED.items():
+def _refuse_unsupported(body: dict, *, chat: bool) -> None:
+    for name, no_op in (*_UNSUPPORTED.items(), *(_UNSUPPORTED_CHAT.items() if chat else ())):
         if name in body and not no_op(body[name]):
             raise ApiError(400, f"'{name}' is not supported by this server", param=name)
 
 
 def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, chat=chat)
     logprobs, prompt_logprobs = _logprob_params(body, chat=chat)
     logit_bias = _logit_bias(body)
     n = _get(body, "n", int, 1)
@@ -166,6 +183,7 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
     if len(stop) > 16:
         raise ApiError(400, "at most 16 stop strings are allowed", param="stop")
     stop_ids = _get(body, "stop_token_ids", list, [])
+    bad_words = _get(body, "bad_words", list, [])
     top_k = _get(body, "top_k", int, 0)
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -185,6 +203,11 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias,
+        include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
+        allowed_token_ids=_get(body, "allowed_token_ids", list, None),
+        bad_words=list(bad_words),
+        truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int, None),
+        truncation_side=_get(body, "truncation_side", str, "left"),
     )
     try:
         params.validate()
@@ -693,9 +716,11 @@ def create_app(
         cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = params.logprobs is not None
 
-        def echo_text(i: int) -> str:  # choice i's prompt as text
+        def echo_text(i: int) -> str:  # choice i's prompt as text (as the model saw it, when truncated)
             p = prompts[i // n]
-            return p if isinstance(p, str) else (tok.decode(p) if tok is not None else "")
+            if isinstance(p, str) and params.truncate_prompt_tokens is None:
+                return p
+            return tok.decode(group.reqs[i].prompt_ids) if tok is not None else ""
 
         def prompt_pairs(i: int, plps) -> list:  # choice i's prompt tokens with their logprobs (first: None)
             ids = group.reqs[i].prompt_ids
