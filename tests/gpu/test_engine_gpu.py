@@ -527,8 +527,19 @@ def test_engine_draw_kernels_match_torch_path(monkeypatch):
         dict(temperature=0.8, top_p=0.95, logit_bias={5: 2.0, 9: -100.0}),
         # min_tokens' ban (id 7, never drawn later either: the rows must run to max_tokens) inside the checked steps
         dict(temperature=0.8, min_p=0.1, min_tokens=10, stop_token_ids=[7], logit_bias={7: -100.0}),
+        dict(temperature=0.8, top_p=0.9, allowed_token_ids=list(range(5, 900, 3))),
     ],
-    ids=["greedy", "top-p", "top-k-seeded", "penalty", "logprobs", "count-penalties", "logit-bias", "min-p"],
+    ids=[
+        "greedy",
+        "top-p",
+        "top-k-seeded",
+        "penalty",
+        "logprobs",
+        "count-penalties",
+        "logit-bias",
+        "min-p",
+        "allowed",
+    ],
 )
 def test_engine_decode_steps_do_not_synchronise(kw):
     """Decode steps with CUDA graphs and overlap issue no synchronising CUDA call beyond the step's wait for the
@@ -556,6 +567,8 @@ def test_engine_decode_steps_do_not_synchronise(kw):
     while eng.has_work():
         eng.step()
     assert all(len(r.output_ids) == s.max_tokens for r, s in zip(reqs, sp))
+    allowed = set(kw.get("allowed_token_ids") or range(V))
+    assert all(t in allowed for r in reqs for t in r.output_ids)
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
