@@ -132,6 +132,10 @@ _UNSUPPORTED = {
     "prompt_logprobs": lambda v: v is None,  # (vLLM's own output field; completions score a prompt with echo)
     "logprob_token_ids": lambda v: v is None or v == [],
     "watermarking": lambda v: v is None or v is False,
+    # OpenAI's: an answer in other modalities or with web search results cannot be given
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
 }
 # ... and those of vLLM's chat requests (completions' `echo` is served)
 _UNSUPPORTED_CHAT = {
