@@ -3,8 +3,8 @@
 Order of the logit transforms (vLLM's): repetition penalty, frequency and presence penalties, temperature, min-p,
 top-k, top-p, then a draw from the softmax. ``temperature == 0`` means greedy (argmax of the penalised logits).
 Min-p and top-k keep a top set bounded by the row's own values, so they commute; transformers' ``generate`` applies
-min-p after top-p instead, which differs only where both are on (there top-p's mass is taken before min-p's cut). All functions work on a batch ``logits: [B, V]`` with per-row parameters, and
-never modify their inputs.
+min-p after top-p instead, which differs only where both are on (there top-p's mass is taken before min-p's cut).
+All functions work on a batch ``logits: [B, V]`` with per-row parameters, and never modify their inputs.
 """
 
 from __future__ import annotations
