@@ -1762,3 +1762,26 @@ def test_engine_is_freed_when_deleted(tiny):
     assert sizes[0] == sizes[1] == sizes[2], sizes
     assert ptrs[0] == ptrs[1] == ptrs[2]
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_bad_word_sequences_follow_vllm(tiny):
+    """bad_words are banned as vLLM forms their token sequences: the word with its leading spaces stripped, and the
+    word after a space only where that is as many tokens with another first token (a word inside the text); blank
+    words ban nothing, and without a tokenizer they are refused."""
+    from openk3.train.tokenizer import Tokenizer
+
+    tok = Tokenizer.train_bpe(["def return value self.value\n" * 50, "return x\n" * 50], vocab_size=300)
+    eng = Engine(tiny, tok, page_size=16, max_seqs=2, max_tokens=256, prefix_cache=False)
+    enc = lambda s: tuple(tok.encode(s, allow_special=False))  # noqa: E731
+    cases = 0
+    for word in ("return", "  value", "zq", "x"):
+        bare, spaced = enc(word.lstrip()), enc(" " + word.lstrip())
+        want = [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+        cases += len(want) == 2
+        assert eng._bad_word_ids([word]) == want, (word, bare, spaced)
+    assert cases >= 1  # the spaced form taken at least once, left out at least once ("zq": other lengths)
+    assert len(eng._bad_word_ids(["zq"])) == 1
+    req = eng.make_request("def", SamplingParams(bad_words=["return", " "], max_tokens=4))
+    assert req.bad_seqs == eng._bad_word_ids(["return"])
+    with pytest.raises(ValueError, match="bad_words need a tokenizer"):
+        Engine(tiny, None, max_seqs=2, max_tokens=256).make_request([5, 6], SamplingParams(bad_words=["a"]))

@@ -1741,14 +1741,15 @@ class Engine:
         return {**(p.logit_bias or {}), **dict.fromkeys(ban, float("-inf"))}
 
     def _bad_word_ids(self, words: list[str]) -> list[tuple[int, ...]]:
-        """The token sequences of ``bad_words``: each word as it is and after a space (where that tokenizes
-        otherwise), as vLLM bans them."""
+        """The token sequences of ``bad_words``, as vLLM forms them: each word (leading spaces stripped) as it is,
+        and after a space where that gives as many tokens with another first one (a word inside the text)."""
         seqs: list[tuple[int, ...]] = []
         for w in words:
-            for text in (w.lstrip(), " " + w.lstrip()):
-                ids = tuple(self.tokenizer.encode(text, allow_special=False))
-                if ids and ids not in seqs:
-                    seqs.append(ids)
+            bare = tuple(self.tokenizer.encode(w.lstrip(), allow_special=False))
+            spaced = tuple(self.tokenizer.encode(" " + w.lstrip(), allow_special=False))
+            seqs.append(bare)
+            if len(spaced) == len(bare) and spaced[0] != bare[0]:
+                seqs.append(spaced)
         return seqs
 
     def _last_token_is_final(self, req: Request) -> bool:
