@@ -1,6 +1,7 @@
 """Inference engine on CPU: paged hybrid cache, decode steps, continuous batching, prefix cache, preemption."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -1785,3 +1786,81 @@ def test_bad_word_sequences_follow_vllm(tiny):
     assert req.bad_seqs == eng._bad_word_ids(["return"])
     with pytest.raises(ValueError, match="bad_words need a tokenizer"):
         Engine(tiny, None, max_seqs=2, max_tokens=256).make_request([5, 6], SamplingParams(bad_words=["a"]))
+
+
+def _hf_tok():
+    from openk3.train.data import default_corpus
+    from openk3.train.tokenizer import Tokenizer
+
+    return Tokenizer.train_bpe(default_corpus(max_bytes=200_000), vocab_size=600)
+
+
+def _tiktoken_tok(tmp_path):
+    """A tiktoken-backed tokenizer (the bytes and a few merges, BOS / EOS after them): the other backend."""
+    import base64
+
+    from openk3.train.tokenizer import Tokenizer
+
+    pytest.importorskip("tiktoken")
+    ranks = [bytes([b]) for b in range(256)] + [b"re", b"tu", b"rn", b" x", b"00", b"ab"]
+    path = tmp_path / "tiktoken.model"
+    path.write_bytes(
+        b"".join(base64.b64encode(t) + b" " + str(i).encode() + b"\n" for i, t in enumerate(ranks))
+    )
+    n = len(ranks)
+    return Tokenizer.from_file(path, special_tokens={"<|bos|>": n, "<|eos|>": n + 1})
+
+
+@pytest.mark.parametrize("backend", ["hf", "tiktoken"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_guided_decoding(tiny, tmp_path, backend, overlap):
+    """Structured output (llguidance): sampled replies of a regex, a choice and a JSON schema match them and end
+    with "stop" where the match is complete, whatever the seed, with either tokenizer backend; an unguided request
+    in the same batch gets the tokens it gets alone; invalid specs are SamplingParamErrors naming ``guided``."""
+    import re
+
+    pytest.importorskip("llguidance")
+    from openk3.infer.sampling import SamplingParamError
+
+    tok = _hf_tok() if backend == "hf" else _tiktoken_tok(tmp_path)
+    eng = Engine(tiny, tok, page_size=16, max_seqs=8, max_tokens=4096, max_model_len=256, overlap=overlap)
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "k": {"enum": ["a", "bc"]}},
+        "required": ["ok", "k"],
+        "additionalProperties": False,
+    }
+    plain = SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True)
+    alone = eng.generate(["x = 1"], plain)[0].output_ids
+    specs = [{"regex": "[0-9]{2}-[a-c]{3}"}, {"choice": ["north", "south", "up"]}, {"json": schema}]
+    for seed in range(3):
+        ps = [SamplingParams(max_tokens=60, temperature=1.0, seed=seed, guided=g) for g in specs]
+        rs = eng.generate(["a", "bb", "ccc", "x = 1"], ps + [plain])
+        assert re.fullmatch("[0-9]{2}-[a-c]{3}", rs[0].text), rs[0].text
+        assert rs[1].text in ("north", "south", "up")
+        obj = json.loads(rs[2].text)
+        assert isinstance(obj["ok"], bool) and obj["k"] in ("a", "bc") and set(obj) == {"ok", "k"}
+        assert all(r.finish_reason == "stop" for r in rs[:3]), [r.finish_reason for r in rs]
+        assert rs[3].output_ids == alone  # the masks are per row
+    for bad in ({"regex": "[0-9"}, {"json": {"type": "object", "properties": 5}}, {"json": "{not json"}):
+        with pytest.raises(SamplingParamError, match="guided") as e:
+            eng.make_request("a", SamplingParams(guided=bad))
+        assert e.value.param == "guided"
+    with pytest.raises(SamplingParamError, match="needs a tokenizer"):
+        Engine(tiny, None, max_seqs=2, max_tokens=256).make_request(
+            [5], SamplingParams(guided={"choice": ["a"]})
+        )
+
+
+def test_guided_spec_shapes():
+    """SamplingParams.guided takes exactly one of the kinds, each with a value of its type."""
+    from openk3.infer.sampling import SamplingParamError
+
+    for good in ({"json": {"type": "object"}}, {"json": "{}"}, {"json_object": True}, {"regex": "a+"},
+                 {"choice": ["a", "b"]}, {"grammar": 'start: "a"'}):  # fmt: skip
+        assert SamplingParams(guided=good).validate().guided == good
+    for bad in ({}, {"json": {}, "regex": "a"}, {"xml": "<a/>"}, {"json": 5}, {"json_object": 1}, {"regex": ""},
+                {"choice": []}, {"choice": ["a", ""]}, {"choice": "a"}, {"grammar": "  "}, ["json"], "json"):  # fmt: skip
+        with pytest.raises(SamplingParamError, match="guided") as e:
+            SamplingParams(guided=bad).validate()
+        assert e.value.param == "guided"

@@ -339,6 +339,81 @@ def test_vllm_output_extras(client, engine):
         assert r.choices[0].text == tok.decode(kept) + same.choices[0].text, side
 
 
+def test_structured_output(server, client, engine):
+    """Structured output through llguidance: OpenAI's response_format (json_schema, json_object) and vLLM's guided_*
+    / structured_outputs fields give text that matches (the random model ends each reply where the match is
+    complete, finish_reason stop), streamed the same; two at once, an unknown format and an invalid schema or
+    pattern are 400s naming the field."""
+    import re
+
+    pytest.importorskip("llguidance")
+    schema = {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "tag": {"enum": ["red", "green"]},
+            "n": {"type": "integer"},
+        },
+        "required": ["ok", "tag", "n"],
+        "additionalProperties": False,
+    }
+    msgs = [{"role": "user", "content": "give me json"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=60, temperature=1.0, seed=seed, response_format=fmt
+        )
+        c = r.choices[0]
+        obj = json.loads(c.message.content)
+        assert (
+            set(obj) == {"ok", "tag", "n"} and isinstance(obj["ok"], bool) and obj["tag"] in ("red", "green")
+        )
+        assert isinstance(obj["n"], int) and c.finish_reason == "stop", c
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=60, temperature=1.0, seed=0, response_format=fmt, stream=True
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
+    first = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=60, temperature=1.0, seed=0, response_format=fmt
+    )
+    assert text == first.choices[0].message.content
+    r = client.completions.create(
+        model=MODEL, prompt="x =", max_tokens=40, temperature=1.0, seed=1,
+        extra_body={"response_format": {"type": "json_object"}},
+    )  # fmt: skip
+    out = r.choices[0].text
+    assert out.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out), dict)
+    kw = dict(model=MODEL, prompt="id:", max_tokens=30, temperature=1.0)
+    for seed in range(3):
+        r = client.completions.create(seed=seed, extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"}, **kw)
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+        r = client.completions.create(
+            seed=seed, extra_body={"guided_choice": ["alpha", "beta", "gamma"]}, **kw
+        )
+        assert r.choices[0].text in ("alpha", "beta", "gamma")
+        r = client.completions.create(
+            seed=seed, extra_body={"structured_outputs": {"choice": ["up", "down"]}}, **kw
+        )
+        assert r.choices[0].text in ("up", "down")
+    with httpx.Client(timeout=30) as h:
+        url = server + "/v1/completions"
+        base = {"model": MODEL, "prompt": "x", "max_tokens": 4}
+        for extra, param in (
+            ({"guided_regex": "[0-9]+", "guided_choice": ["a"]}, "guided_choice"),
+            ({"response_format": {"type": "xml"}}, "response_format"),
+            ({"response_format": {"type": "json_schema"}}, "response_format"),
+            ({"guided_regex": "[0-9"}, "guided_regex"),  # an unclosed class
+            ({"guided_json": {"type": "object", "properties": 5}}, "guided_json"),
+            ({"guided_choice": []}, "guided_choice"),
+            ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ):
+            e = _err(h.post(url, json={**base, **extra}), 400)
+            assert e["param"] == param, (extra, e)
+    _healthy(server)
+
+
 def test_min_tokens_and_min_p(client, engine):
     """vLLM's min_tokens: EOS and stop_token_ids are banned until that many tokens are out (a reply forced towards
     EOS then ends on exactly the next token), and stop strings are looked for only from then on (an occurrence
@@ -1086,21 +1161,18 @@ def test_loop_bridge_batches_wakeups_and_keeps_order():
 
 
 def test_unsupported_fields_are_refused_not_ignored(server):
-    """A field whose effect the server does not implement (JSON mode, tools, guided decoding, ...) gets a 400 naming it:
+    """A field whose effect the server does not implement (tools, beam search, chat templates, ...) gets a 400 naming it:
     answering as if it were honoured would be a wrong answer that looks right. Their no-op values are served, and
     so are fields the server does not know at all (as OpenAI-compatible servers ignore them)."""
     hi = [{"role": "user", "content": "hi"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     refused = [
-        ("response_format", {"type": "json_object"}),
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
         ("tools", [tool]),
         ("tool_choice", "required"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [tool["function"]]),
         ("function_call", {"name": "f"}),
         ("use_beam_search", True),
-        ("structured_outputs", {"json": {"type": "object"}}),
         ("spaces_between_special_tokens", False),
         ("length_penalty", 2.0),
         ("prompt_logprobs", 1),
@@ -1109,9 +1181,6 @@ def test_unsupported_fields_are_refused_not_ignored(server):
         ("modalities", ["text", "audio"]),
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("web_search_options", {}),
-        ("guided_json", {"type": "object"}),
-        ("guided_regex", "[0-9]+"),
-        ("guided_choice", ["a", "b"]),
         ("suffix", "end"),
     ]
     served = [

@@ -489,6 +489,7 @@ class Request:
         self.counts: torch.Tensor | None = None  # output-token counts (frequency / presence penalties)
         self.allowed: torch.Tensor | None = None  # [V] bool: the ids it may draw (params.allowed_token_ids)
         self.bad_seqs: list[tuple[int, ...]] = []  # token sequences of params.bad_words
+        self.matcher = None  # params.guided: the llguidance matcher of its output so far
         self.seed: int | None = None  # sampled requests: the draw seed (params.seed, or a random one)
         self.logits_log: list[torch.Tensor] = []
         self.logprobs: list = []  # TokenLogprob per output token (params.logprobs)
@@ -597,6 +598,7 @@ class Engine:
             snap_bytes = max(64 << 20, 16 * self.pool.bytes_per_sequence)
         self.prefix = PrefixCache(self.pool, cfg.prefix_interval, snap_bytes) if cfg.prefix_cache else None
         self.eos_ids = self._eos_ids()
+        self._guided = None  # openk3.infer.guided.GuidedCompiler, built for the first guided request
         # the tokenizer's special tokens (left out of generated text unless SamplingParams.skip_special_tokens is off)
         specials = getattr(tokenizer, "special_tokens", None) or {}
         self._special_ids = frozenset(int(i) for i in specials.values())
@@ -1019,6 +1021,12 @@ class Engine:
                 )
         req = Request(ids, params, request_id, on_output, max_new)
         req.bad_seqs = self._bad_word_ids(params.bad_words)
+        if params.guided is not None:
+            if self._guided is None:
+                from openk3.infer.guided import GuidedCompiler
+
+                self._guided = GuidedCompiler(self.tokenizer, self.eos_ids)
+            req.matcher = self._guided.matcher(params.guided)
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(
                 self.tokenizer, self._special_ids if params.skip_special_tokens else frozenset()
@@ -1695,15 +1703,9 @@ class Engine:
     def _sample_rows(self, batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Next token ids [B] (on the logits' device) of ``batch``'s rows of ``logits``."""
         self._mask_vocab(logits)
-        if any(r.params.allowed_token_ids is not None for r in batch):  # (first, as vLLM's processor)
-            keep = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
-            for r in batch:
-                if r.params.allowed_token_ids is not None and r.allowed is None:
-                    r.allowed = torch.zeros_like(keep).index_fill_(
-                        0, device_tensor(r.params.allowed_token_ids, torch.long, keep.device), True
-                    )
-            rows = torch.stack([keep if r.allowed is None else r.allowed for r in batch])
-            logits = logits.masked_fill(~rows, float("-inf"))
+        keep = self._keep_masks(batch, logits)
+        if keep is not None:
+            logits = logits.masked_fill(~keep, float("-inf"))
         logits = _add_logit_bias(logits, [self._row_bias(r) for r in batch])
         seen = _stack_rows([r.seen for r in batch], logits, torch.bool)
         counts = _stack_rows([r.counts for r in batch], logits, torch.float32)
@@ -1722,6 +1724,34 @@ class Engine:
             if any(r.seed is not None for r in batch)
             else None,
         )
+
+    def _keep_masks(self, batch: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
+        """[B, V] bool of the ids each row may draw (``allowed_token_ids``, and a guided request's matcher mask:
+        first, as vLLM's processors), or None when no row restricts its draw."""
+        allowed = [r.params.allowed_token_ids is not None for r in batch]
+        guided = [r.matcher is not None for r in batch]
+        if not any(allowed) and not any(guided):
+            return None
+        V, dev = logits.shape[-1], logits.device
+        keep = torch.ones(len(batch), V, dtype=torch.bool, device=dev)
+        if any(allowed):
+            for r in batch:
+                if r.params.allowed_token_ids is not None and r.allowed is None:
+                    r.allowed = torch.zeros(V, dtype=torch.bool, device=dev).index_fill_(
+                        0, device_tensor(r.params.allowed_token_ids, torch.long, dev), True
+                    )
+            rows = [b for b, a in enumerate(allowed) if a]
+            keep[rows] = torch.stack([batch[b].allowed for b in rows])
+        if any(guided):
+            from openk3.infer.guided import mask_words_to_bool
+
+            rows = [b for b, g in enumerate(guided) if g]
+            words = np.stack(
+                [np.frombuffer(batch[b].matcher.compute_bitmask(), dtype=np.int32) for b in rows]
+            )
+            g = mask_words_to_bool(device_tensor(torch.from_numpy(words), torch.int32, dev), V)
+            keep[rows] &= g
+        return keep
 
     def _row_bias(self, req: Request) -> dict[int, float] | None:
         """The biases added to ``req``'s next logits: its ``logit_bias``, and while fewer than ``min_tokens`` tokens
@@ -1819,12 +1849,21 @@ class Engine:
         if req.counts is not None:
             req.counts[t : t + 1].add_(1.0)
         p = req.params
+        if req.matcher is not None and not req.matcher.consume_token(t):
+            # (only when the bans of other settings left no token of the grammar's: the draw had nothing to pick)
+            self._emit(req, [t], "", lps)
+            self._finish(req, "error", error=f"guided decoding: {req.matcher.get_error().strip()}")
+            return
         if t in req.stop_ids or (not p.ignore_eos and t in self.eos_ids):
             # the stop token is generated output (counted in usage, with its logprob), without text
             self._emit(req, [t], "", lps)
             self._finish(req, "stop")
             return
         text = self._extend_text(req, req.detok.push(t)) if req.detok is not None else ""
+        if req.matcher is not None and req.matcher.is_stopped():  # a complete match that nothing extends
+            self._emit(req, [t], text, lps)
+            self._finish(req, "stop")
+            return
         if req.stop_hit:
             self._emit(req, [t], text, lps)
             self._finish(req, "stop")

@@ -78,6 +78,8 @@ class SamplingParams:
     tokenized as it is and after a space; a word's last token is banned where the output ends with its other
     tokens). ``truncate_prompt_tokens`` k: only the last k prompt tokens are kept (the first k with
     ``truncation_side="right"``; -1: the context length). These five are vLLM's extras, with its meanings.
+    ``guided``: structured output, one of ``{"json": schema}``, ``{"json_object": True}``, ``{"regex": pattern}``,
+    ``{"choice": [...]}``, ``{"grammar": text}`` (:mod:`openk3.infer.guided`; needs llguidance).
     ``repetition_penalty`` > 1 discourages tokens already present in the prompt or the output, < 1 favours them (HF
     semantics; in [0.01, 100]).
     ``frequency_penalty`` / ``presence_penalty`` (OpenAI semantics, in [-2, 2]) subtract ``frequency * count +
@@ -117,6 +119,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     truncate_prompt_tokens: int | None = None
     truncation_side: str = "left"
+    guided: dict | None = None
 
     def validate(self) -> SamplingParams:
         """Raise :class:`SamplingParamError` (a ``ValueError`` naming the field) for an invalid value; returns self."""
@@ -240,6 +243,9 @@ class SamplingParams:
             raise SamplingParamError(
                 "truncation_side", f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}"
             )
+        from openk3.infer.guided import check_guided
+
+        self.guided = check_guided(self.guided)
         return self
 
     @property

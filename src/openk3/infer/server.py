@@ -116,17 +116,11 @@ def _get(body: dict, name: str, types, default=None, *, allow_none=True):
 # for a JSON schema, no tool call, no grammar) would be a wrong answer that looks right.
 _UNSUPPORTED = {
     "suffix": lambda v: not v,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "tools": lambda v: v is None or v == [],
     "functions": lambda v: v is None or v == [],
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"),
     "use_beam_search": lambda v: v is None or v is False,
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
-    "structured_outputs": lambda v: v is None,
     "spaces_between_special_tokens": lambda v: v is None or v is True,
     "length_penalty": lambda v: v is None or (type(v) in (int, float) and v == 1),
     "prompt_logprobs": lambda v: v is None,  # (vLLM's own output field; completions score a prompt with echo)
@@ -146,6 +140,51 @@ _UNSUPPORTED_CHAT = {
     "chat_template_kwargs": lambda v: v is None or v == {},
     "documents": lambda v: v is None or v == [],
 }
+
+
+def _guided(body: dict) -> tuple[dict | None, str | None]:
+    """SamplingParams.guided from a request: OpenAI's ``response_format`` (``json_object``, ``json_schema``;
+    ``text`` is none), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` or its
+    ``structured_outputs`` object; at most one of them. Returns (the spec, the field that asked for it)."""
+    found = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise ApiError(
+                400, "'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                param="response_format",
+            )  # fmt: skip
+        if rf["type"] == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or "schema" not in js:
+                raise ApiError(
+                    400,
+                    "'response_format.json_schema' must be an object with a 'schema'",
+                    param="response_format",
+                )
+            found.append(("response_format", {"json": js["schema"]}))
+    for name, kind in (
+        ("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar"),
+    ):  # fmt: skip
+        if body.get(name) is not None:
+            found.append((name, {kind: body[name]}))
+    so = body.get("structured_outputs")
+    if so is not None:
+        keys = (
+            [k for k, v in so.items() if v is not None and v is not False] if isinstance(so, dict) else None
+        )
+        if keys is None or len(keys) != 1:
+            raise ApiError(
+                400, "'structured_outputs' must be an object with one of json, json_object, regex, choice, grammar",
+                param="structured_outputs",
+            )  # fmt: skip
+        found.append(("structured_outputs", {keys[0]: so[keys[0]]}))
+    if len(found) > 1:
+        names = ", ".join(f"'{n}'" for n, _ in found)
+        raise ApiError(400, f"at most one structured output may be asked for, got {names}", param=found[1][0])
+    return (found[0][1], found[0][0]) if found else (None, None)
 
 
 def _refuse_unsupported(body: dict, *, chat: bool) -> None:
@@ -189,6 +228,7 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
     stop_ids = _get(body, "stop_token_ids", list, [])
     bad_words = _get(body, "bad_words", list, [])
     top_k = _get(body, "top_k", int, 0)
+    guided, guided_field = _guided(body)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_get(body, "temperature", (int, float), 1.0),
@@ -212,11 +252,12 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
         bad_words=list(bad_words),
         truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int, None),
         truncation_side=_get(body, "truncation_side", str, "left"),
+        guided=guided,
     )
     try:
         params.validate()
     except SamplingParamError as e:
-        raise ApiError(400, str(e), param=e.param) from None
+        raise ApiError(400, str(e), param=guided_field if e.param == "guided" else e.param) from None
     return params, n
 
 
@@ -331,9 +372,14 @@ def _bridge(loop: asyncio.AbstractEventLoop) -> _LoopBridge:
 class _Group:
     """Several engine requests of one HTTP request, delivering (index, output) events into an asyncio queue."""
 
-    def __init__(self, engine: Engine, n: int = 1, prompt_param: str = "prompt"):
+    def __init__(
+        self, engine: Engine, n: int = 1, prompt_param: str = "prompt", guided_param: str | None = None
+    ):
         self.engine, self.n = engine, n  # n: choices per prompt (submitted one after the other)
         self.prompt_param = prompt_param  # the field an error about the prompt names
+        self.guided_param = (
+            guided_param  # ... and one about its structured output (a schema the engine refused)
+        )
         self.bridge = _bridge(asyncio.get_running_loop())
         self.queue: asyncio.Queue = asyncio.Queue()
         self.reqs = []
@@ -364,7 +410,8 @@ class _Group:
             raise ApiError(400, str(e), param=self.prompt_param, code=code) from None
         except ValueError as e:
             self.abort()
-            raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
+            param = getattr(e, "param", None)
+            raise ApiError(400, str(e), param=self.guided_param if param == "guided" else param) from None
         self.reqs.append(req)
 
     async def events(self, request=None):
@@ -715,7 +762,7 @@ def create_app(
             raise ApiError(400, "this server has no tokenizer: send token ids")
         if len(prompts) * n > MAX_N * 4:
             raise ApiError(400, f"too many choices ({len(prompts) * n}); at most {MAX_N * 4} per request")
-        group = _Group(engine, n)
+        group = _Group(engine, n, guided_param=_guided(body)[1])
         await group.submit_all(prompts, params)
         cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = params.logprobs is not None
@@ -850,7 +897,7 @@ def create_app(
         stream, include_usage = _stream_flags(body)
         if im_end is not None and im_end not in params.stop_token_ids:
             params.stop_token_ids.append(im_end)
-        group = _Group(engine, n, prompt_param="messages")
+        group = _Group(engine, n, prompt_param="messages", guided_param=_guided(body)[1])
         await group.submit_all([prompt], params)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

@@ -1,0 +1,160 @@
+"""Structured output (guided decoding) through llguidance: a request's JSON schema, regular expression, choice or
+grammar becomes a token matcher whose mask restricts each draw to tokens that keep the output a prefix of a match.
+
+The engine keeps one :class:`GuidedCompiler` (the tokenizer's llguidance view, built once on first use) and one
+matcher per guided request. Before each draw the matcher's mask sets every other token's logit to -inf (after
+``allowed_token_ids``, before the penalties and filters: the logprobs stay the model's); each drawn token is fed
+back to it, and once the output is a complete match that nothing can extend, the reply ends with ``stop``. An
+invalid schema or grammar is a :class:`~openk3.infer.sampling.SamplingParamError` (a 400 at the server), never an
+unconstrained answer.
+
+``SamplingParams.guided`` is one of (vLLM's ``structured_outputs`` keys): ``{"json": schema}`` (a dict or its JSON
+text; ``{"type": "object"}`` is OpenAI's JSON mode), ``{"json_object": True}``, ``{"regex": pattern}``,
+``{"choice": [str, ...]}``, ``{"grammar": text}`` (Lark, or GBNF / EBNF as llama.cpp writes it). JSON is generated
+compact (no whitespace between tokens of the JSON syntax), as vLLM's llguidance backend does.
+
+llguidance is an optional dependency (``pip install openk3[serve]``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from openk3.infer.sampling import SamplingParamError
+
+__all__ = ["GUIDED_KINDS", "GuidedCompiler", "check_guided", "guided_available", "mask_words_to_bool"]
+
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def guided_available() -> bool:
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_guided(spec: Any) -> dict | None:
+    """``spec`` (SamplingParams.guided) checked for shape: a dict with exactly one of :data:`GUIDED_KINDS` and a
+    value of that kind's type; returns it, or None for None. The schema / pattern / grammar itself is checked when
+    the engine compiles it."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in GUIDED_KINDS:
+        raise SamplingParamError(
+            "guided", f"guided must be an object with exactly one of {', '.join(GUIDED_KINDS)}; got {spec!r}"
+        )
+    kind, v = next(iter(spec.items()))
+    ok = {
+        "json": isinstance(v, (dict, str)),
+        "json_object": v is True,
+        "regex": isinstance(v, str) and v != "",
+        "choice": isinstance(v, list) and len(v) > 0 and all(isinstance(c, str) and c for c in v),
+        "grammar": isinstance(v, str) and v.strip() != "",
+    }[kind]
+    if not ok:
+        want = {
+            "json": "a JSON schema (an object or its JSON text)",
+            "json_object": "true",
+            "regex": "a non-empty regular expression",
+            "choice": "a non-empty list of non-empty strings",
+            "grammar": "a non-empty grammar text",
+        }[kind]
+        raise SamplingParamError("guided", f"guided {kind} must be {want}, got {v!r}")
+    return spec
+
+
+class _TokenizerView:
+    """What ``llguidance.TokenizerWrapper`` reads of a tokenizer: each id's bytes, EOS / BOS, special ids, encode."""
+
+    def __init__(self, tok, eos: int):
+        self.eos_token_id = eos
+        self.bos_token_id = tok.bos_id
+        self.tokens = [tok.token_bytes(i) for i in range(tok.vocab_size)]
+        self.special_token_ids = sorted(set((tok.special_tokens or {}).values()))
+        self._tok = tok
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tok.encode(text, allow_special=False)
+
+
+class GuidedCompiler:
+    """The tokenizer's llguidance view (built on first use: ~1 s for a 160k vocabulary) and matchers from specs.
+    ``eos_ids``: the ids that end a reply, which a complete match allows."""
+
+    def __init__(self, tokenizer, eos_ids):
+        if tokenizer is None:
+            raise SamplingParamError("guided", "structured output needs a tokenizer")
+        if not eos_ids:
+            raise SamplingParamError(
+                "guided", "structured output needs a tokenizer with an end-of-sequence token"
+            )
+        if not guided_available():
+            raise SamplingParamError(
+                "guided", "structured output needs the llguidance package (pip install 'openk3[serve]')"
+            )
+        self.tokenizer = tokenizer
+        self.eos_ids = sorted(eos_ids)
+        self._lltok = None
+
+    def _lltokenizer(self):
+        import llguidance
+
+        if self._lltok is None:
+            tok = self.tokenizer
+            hf = getattr(tok, "_hf", None)
+            if hf is not None:  # the tokenizers JSON: llguidance reads it natively
+                self._lltok = llguidance.LLTokenizer(
+                    hf.to_str(), n_vocab=tok.vocab_size, eos_token=self.eos_ids
+                )
+            else:
+                wrapper = llguidance.TokenizerWrapper(_TokenizerView(tok, self.eos_ids[0]))
+                self._lltok = llguidance.LLTokenizer(wrapper, n_vocab=tok.vocab_size, eos_token=self.eos_ids)
+        return self._lltok
+
+    @staticmethod
+    def grammar(spec: dict) -> str:
+        """The llguidance grammar of a :func:`check_guided` spec (SamplingParamError for an unreadable one)."""
+        import llguidance
+
+        kind, v = next(iter(spec.items()))
+        compact = {"whitespace_flexible": False}
+        try:
+            if kind == "json_object":
+                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=compact)
+            if kind == "json":
+                schema = json.loads(v) if isinstance(v, str) else v
+                if not isinstance(schema, dict) and not isinstance(schema, bool):
+                    raise ValueError("a JSON schema is an object")
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=compact)
+            if kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(v)
+            if kind == "choice":
+                return llguidance.grammar_from("choice", json.dumps(v))
+            return llguidance.grammar_from("grammar", v)
+        except (ValueError, TypeError) as e:
+            raise SamplingParamError("guided", f"guided {kind}: {e}") from None
+
+    def matcher(self, spec: dict):
+        """A fresh matcher for ``spec``; SamplingParamError (with llguidance's message) for an invalid one."""
+        import llguidance
+
+        m = llguidance.LLMatcher(self._lltokenizer(), self.grammar(spec), log_level=0)
+        if m.is_error():
+            kind = next(iter(spec))
+            raise SamplingParamError("guided", f"guided {kind} is invalid: {m.get_error().strip()}")
+        return m
+
+
+def mask_words_to_bool(words: torch.Tensor, width: int) -> torch.Tensor:
+    """llguidance bitmasks ``[B, W]`` int32 (bit j of word i: token 32 i + j allowed) as ``[B, width]`` bool (ids
+    past 32 W: not allowed), on the words' device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = ((words[:, :, None] >> shifts) & 1).bool().reshape(words.shape[0], -1)
+    if bits.shape[1] >= width:
+        return bits[:, :width]
+    return torch.cat([bits, bits.new_zeros(words.shape[0], width - bits.shape[1])], dim=1)
