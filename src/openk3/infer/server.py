@@ -391,14 +391,18 @@ class _Group:
     async def submit_all(self, prompts: list, params: SamplingParams) -> None:
         """Submit ``n`` choices of each prompt. Text prompts are tokenized once each, together, in a worker thread:
         the tokenizers' batch encode runs without the GIL, so a long prompt does not hold up the event loop (the
-        other requests' streams) while it is encoded. (The routes refuse text prompts without a tokenizer.)"""
+        other requests' streams) while it is encoded; requests with structured output are submitted there too (their
+        grammar is compiled on submission). (The routes refuse text prompts without a tokenizer.)"""
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
             encoded = iter(await asyncio.to_thread(self.engine.tokenizer.encode_batch, texts, True))
             prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
         for p in prompts:
             for j in range(self.n):
-                self.submit(p, _with_seed(params, j))
+                if params.guided is None:
+                    self.submit(p, _with_seed(params, j))
+                else:  # (compiling a grammar can take up to a second: off the event loop too)
+                    await asyncio.to_thread(self.submit, p, _with_seed(params, j))
 
     def submit(self, prompt, params: SamplingParams) -> None:
         i = len(self.reqs)
