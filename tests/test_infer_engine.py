@@ -1864,3 +1864,36 @@ def test_guided_spec_shapes():
         with pytest.raises(SamplingParamError, match="guided") as e:
             SamplingParams(guided=bad).validate()
         assert e.value.param == "guided"
+
+
+def test_cli_structured_output(tmp_path, monkeypatch, capsys):
+    """openk3 generate's structured-output options: a regex, a choice and a schema (inline and from a file) shape
+    the reply; two at once, a schema that is not JSON and a pattern llguidance rejects are one-line errors."""
+    import re
+
+    pytest.importorskip("llguidance")
+    from openk3.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
+    common = ["-q", "--prompt", "id", "-n", "24", "--seed", "3", "--max-total-tokens", "512"]
+    assert main(["generate", *common, "--regex", "[0-9]{3}-[a-z]{2}"]) == 0
+    assert re.fullmatch("id[0-9]{3}-[a-z]{2}", capsys.readouterr().out.strip())
+    assert main(["generate", *common, "--choice", "yes", "--choice", "no"]) == 0
+    assert capsys.readouterr().out.strip() in ("idyes", "idno")
+    schema = {
+        "type": "object",
+        "properties": {"t": {"enum": ["a", "b"]}},
+        "required": ["t"],
+        "additionalProperties": False,
+    }
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    for arg in (json.dumps(schema), str(tmp_path / "s.json")):
+        assert main(["generate", *common, "--json-schema", arg]) == 0
+        assert json.loads(capsys.readouterr().out.strip()[2:])["t"] in ("a", "b")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", *common, "--regex", "a", "--choice", "b"])
+    assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err
+    for bad, msg in ((["--json-schema", "{not json"], "not JSON"), (["--regex", "[0-9"], "regex")):
+        assert main(["generate", *common, *bad]) != 0
+        assert msg in capsys.readouterr().err

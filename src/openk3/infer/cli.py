@@ -302,6 +302,13 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_new_default: int | None) 
     )
     g.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s = p.add_argument_group("structured output (needs llguidance: pip install 'openk3[serve]')")
+    x = s.add_mutually_exclusive_group()
+    x.add_argument("--json-schema", metavar="JSON|FILE", help="reply with JSON matching this schema")
+    x.add_argument("--json-object", action="store_true", help="reply with a JSON object")
+    x.add_argument("--regex", help="reply with a match of this regular expression")
+    x.add_argument("--choice", action="append", help="reply with one of these strings (repeatable)")
+    x.add_argument("--grammar", metavar="FILE", help="reply in this Lark or GBNF grammar")
 
 
 def _load(args):
@@ -387,7 +394,34 @@ def _params(args):
         presence_penalty=args.presence_penalty,
         seed=args.seed,
         stop=list(args.stop),
+        guided=_guided(args),
     ).validate()
+
+
+def _guided(args) -> dict | None:
+    """SamplingParams.guided from the structured-output options (a schema or grammar given as a file is read)."""
+    import json
+    import os
+
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": list(args.choice)}
+    if args.grammar is not None:
+        with open(args.grammar, encoding="utf-8") as f:
+            return {"grammar": f.read()}
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{") and os.path.exists(text):
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        try:
+            return {"json": json.loads(text)}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema: not JSON (nor a file of it): {e}") from None
+    return None
 
 
 def _info(msg: str) -> None:
