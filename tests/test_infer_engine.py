@@ -1829,6 +1829,9 @@ def test_guided_decoding(tiny, tmp_path, backend, overlap):
         "properties": {"ok": {"type": "boolean"}, "k": {"enum": ["a", "bc"]}},
         "required": ["ok", "k"],
         "additionalProperties": False,
+        "x-guidance": {
+            "whitespace_flexible": False
+        },  # (a random model would pad flexible JSON with whitespace)
     }
     plain = SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True)
     alone = eng.generate(["x = 1"], plain)[0].output_ids
@@ -1850,6 +1853,25 @@ def test_guided_decoding(tiny, tmp_path, backend, overlap):
         Engine(tiny, None, max_seqs=2, max_tokens=256).make_request(
             [5], SamplingParams(guided={"choice": ["a"]})
         )
+
+
+def test_guided_json_whitespace_follows_the_option():
+    """JSON with whitespace between its tokens is a match by default (vLLM's default) and not with
+    guided_compact_json (vLLM's disable_any_whitespace); a schema's x-guidance overrides the engine's choice."""
+    pytest.importorskip("llguidance")
+    from openk3.infer.guided import GuidedCompiler
+
+    tok = _hf_tok()
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    spaced = tok.encode('{ "ok" : true }', allow_special=False)
+    tight = tok.encode('{"ok":true}', allow_special=False)
+    for compact in (False, True):
+        gc = GuidedCompiler(tok, {tok.eos_id}, compact_json=compact)
+        for spec in ({"json": schema}, {"json_object": True}):
+            assert gc.matcher(spec).consume_tokens(spaced) is (not compact), (compact, spec)
+            assert gc.matcher(spec).consume_tokens(tight)
+        flip = {**schema, "x-guidance": {"whitespace_flexible": compact}}
+        assert gc.matcher({"json": flip}).consume_tokens(spaced) is compact
 
 
 def test_guided_spec_shapes():
@@ -1877,6 +1899,7 @@ def test_cli_structured_output(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
     common = ["-q", "--prompt", "id", "-n", "24", "--seed", "3", "--max-total-tokens", "512"]
+    common += ["--guided-compact-json"]
     assert main(["generate", *common, "--regex", "[0-9]{3}-[a-z]{2}"]) == 0
     assert re.fullmatch("id[0-9]{3}-[a-z]{2}", capsys.readouterr().out.strip())
     assert main(["generate", *common, "--choice", "yes", "--choice", "no"]) == 0

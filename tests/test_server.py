@@ -356,6 +356,7 @@ def test_structured_output(server, client, engine):
         },
         "required": ["ok", "tag", "n"],
         "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},  # (a random model pads flexible JSON with whitespace)
     }
     msgs = [{"role": "user", "content": "give me json"}]
     fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
@@ -382,7 +383,7 @@ def test_structured_output(server, client, engine):
         extra_body={"response_format": {"type": "json_object"}},
     )  # fmt: skip
     out = r.choices[0].text
-    assert out.startswith("{")
+    assert out.lstrip()[:1] in ("{", ""), out  # (whitespace is allowed around JSON's tokens by default)
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(out), dict)
     kw = dict(model=MODEL, prompt="id:", max_tokens=30, temperature=1.0)

@@ -1026,7 +1026,13 @@ def test_engine_guided_on_cuda():
     eng = Engine(
         model, tok, page_size=16, max_seqs=4, max_tokens=4096, use_cuda_graphs=True, prefix_cache=False
     )
-    schema = {"type": "object", "properties": {"v": {"enum": ["p", "q"]}}, "required": ["v"]}
+    schema = {
+        "type": "object",
+        "properties": {"v": {"enum": ["p", "q"]}},
+        "required": ["v"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},
+    }
     plain = SamplingParams(max_tokens=16, temperature=0.9, seed=2, ignore_eos=True)
     alone = eng.generate(["y = 2"], plain)[0].output_ids
     specs = [{"regex": "[0-9]{2}-[a-c]{3}"}, {"choice": ["left", "right"]}, {"json": schema}]

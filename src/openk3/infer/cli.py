@@ -157,6 +157,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "W_UV with the output gate folded into the attention kernel's reduce; default on",
     )
     g.add_argument(
+        "--guided-compact-json",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="structured output: JSON without whitespace between its tokens (vLLM's disable_any_whitespace; "
+        "default off: whitespace as the model writes it)",
+    )
+    g.add_argument(
         "--overlap",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -357,6 +364,7 @@ def _load(args):
         fuse_mla_glue=args.fuse_mla_glue,
         pdl=args.pdl,
         overlap=args.overlap,
+        guided_compact_json=args.guided_compact_json,
         parallel_ffn=args.parallel_ffn,
         fuse_add_norm=args.fuse_add_norm,
         triton_gemv=args.triton_gemv,

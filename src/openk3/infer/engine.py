@@ -179,6 +179,9 @@ class EngineConfig:
     # been tested on the CPU through a stand-in for FlashInfer only (tests/gpu/test_mla_peer_gpu.py not run yet)
     mla_backend: str | None = None
     record_logits: bool = False  # keep each decode step's logits on the request (tests / debugging)
+    # structured output: JSON without whitespace between its tokens (vLLM's disable_any_whitespace); off, JSON may
+    # hold whitespace as a model writes it (vLLM's default); a schema's "x-guidance" options override either
+    guided_compact_json: bool = False
     # decode step: each attention layer's input projections (KDA q/k/v/f_a/b/g, MLA q/latent/gate) as one GEMM over
     # their weights stored side by side (fewer, larger kernels; no extra memory: the model's projection weights become
     # views into the concatenated buffer). Prefill's KDA layers read the same buffer (one GEMM instead of six) and
@@ -1025,7 +1028,9 @@ class Engine:
             if self._guided is None:
                 from openk3.infer.guided import GuidedCompiler
 
-                self._guided = GuidedCompiler(self.tokenizer, self.eos_ids)
+                self._guided = GuidedCompiler(
+                    self.tokenizer, self.eos_ids, compact_json=self.cfg.guided_compact_json
+                )
             req.matcher = self._guided.matcher(params.guided)
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(

@@ -10,8 +10,10 @@ unconstrained answer.
 
 ``SamplingParams.guided`` is one of (vLLM's ``structured_outputs`` keys): ``{"json": schema}`` (a dict or its JSON
 text; ``{"type": "object"}`` is OpenAI's JSON mode), ``{"json_object": True}``, ``{"regex": pattern}``,
-``{"choice": [str, ...]}``, ``{"grammar": text}`` (Lark, or GBNF / EBNF as llama.cpp writes it). JSON is generated
-compact (no whitespace between tokens of the JSON syntax), as vLLM's llguidance backend does.
+``{"choice": [str, ...]}``, ``{"grammar": text}`` (Lark, or GBNF / EBNF as llama.cpp writes it). JSON may hold
+whitespace between its tokens, as vLLM's llguidance backend allows by default; ``compact_json``
+(``EngineConfig.guided_compact_json``, vLLM's ``disable_any_whitespace``) forbids it, and a schema's
+``"x-guidance"`` options (llguidance's, e.g. ``{"whitespace_flexible": false}``) override either.
 
 llguidance is an optional dependency (``pip install openk3[serve]``).
 """
@@ -84,9 +86,9 @@ class _TokenizerView:
 
 class GuidedCompiler:
     """The tokenizer's llguidance view (built on first use: ~1 s for a 160k vocabulary) and matchers from specs.
-    ``eos_ids``: the ids that end a reply, which a complete match allows."""
+    ``eos_ids``: the ids that end a reply, which a complete match allows; ``compact_json``: no whitespace in JSON."""
 
-    def __init__(self, tokenizer, eos_ids):
+    def __init__(self, tokenizer, eos_ids, *, compact_json: bool = False):
         if tokenizer is None:
             raise SamplingParamError("guided", "structured output needs a tokenizer")
         if not eos_ids:
@@ -99,6 +101,7 @@ class GuidedCompiler:
             )
         self.tokenizer = tokenizer
         self.eos_ids = sorted(eos_ids)
+        self.compact_json = compact_json
         self._lltok = None
 
     def _lltokenizer(self):
@@ -116,21 +119,20 @@ class GuidedCompiler:
                 self._lltok = llguidance.LLTokenizer(wrapper, n_vocab=tok.vocab_size, eos_token=self.eos_ids)
         return self._lltok
 
-    @staticmethod
-    def grammar(spec: dict) -> str:
+    def grammar(self, spec: dict) -> str:
         """The llguidance grammar of a :func:`check_guided` spec (SamplingParamError for an unreadable one)."""
         import llguidance
 
         kind, v = next(iter(spec.items()))
-        compact = {"whitespace_flexible": False}
+        ws = {"whitespace_flexible": not self.compact_json}  # (defaults: a schema's x-guidance comes after)
         try:
             if kind == "json_object":
-                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=compact)
+                return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=ws)
             if kind == "json":
                 schema = json.loads(v) if isinstance(v, str) else v
-                if not isinstance(schema, dict) and not isinstance(schema, bool):
+                if not isinstance(schema, dict):
                     raise ValueError("a JSON schema is an object")
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=compact)
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=ws)
             if kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(v)
             if kind == "choice":
