@@ -415,6 +415,40 @@ def test_structured_output(server, client, engine):
     _healthy(server)
 
 
+def test_tokenize_and_detokenize(server, engine):
+    """vLLM's /tokenize (a prompt, or chat messages rendered as the chat route renders them, whose count is the chat
+    reply's prompt_tokens) and /detokenize (the ids back to text); bad bodies are 400s, another model a 404."""
+    tok = engine.tokenizer
+    with httpx.Client(timeout=30) as h:
+        r = h.post(server + "/tokenize", json={"model": MODEL, "prompt": "def f(x):\n    return x"})
+        assert r.status_code == 200, r.text
+        d = r.json()
+        assert d["tokens"] == tok.encode("def f(x):\n    return x") and d["count"] == len(d["tokens"])
+        assert d["max_model_len"] == CTX and d["token_strs"] is None
+        d2 = h.post(server + "/tokenize", json={"prompt": "ab c", "return_token_strs": True}).json()
+        assert "".join(d2["token_strs"]) == "ab c"
+        back = h.post(server + "/detokenize", json={"model": MODEL, "tokens": d["tokens"]}).json()
+        assert back == {"prompt": "def f(x):\n    return x"}
+        msgs = [{"role": "user", "content": "hi there"}]
+        n = h.post(server + "/tokenize", json={"messages": msgs}).json()["count"]
+        chat = h.post(
+            server + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 1}
+        ).json()
+        assert chat["usage"]["prompt_tokens"] == n
+        for route, body, status in (
+            ("/tokenize", {}, 400),
+            ("/tokenize", {"prompt": "x", "messages": msgs}, 400),
+            ("/tokenize", {"prompt": 5}, 400),
+            ("/tokenize", {"prompt": "x", "model": "other"}, 404),
+            ("/detokenize", {"tokens": "abc"}, 400),
+            ("/detokenize", {"tokens": [1, 10**9]}, 400),
+            ("/detokenize", {"tokens": [True]}, 400),
+            ("/detokenize", {}, 400),
+        ):
+            _err(h.post(server + route, json=body), status)
+    _healthy(server)
+
+
 def test_min_tokens_and_min_p(client, engine):
     """vLLM's min_tokens: EOS and stop_token_ids are banned until that many tokens are out (a reply forced towards
     EOS then ends on exactly the next token), and stop strings are looked for only from then on (an occurrence

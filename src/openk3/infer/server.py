@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server: FastAPI app over a background :class:`~openk3.infer.engine.Engine`.
 
-Endpoints: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (both with ``stream`` as server-sent events ending in ``data: [DONE]``, and usage
+Endpoints: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``, ``POST /tokenize`` and
+``POST /detokenize`` (vLLM's), ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream`` as server-sent events ending in ``data: [DONE]``, and usage
 counts). Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for bad requests;
 the server keeps serving after any of them. A client that disconnects (streaming or not) has its request aborted
 (pages and slot freed at the next engine step).
@@ -890,6 +890,40 @@ def create_app(
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
     im_end = tok.token_to_id("<|im_end|>") if tok is not None else None
+
+    # ---------------------------------------------------------------------------------------- tokenizer routes
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: the token ids of a ``prompt`` (a string) or of chat ``messages`` as the chat route renders them
+        (``return_token_strs``: each id's text too), with their count and the context length."""
+        body = await body_of(request)
+        if tok is None:
+            raise ApiError(400, "this server has no tokenizer")
+        if ("prompt" in body) == ("messages" in body):
+            raise ApiError(400, "give either 'prompt' (a string) or 'messages'", param="prompt")
+        if "messages" in body:
+            text = chat_prompt(body)
+        else:
+            text = _get(body, "prompt", str, None, allow_none=False)
+        strs = _get(body, "return_token_strs", bool, False)
+        ids = await asyncio.to_thread(tok.encode, text, True)
+        return {
+            "count": len(ids),
+            "max_model_len": engine.max_model_len,
+            "tokens": ids,
+            "token_strs": [tok_text(i) for i in ids] if strs else None,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: the text of a list of token ids of the vocabulary."""
+        body = await body_of(request)
+        if tok is None:
+            raise ApiError(400, "this server has no tokenizer")
+        ids = _get(body, "tokens", list, None, allow_none=False)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < engine.tok_vocab for i in ids):
+            raise ApiError(400, f"'tokens' must be token ids in [0, {engine.tok_vocab})", param="tokens")
+        return {"prompt": tok.decode(ids)}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
