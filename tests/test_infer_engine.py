@@ -1920,3 +1920,35 @@ def test_cli_structured_output(tmp_path, monkeypatch, capsys):
     for bad, msg in ((["--json-schema", "{not json"], "not JSON"), (["--regex", "[0-9"], "regex")):
         assert main(["generate", *common, *bad]) != 0
         assert msg in capsys.readouterr().err
+
+
+def test_guided_masks_of_several_rows_equal_one_by_one():
+    """The batch's masks in one parallel llguidance call equal each matcher's own mask, at several points of their
+    matches (a regex, a choice, a schema), and turn into the same boolean rows."""
+    pytest.importorskip("llguidance")
+    import numpy as np
+
+    from openk3.infer.guided import GuidedCompiler, mask_words, mask_words_to_bool
+
+    tok = _hf_tok()
+    gc = GuidedCompiler(tok, {tok.eos_id})
+    specs = [{"regex": "[0-9]{2}-[a-c]{3}"}, {"choice": ["north", "south"]}, {"json": {"type": "object"}}]
+    texts = ["12-a", "no", '{"k": 1']
+    ms = [gc.matcher(s) for s in specs]
+    for step in range(4):
+        if step:  # advance each matcher by one more token of its text
+            for m, t in zip(ms, texts):
+                ids = tok.encode(t, allow_special=False)
+                if step - 1 < len(ids):
+                    assert m.consume_token(ids[step - 1])
+        par = mask_words(gc, ms)
+        one = np.stack([np.frombuffer(m.compute_bitmask(), dtype=np.int32) for m in ms])
+        assert np.array_equal(par, one), step
+        rows = mask_words_to_bool(torch.from_numpy(par), tok.vocab_size + 7)
+        for b, m in enumerate(ms):
+            bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            want = np.zeros(tok.vocab_size + 7, dtype=bool)
+            n = min(len(bits), len(want))
+            want[:n] = bits[:n].astype(bool)
+            assert np.array_equal(rows[b].numpy(), want), (step, b)
+            assert rows[b].any()

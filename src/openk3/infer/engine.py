@@ -1748,12 +1748,10 @@ class Engine:
             rows = [b for b, a in enumerate(allowed) if a]
             keep[rows] = torch.stack([batch[b].allowed for b in rows])
         if any(guided):
-            from openk3.infer.guided import mask_words_to_bool
+            from openk3.infer.guided import mask_words, mask_words_to_bool
 
             rows = [b for b, g in enumerate(guided) if g]
-            words = np.stack(
-                [np.frombuffer(batch[b].matcher.compute_bitmask(), dtype=np.int32) for b in rows]
-            )
+            words = mask_words(self._guided, [batch[b].matcher for b in rows])  # (several: one parallel call)
             g = mask_words_to_bool(device_tensor(torch.from_numpy(words), torch.int32, dev), V)
             keep[rows] &= g
         return keep

@@ -23,11 +23,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import torch
 
 from openk3.infer.sampling import SamplingParamError
 
-__all__ = ["GUIDED_KINDS", "GuidedCompiler", "check_guided", "guided_available", "mask_words_to_bool"]
+__all__ = [
+    "GUIDED_KINDS",
+    "GuidedCompiler",
+    "check_guided",
+    "guided_available",
+    "mask_words",
+    "mask_words_to_bool",
+]
 
 GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -103,6 +111,7 @@ class GuidedCompiler:
         self.eos_ids = sorted(eos_ids)
         self.compact_json = compact_json
         self._lltok = None
+        self._executor = None
 
     def _lltokenizer(self):
         import llguidance
@@ -150,6 +159,23 @@ class GuidedCompiler:
             kind = next(iter(spec))
             raise SamplingParamError("guided", f"guided {kind} is invalid: {m.get_error().strip()}")
         return m
+
+
+def mask_words(compiler: GuidedCompiler, matchers: list) -> np.ndarray:
+    """The next-token bitmasks of ``matchers`` as ``[len(matchers), W]`` int32 words (llguidance's layout): one
+    matcher by itself, several in one call spread over llguidance's threads (as vLLM fills a batch's masks)."""
+    import llguidance
+
+    W = (compiler._lltokenizer().vocab_size + 31) // 32
+    if len(matchers) == 1:
+        return np.frombuffer(matchers[0].compute_bitmask(), dtype=np.int32).reshape(1, -1)
+    out = np.zeros((len(matchers), W), dtype=np.int32)
+    if compiler._executor is None:
+        compiler._executor = llguidance.LLExecutor()
+    compiler._executor.unsafe_compute_mask_ptr(
+        [(m, i) for i, m in enumerate(matchers)], out.ctypes.data, W * 4, len(matchers)
+    )
+    return out
 
 
 def mask_words_to_bool(words: torch.Tensor, width: int) -> torch.Tensor:
