@@ -93,7 +93,7 @@ class _TokenizerView:
 
 
 class GuidedCompiler:
-    """The tokenizer's llguidance view (built on first use: ~1 s for a 160k vocabulary) and matchers from specs.
+    """The tokenizer's llguidance view (built once, on first use) and matchers from specs.
     ``eos_ids``: the ids that end a reply, which a complete match allows; ``compact_json``: no whitespace in JSON."""
 
     def __init__(self, tokenizer, eos_ids, *, compact_json: bool = False):
