@@ -352,7 +352,7 @@ def test_structured_output(server, client, engine):
         "properties": {
             "ok": {"type": "boolean"},
             "tag": {"enum": ["red", "green"]},
-            "n": {"type": "integer"},
+            "n": {"type": "integer", "minimum": 0, "maximum": 999},
         },
         "required": ["ok", "tag", "n"],
         "additionalProperties": False,
@@ -369,7 +369,7 @@ def test_structured_output(server, client, engine):
         assert (
             set(obj) == {"ok", "tag", "n"} and isinstance(obj["ok"], bool) and obj["tag"] in ("red", "green")
         )
-        assert isinstance(obj["n"], int) and c.finish_reason == "stop", c
+        assert isinstance(obj["n"], int) and 0 <= obj["n"] <= 999 and c.finish_reason == "stop", c
     streamed = client.chat.completions.create(
         model=MODEL, messages=msgs, max_tokens=60, temperature=1.0, seed=0, response_format=fmt, stream=True
     )
