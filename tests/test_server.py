@@ -386,6 +386,19 @@ def test_structured_output(server, client, engine):
     assert out.lstrip()[:1] in ("{", ""), out  # (whitespace is allowed around JSON's tokens by default)
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(out), dict)
+    # vLLM's per-request switch for compact JSON, on a schema without its own x-guidance
+    loose = {k: v for k, v in schema.items() if k != "x-guidance"}
+    so = {"json": loose, "disable_any_whitespace": True}
+    r = client.completions.create(
+        model=MODEL,
+        prompt="x =",
+        max_tokens=60,
+        temperature=1.0,
+        seed=2,
+        extra_body={"structured_outputs": so},
+    )
+    assert r.choices[0].finish_reason == "stop" and " " not in r.choices[0].text
+    assert set(json.loads(r.choices[0].text)) == {"ok", "tag", "n"}
     kw = dict(model=MODEL, prompt="id:", max_tokens=30, temperature=1.0)
     for seed in range(3):
         r = client.completions.create(seed=seed, extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"}, **kw)
@@ -409,6 +422,8 @@ def test_structured_output(server, client, engine):
             ({"guided_json": {"type": "object", "properties": 5}}, "guided_json"),
             ({"guided_choice": []}, "guided_choice"),
             ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+            ({"structured_outputs": {"regex": "a", "disable_any_whitespace": 1}}, "structured_outputs"),
+            ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
         ):
             e = _err(h.post(url, json={**base, **extra}), 400)
             assert e["param"] == param, (extra, e)

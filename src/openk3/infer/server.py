@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.infer.engine import ContextLengthError, Engine, PromptError, RequestOutput
+from openk3.infer.guided import GUIDED_KINDS
 from openk3.infer.sampling import MAX_LOGPROBS, SEED_MIN, SamplingParamError, SamplingParams
 
 __all__ = ["create_app", "serve", "ApiError", "check_api_key"]
@@ -142,6 +143,34 @@ _UNSUPPORTED_CHAT = {
 }
 
 
+def _structured_outputs(so) -> dict:
+    """SamplingParams.guided of vLLM's ``structured_outputs`` object: one of :data:`GUIDED_KINDS`, with its
+    ``disable_any_whitespace`` switch (a JSON schema's own ``x-guidance`` option here)."""
+    bad = ApiError(
+        400, "'structured_outputs' must be an object with one of json, json_object, regex, choice, grammar (and "
+        "optionally disable_any_whitespace: true)", param="structured_outputs",
+    )  # fmt: skip
+    if not isinstance(so, dict):
+        raise bad
+    given = {k: v for k, v in so.items() if v is not None and v is not False}
+    compact = given.pop("disable_any_whitespace", False)
+    if not isinstance(compact, bool) or len(given) != 1 or next(iter(given)) not in GUIDED_KINDS:
+        raise bad
+    ((kind, value),) = given.items()
+    if not compact or kind not in ("json", "json_object"):
+        return {kind: value}
+    schema = {"type": "object"} if kind == "json_object" else value
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise ApiError(400, "'structured_outputs.json' is not JSON", param="structured_outputs") from None
+    if not isinstance(schema, dict):
+        raise ApiError(400, "'structured_outputs.json' must be a schema object", param="structured_outputs")
+    own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
+    return {"json": {**schema, "x-guidance": {"whitespace_flexible": False, **own}}}
+
+
 def _guided(body: dict) -> tuple[dict | None, str | None]:
     """SamplingParams.guided from a request: OpenAI's ``response_format`` (``json_object``, ``json_schema``;
     ``text`` is none), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` or its
@@ -170,17 +199,8 @@ def _guided(body: dict) -> tuple[dict | None, str | None]:
     ):  # fmt: skip
         if body.get(name) is not None:
             found.append((name, {kind: body[name]}))
-    so = body.get("structured_outputs")
-    if so is not None:
-        keys = (
-            [k for k, v in so.items() if v is not None and v is not False] if isinstance(so, dict) else None
-        )
-        if keys is None or len(keys) != 1:
-            raise ApiError(
-                400, "'structured_outputs' must be an object with one of json, json_object, regex, choice, grammar",
-                param="structured_outputs",
-            )  # fmt: skip
-        found.append(("structured_outputs", {keys[0]: so[keys[0]]}))
+    if body.get("structured_outputs") is not None:
+        found.append(("structured_outputs", _structured_outputs(body["structured_outputs"])))
     if len(found) > 1:
         names = ", ".join(f"'{n}'" for n, _ in found)
         raise ApiError(400, f"at most one structured output may be asked for, got {names}", param=found[1][0])
