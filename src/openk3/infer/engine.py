@@ -1738,23 +1738,25 @@ class Engine:
         if not any(allowed) and not any(guided):
             return None
         V, dev = logits.shape[-1], logits.device
-        keep = torch.ones(len(batch), V, dtype=torch.bool, device=dev)
-        if any(allowed):
-            for r in batch:
-                if r.params.allowed_token_ids is not None and r.allowed is None:
-                    r.allowed = torch.zeros(V, dtype=torch.bool, device=dev).index_fill_(
-                        0, device_tensor(r.params.allowed_token_ids, torch.long, dev), True
-                    )
-            rows = [b for b, a in enumerate(allowed) if a]
-            keep[rows] = torch.stack([batch[b].allowed for b in rows])
+        # (one mask per row, stacked: indexing the batch with a Python list of rows would copy it to the device
+        # with a synchronising call)
+        ones = torch.ones(V, dtype=torch.bool, device=dev)
+        masks = []
+        for r, a in zip(batch, allowed):
+            if a and r.allowed is None:
+                r.allowed = torch.zeros(V, dtype=torch.bool, device=dev).index_fill_(
+                    0, device_tensor(r.params.allowed_token_ids, torch.long, dev), True
+                )
+            masks.append(r.allowed if a else ones)
         if any(guided):
             from openk3.infer.guided import mask_words, mask_words_to_bool
 
             rows = [b for b, g in enumerate(guided) if g]
             words = mask_words(self._guided, [batch[b].matcher for b in rows])  # (several: one parallel call)
             g = mask_words_to_bool(device_tensor(torch.from_numpy(words), torch.int32, dev), V)
-            keep[rows] &= g
-        return keep
+            for b, gb in zip(rows, g.unbind(0)):
+                masks[b] = masks[b] & gb
+        return torch.stack(masks)
 
     def _row_bias(self, req: Request) -> dict[int, float] | None:
         """The biases added to ``req``'s next logits: its ``logit_bias``, and while fewer than ``min_tokens`` tokens
