@@ -780,7 +780,13 @@ def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer=None) -> dict:
     if optimizer is not None:
         options = StateDictOptions(strict=not pruned)
         set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
-    mine = os.path.join(path, f"extra.rank{_rank()}.pt")
+    return read_extra(path, _rank())
+
+
+def read_extra(path: str | os.PathLike, rank: int = 0) -> dict:
+    """The ``extra`` dict that :func:`save_dcp` wrote for ``rank`` (rank 0's when the checkpoint has fewer ranks;
+    {} when it has none)."""
+    mine = os.path.join(path, f"extra.rank{rank}.pt")
     f = mine if os.path.exists(mine) else os.path.join(path, "extra.rank0.pt")
     # extra holds tensors, numbers, strings and nested dicts/lists only: no unpickling of arbitrary objects
     return torch.load(f, map_location="cpu", weights_only=True) if os.path.exists(f) else {}

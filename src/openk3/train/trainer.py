@@ -495,12 +495,13 @@ class Trainer:
                 raise TrainError(
                     f"checkpoint {path} was written for a different model config; use the same options"
                 )
-            extra = os.path.join(path, "extra.rank0.pt")
             try:  # (every rank reads rank 0's small extra state: all of them refuse, before any collective load)
-                groups = torch.load(extra, map_location="cpu", weights_only=True).get("optimizer_groups")
+                extra = D.read_extra(path)
             except (OSError, RuntimeError, EOFError) as e:
                 raise TrainError(f"checkpoint {path} is corrupted or incomplete ({e})") from None
-            self._check_groups(path, groups)
+            if not extra:
+                raise TrainError(f"checkpoint {path} is corrupted or incomplete (no extra.rank0.pt)")
+            self._check_groups(path, extra.get("optimizer_groups"))
             st = D.load_dcp(path, self.model, self.optimizer)
             self._restore(st, with_optimizer=False)
             return
