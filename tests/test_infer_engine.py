@@ -1928,7 +1928,7 @@ def test_guided_masks_of_several_rows_equal_one_by_one():
     pytest.importorskip("llguidance")
     import numpy as np
 
-    from openk3.infer.guided import GuidedCompiler, mask_words, mask_words_to_bool
+    from openk3.infer.guided import GuidedCompiler, mask_words_to_bool
 
     tok = _hf_tok()
     gc = GuidedCompiler(tok, {tok.eos_id})
@@ -1941,7 +1941,7 @@ def test_guided_masks_of_several_rows_equal_one_by_one():
                 ids = tok.encode(t, allow_special=False)
                 if step - 1 < len(ids):
                     assert m.consume_token(ids[step - 1])
-        par = mask_words(gc, ms)
+        par = gc.mask_words(ms)
         one = np.stack([np.frombuffer(m.compute_bitmask(), dtype=np.int32) for m in ms])
         assert np.array_equal(par, one), step
         rows = mask_words_to_bool(torch.from_numpy(par), tok.vocab_size + 7)

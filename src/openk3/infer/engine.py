@@ -1749,10 +1749,10 @@ class Engine:
                 )
             masks.append(r.allowed if a else ones)
         if any(guided):
-            from openk3.infer.guided import mask_words, mask_words_to_bool
+            from openk3.infer.guided import mask_words_to_bool
 
             rows = [b for b, g in enumerate(guided) if g]
-            words = mask_words(self._guided, [batch[b].matcher for b in rows])  # (several: one parallel call)
+            words = self._guided.mask_words([batch[b].matcher for b in rows])  # (several: one parallel call)
             g = mask_words_to_bool(device_tensor(torch.from_numpy(words), torch.int32, dev), V)
             for b, gb in zip(rows, g.unbind(0)):
                 masks[b] = masks[b] & gb

@@ -33,11 +33,21 @@ __all__ = [
     "GuidedCompiler",
     "check_guided",
     "guided_available",
-    "mask_words",
     "mask_words_to_bool",
 ]
 
-GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# each kind's value: (its check, what it must be)
+_KIND_VALUES = {
+    "json": (lambda v: isinstance(v, (dict, str)), "a JSON schema (an object or its JSON text)"),
+    "json_object": (lambda v: v is True, "true"),
+    "regex": (lambda v: isinstance(v, str) and v != "", "a non-empty regular expression"),
+    "choice": (
+        lambda v: isinstance(v, list) and len(v) > 0 and all(isinstance(c, str) and c for c in v),
+        "a non-empty list of non-empty strings",
+    ),
+    "grammar": (lambda v: isinstance(v, str) and v.strip() != "", "a non-empty grammar text"),
+}
+GUIDED_KINDS = tuple(_KIND_VALUES)
 
 
 def guided_available() -> bool:
@@ -59,21 +69,8 @@ def check_guided(spec: Any) -> dict | None:
             "guided", f"guided must be an object with exactly one of {', '.join(GUIDED_KINDS)}; got {spec!r}"
         )
     kind, v = next(iter(spec.items()))
-    ok = {
-        "json": isinstance(v, (dict, str)),
-        "json_object": v is True,
-        "regex": isinstance(v, str) and v != "",
-        "choice": isinstance(v, list) and len(v) > 0 and all(isinstance(c, str) and c for c in v),
-        "grammar": isinstance(v, str) and v.strip() != "",
-    }[kind]
-    if not ok:
-        want = {
-            "json": "a JSON schema (an object or its JSON text)",
-            "json_object": "true",
-            "regex": "a non-empty regular expression",
-            "choice": "a non-empty list of non-empty strings",
-            "grammar": "a non-empty grammar text",
-        }[kind]
+    ok, want = _KIND_VALUES[kind]
+    if not ok(v):
         raise SamplingParamError("guided", f"guided {kind} must be {want}, got {v!r}")
     return spec
 
@@ -160,22 +157,21 @@ class GuidedCompiler:
             raise SamplingParamError("guided", f"guided {kind} is invalid: {m.get_error().strip()}")
         return m
 
+    def mask_words(self, matchers: list) -> np.ndarray:
+        """The next-token bitmasks of ``matchers`` as ``[len(matchers), W]`` int32 words (llguidance's layout): one
+        matcher by itself, several in one call spread over llguidance's threads (as vLLM fills a batch's masks)."""
+        import llguidance
 
-def mask_words(compiler: GuidedCompiler, matchers: list) -> np.ndarray:
-    """The next-token bitmasks of ``matchers`` as ``[len(matchers), W]`` int32 words (llguidance's layout): one
-    matcher by itself, several in one call spread over llguidance's threads (as vLLM fills a batch's masks)."""
-    import llguidance
-
-    W = (compiler._lltokenizer().vocab_size + 31) // 32
-    if len(matchers) == 1:
-        return np.frombuffer(matchers[0].compute_bitmask(), dtype=np.int32).reshape(1, -1)
-    out = np.zeros((len(matchers), W), dtype=np.int32)
-    if compiler._executor is None:
-        compiler._executor = llguidance.LLExecutor()
-    compiler._executor.unsafe_compute_mask_ptr(
-        [(m, i) for i, m in enumerate(matchers)], out.ctypes.data, W * 4, len(matchers)
-    )
-    return out
+        if len(matchers) == 1:
+            return np.frombuffer(matchers[0].compute_bitmask(), dtype=np.int32).reshape(1, -1)
+        W = (self._lltokenizer().vocab_size + 31) // 32
+        out = np.zeros((len(matchers), W), dtype=np.int32)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], out.ctypes.data, W * 4, len(matchers)
+        )
+        return out
 
 
 def mask_words_to_bool(words: torch.Tensor, width: int) -> torch.Tensor:
