@@ -213,7 +213,8 @@ def _refuse_unsupported(body: dict, *, chat: bool) -> None:
             raise ApiError(400, f"'{name}' is not supported by this server", param=name)
 
 
-def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
+def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int, str | None]:
+    """(SamplingParams, n, the field that asked for structured output) of a request."""
     _refuse_unsupported(body, chat=chat)
     logprobs, prompt_logprobs = _logprob_params(body, chat=chat)
     logit_bias = _logit_bias(body)
@@ -278,7 +279,7 @@ def _sampling_params(body: dict, *, chat: bool) -> tuple[SamplingParams, int]:
         params.validate()
     except SamplingParamError as e:
         raise ApiError(400, str(e), param=guided_field if e.param == "guided" else e.param) from None
-    return params, n
+    return params, n, guided_field
 
 
 def _logit_bias(body: dict) -> dict[int, float] | None:
@@ -779,14 +780,14 @@ def create_app(
     async def completions(request: Request):
         body = await body_of(request)
         prompts = parse_prompts(body)
-        params, n = _sampling_params(body, chat=False)
+        params, n, guided_field = _sampling_params(body, chat=False)
         stream, include_usage = _stream_flags(body)
         echo = bool(_get(body, "echo", bool, False))
         if any(isinstance(p, str) for p in prompts) and tok is None:
             raise ApiError(400, "this server has no tokenizer: send token ids")
         if len(prompts) * n > MAX_N * 4:
             raise ApiError(400, f"too many choices ({len(prompts) * n}); at most {MAX_N * 4} per request")
-        group = _Group(engine, n, guided_param=_guided(body)[1])
+        group = _Group(engine, n, guided_param=guided_field)
         await group.submit_all(prompts, params)
         cid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = params.logprobs is not None
@@ -951,11 +952,11 @@ def create_app(
         if tok is None:
             raise ApiError(400, "this server has no tokenizer, so it cannot render chat messages")
         prompt = chat_prompt(body)
-        params, n = _sampling_params(body, chat=True)
+        params, n, guided_field = _sampling_params(body, chat=True)
         stream, include_usage = _stream_flags(body)
         if im_end is not None and im_end not in params.stop_token_ids:
             params.stop_token_ids.append(im_end)
-        group = _Group(engine, n, prompt_param="messages", guided_param=_guided(body)[1])
+        group = _Group(engine, n, prompt_param="messages", guided_param=guided_field)
         await group.submit_all([prompt], params)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
