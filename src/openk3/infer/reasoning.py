@@ -1,0 +1,103 @@
+"""Separating a thinking model's reasoning from its answer (Kimi's ``<think>`` ... ``</think>`` layout).
+
+Kimi's thinking models write their reasoning first and the answer after it::
+
+    <think>reasoning ...</think>answer ...
+
+The start marker may be missing (a chat template can end the generation prompt with it, or the model starts
+reasoning without it), and the model may end its reasoning without the end marker by opening a tool-call section
+(``<|tool_calls_section_begin|>``): that marker and what follows are the answer, where the tool-call parser reads
+them. An output with no end is reasoning only. These are the rules of vLLM's ``kimi_k2`` reasoning parser.
+
+:class:`ReasoningSplitter` applies them to a stream of text pieces, holding back a tail that could be the start of a
+marker until the next piece settles it, so that a marker split over two pieces (a tokenizer without them as special
+tokens) is still found, and :func:`split_reasoning` applies them to a whole text; any chunking of a text gives the
+same two parts as the whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["THINK_START", "THINK_END", "TOOL_SECTION_BEGIN", "ReasoningSplitter", "split_reasoning"]
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+TOOL_SECTION_BEGIN = "<|tool_calls_section_begin|>"
+
+
+def _held_tail(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of one of ``markers``."""
+    best = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:n]):
+                best = n
+                break
+    return best
+
+
+class ReasoningSplitter:
+    """Incremental reasoning / content split of one reply.
+
+    ``push(piece)`` returns the ``(reasoning, content)`` text that piece settles (either may be empty);
+    ``finish()`` returns what was held back once the reply is complete.
+    """
+
+    def __init__(
+        self,
+        start: str = THINK_START,
+        end: str = THINK_END,
+        implicit_ends: Sequence[str] = (TOOL_SECTION_BEGIN,),
+    ):
+        if not start or not end or any(not m for m in implicit_ends):
+            raise ValueError("reasoning markers must be non-empty strings")
+        self.start, self.end, self.implicit_ends = start, end, tuple(implicit_ends)
+        self._buf = ""
+        self._at_start = True  # the start marker is consumed only at the very beginning of the reply
+        self._thinking = True
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the reply is still in its reasoning part."""
+        return self._thinking
+
+    def push(self, piece: str) -> tuple[str, str]:
+        if not self._thinking:
+            return "", piece
+        self._buf += piece
+        if self._at_start:
+            if len(self._buf) < len(self.start) and self.start.startswith(self._buf):
+                return "", ""  # could still be the start marker
+            if self._buf.startswith(self.start):
+                self._buf = self._buf[len(self.start) :]
+            self._at_start = False
+        # the earliest end of reasoning: the end marker (consumed) or a tool-call section (kept, as content)
+        cut, keep = -1, False
+        for m, kept in [(self.end, False)] + [(m, True) for m in self.implicit_ends]:
+            i = self._buf.find(m)
+            if i >= 0 and (cut < 0 or i < cut):
+                cut, keep, marker = i, kept, m
+        if cut >= 0:
+            reasoning = self._buf[:cut]
+            content = self._buf[cut:] if keep else self._buf[cut + len(marker) :]
+            self._buf, self._thinking = "", False
+            return reasoning, content
+        held = _held_tail(self._buf, (self.end, *self.implicit_ends))
+        out = self._buf[: len(self._buf) - held]
+        self._buf = self._buf[len(self._buf) - held :]
+        return out, ""
+
+    def finish(self) -> tuple[str, str]:
+        """The held-back tail: it never became a marker, so it is reasoning (the reply ended while thinking)."""
+        rest, self._buf = self._buf, ""
+        self._at_start = False
+        return (rest, "") if self._thinking else ("", rest)
+
+
+def split_reasoning(text: str, **markers) -> tuple[str, str]:
+    """``(reasoning, content)`` of a whole reply (see the module docstring for the rules)."""
+    s = ReasoningSplitter(**markers)
+    r1, c1 = s.push(text)
+    r2, c2 = s.finish()
+    return r1 + r2, c1 + c2
