@@ -297,3 +297,29 @@ def test_diag_engine_memory_cpu():
     assert "0 new reachable storages since the engine before" in lines[1], lines[1]
     r = _run(["bench/diag_engine_memory.py", "--device", "cpu", "--engines", "0"], timeout=120)
     assert r.returncode == 2 and "must be >= 1" in r.stderr
+
+
+def test_bench_guided_cpu(tmp_path):
+    """bench/bench_guided.py on a tiny BPE (trained on the fly, then read from its cache): every grammar's answer
+    walks through the engine's mask path (each answer token must be in its row's mask), for one row and a batch."""
+    pytest.importorskip("llguidance")
+    out = tmp_path / "guided.json"
+    args = [
+        "bench/bench_guided.py", "--vocab", "400", "--corpus-mb", "1", "--rows", "1,3", "--steps", "3",
+        "--warmup", "1", "--compile-reps", "2", "--cache-dir", str(tmp_path / "tok"), "--out", str(out),
+    ]  # fmt: skip
+    for cached in (False, True):
+        r = _run(args, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        data = json.loads(out.read_text())
+        (tok,) = data["tokenizers"]
+        assert tok["vocab"] == 400 and tok["cached"] is cached
+    grammars = ["json_schema", "json_object", "regex", "choice"]
+    assert [c["grammar"] for c in data["compile"]] == grammars
+    assert [(q["grammar"], q["rows"]) for q in data["rows"]] == [(g, b) for g in grammars for b in (1, 3)]
+    for q in data["rows"]:
+        assert q["mask_ms_med"] > 0 and q["mask_ms_p90"] >= q["mask_ms_med"] and q["host_bound_tok_s"] > 0
+        assert q["mask_bytes"] == q["rows"] * 4 * ((400 + 31) // 32)
+    assert "| 400 | regex | 3 |" in r.stdout
+    r = _run(["bench/bench_guided.py", "--rows", "0"], timeout=60)
+    assert r.returncode != 0 and "--rows values must be >= 1" in r.stderr
