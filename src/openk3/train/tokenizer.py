@@ -32,6 +32,7 @@ __all__ = [
     "PAD_TOKEN",
     "IM_START_TOKEN",
     "IM_END_TOKEN",
+    "TOOL_MARKERS",
     "DEFAULT_SPLIT_PATTERN",
     "Tokenizer",
 ]
@@ -41,6 +42,14 @@ EOS_TOKEN = "<|eos|>"
 PAD_TOKEN = "<|pad|>"
 IM_START_TOKEN = "<|im_start|>"
 IM_END_TOKEN = "<|im_end|>"
+# Kimi's tool-call markers (special tokens of Kimi's tokenizer): the section of an assistant reply holding its calls,
+# each call ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON}<|tool_call_end|>``
+TOOL_SECTION_BEGIN = "<|tool_calls_section_begin|>"
+TOOL_SECTION_END = "<|tool_calls_section_end|>"
+TOOL_CALL_BEGIN = "<|tool_call_begin|>"
+TOOL_ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
+TOOL_CALL_END = "<|tool_call_end|>"
+TOOL_MARKERS = (TOOL_SECTION_BEGIN, TOOL_SECTION_END, TOOL_CALL_BEGIN, TOOL_ARGUMENT_BEGIN, TOOL_CALL_END)
 
 # Special tokens of tokenizers trained by ``train_bpe``; they get ids 0..4 in this order.
 _TRAINED_SPECIALS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
@@ -294,22 +303,37 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render chat ``messages`` (dicts with ``role`` and ``content``) as one prompt string.
 
         Uses the ``chat_template`` of the tokenizer's ``tokenizer_config.json`` when there is one and
-        ``jinja2`` is installed; otherwise a built-in template::
+        ``jinja2`` is installed (given ``messages`` as they are and ``tools``, as transformers does); otherwise a
+        built-in template::
 
             <|im_start|>{role}\\n{content}<|im_end|>\\n   (per message)
             <|im_start|>assistant\\n                      (if add_generation_prompt)
+
+        ``content`` is a string, None, or a list of text parts (``{"type": "text", "text": ...}``, joined). Tools
+        follow Kimi's layout: ``tools`` (OpenAI's list of ``{"type": "function", "function": {...}}``) as a first
+        ``tool_declare`` message holding their JSON; an assistant message's ``tool_calls`` (OpenAI's, ``content``
+        may be None or absent) after its content as
+        ``<|tool_calls_section_begin|>`` + ``<|tool_call_begin|>{id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>``
+        per call + ``<|tool_calls_section_end|>``; a ``tool`` message as ``## Return of {tool_call_id}\\n{content}``.
+        The markers are Kimi's special tokens; a tokenizer without them encodes the same text as plain text.
 
         Encode the result with ``encode(prompt, allow_special=True)``.
         """
         messages = list(messages)
         for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            if not isinstance(m, Mapping) or "role" not in m:
                 raise ValueError(f"chat message {i} must be a dict with 'role' and 'content' keys")
+            if "content" not in m and not m.get("tool_calls"):
+                raise ValueError(f"chat message {i} must be a dict with 'role' and 'content' keys")
+        tools = list(tools) if tools else None
         if self.chat_template:
             try:
                 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -317,14 +341,27 @@ class Tokenizer:
                 pass
             else:
                 env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                env.filters["tojson"] = _tojson  # (transformers' JSON, not jinja's HTML-escaped one)
                 id_to_special = {v: k for k, v in self.special_tokens.items()}
                 return env.from_string(self.chat_template).render(
                     messages=messages,
+                    tools=tools,
                     add_generation_prompt=add_generation_prompt,
                     bos_token=id_to_special.get(self.bos_id, ""),
                     eos_token=id_to_special.get(self.eos_id, ""),
                 )
-        parts = [f"{IM_START_TOKEN}{m['role']}\n{m['content']}{IM_END_TOKEN}\n" for m in messages]
+        parts = []
+        if tools:
+            parts.append(
+                f"{IM_START_TOKEN}tool_declare\n{json.dumps(tools, ensure_ascii=False)}{IM_END_TOKEN}\n"
+            )
+        for i, m in enumerate(messages):
+            body = _content_text(m.get("content"), i)
+            if m["role"] == "tool" and m.get("tool_call_id") is not None:
+                body = f"## Return of {m['tool_call_id']}\n{body}"
+            if m.get("tool_calls"):
+                body += render_tool_calls(m["tool_calls"], i)
+            parts.append(f"{IM_START_TOKEN}{m['role']}\n{body}{IM_END_TOKEN}\n")
         if add_generation_prompt:
             parts.append(f"{IM_START_TOKEN}assistant\n")
         return "".join(parts)
@@ -549,6 +586,47 @@ class Tokenizer:
         if cache_path is not None:
             tok.save(cache_path)
         return tok
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _content_text(content: Any, i: int) -> str:
+    """A message's content as text: a string, None (empty), or a list of text parts (joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for part in content:
+            if not (
+                isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise ValueError(f"chat message {i}: only text content parts can be rendered, got {part!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError(f"chat message {i}: content must be a string, None or a list of text parts")
+
+
+def render_tool_calls(tool_calls: Sequence[Mapping[str, Any]], i: int = 0) -> str:
+    """An assistant message's OpenAI ``tool_calls`` in Kimi's layout (see :meth:`Tokenizer.apply_chat_template`):
+    each call's ``id`` (``functions.NAME:K`` where missing, K its position) and its ``function.arguments`` (a JSON
+    string as it is, another value as its JSON)."""
+    calls = []
+    for k, call in enumerate(tool_calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"chat message {i}: tool_calls[{k}] must have a function with a name")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        call_id = call.get("id") or f"functions.{fn['name']}:{k}"
+        calls.append(f"{TOOL_CALL_BEGIN}{call_id}{TOOL_ARGUMENT_BEGIN}{args}{TOOL_CALL_END}")
+    return f"{TOOL_SECTION_BEGIN}{''.join(calls)}{TOOL_SECTION_END}"
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
