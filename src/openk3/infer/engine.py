@@ -1033,9 +1033,12 @@ class Engine:
                 )
             req.matcher = self._guided.matcher(params.guided)
         if self.tokenizer is not None:
-            req.detok = IncrementalDetokenizer(
-                self.tokenizer, self._special_ids if params.skip_special_tokens else frozenset()
+            skip = (
+                self._special_ids - set(params.keep_special_token_ids)
+                if params.skip_special_tokens
+                else frozenset()
             )
+            req.detok = IncrementalDetokenizer(self.tokenizer, skip)
         if not params.greedy:
             req.seed = params.seed if params.seed is not None else random.getrandbits(63)
         return req

@@ -90,6 +90,8 @@ class SamplingParams:
     log-probability under the model's distribution (``log_softmax`` of the logits, before penalty, temperature and
     filters) and the k most likely tokens with theirs. ``skip_special_tokens`` (vLLM's default, on): special
     tokens the model generates (``<|im_end|>``, BOS, ...) are left out of the text; their ids and logprobs stay.
+    ``keep_special_token_ids``: special tokens whose text stays in it all the same (the server's tool-call markers,
+    which its parser reads from the text).
     ``prompt_logprobs`` k: the same for each prompt token after the first (a request asking for them does not reuse
     a cached prefix). ``logit_bias`` (OpenAI semantics):
     ``{token id: bias}``, each bias in [-100, 100] added to that token's logit before the penalties, temperature and
@@ -120,6 +122,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     truncation_side: str = "left"
     guided: dict | None = None
+    keep_special_token_ids: list[int] = field(default_factory=list)
 
     def validate(self) -> SamplingParams:
         """Raise :class:`SamplingParamError` (a ``ValueError`` naming the field) for an invalid value; returns self."""
@@ -210,12 +213,11 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
-        ):
-            raise SamplingParamError(
-                "stop_token_ids", "stop_token_ids must be a list of non-negative integers"
-            )
+        for name in ("stop_token_ids", "keep_special_token_ids"):
+            if not isinstance(getattr(self, name), (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in getattr(self, name)
+            ):
+                raise SamplingParamError(name, f"{name} must be a list of non-negative integers")
         a = self.allowed_token_ids
         if a is not None:
             if (
