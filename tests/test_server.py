@@ -1211,15 +1211,13 @@ def test_loop_bridge_batches_wakeups_and_keeps_order():
 
 
 def test_unsupported_fields_are_refused_not_ignored(server):
-    """A field whose effect the server does not implement (tools, beam search, chat templates, ...) gets a 400 naming it:
+    """A field whose effect the server does not implement (beam search, chat templates, tools outside chat, ...) gets a
+    400 naming it:
     answering as if it were honoured would be a wrong answer that looks right. Their no-op values are served, and
     so are fields the server does not know at all (as OpenAI-compatible servers ignore them)."""
     hi = [{"role": "user", "content": "hi"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     refused = [
-        ("tools", [tool]),
-        ("tool_choice", "required"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [tool["function"]]),
         ("function_call", {"name": "f"}),
         ("use_beam_search", True),
@@ -1257,6 +1255,15 @@ def test_unsupported_fields_are_refused_not_ignored(server):
             for field, value in refused:
                 e = _err(h.post(server + route, json=dict(base, **{field: value})), 400)
                 assert e["param"] == field and field in e["message"], (route, field, e)
+        # tools are the chat route's (tests/test_tool_calls.py)
+        for field, value in (
+            ("tools", [tool]),
+            ("tool_choice", "required"),
+            ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ):
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 1, field: value}
+            e = _err(h.post(server + "/v1/completions", json=body), 400)
+            assert e["param"] == field and field in e["message"], (field, e)
             for field, value in served:
                 r = h.post(server + route, json=dict(base, **{field: value}))
                 assert r.status_code == 200, (route, field, r.text)
@@ -1282,6 +1289,9 @@ def test_unsupported_fields_are_refused_not_ignored(server):
             {"role": "tool", "tool_call_id": "c1", "content": "42"},
         ]
         body = {"model": MODEL, "messages": msgs, "max_tokens": 1}
+        r = h.post(server + "/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        body["messages"][1] = {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}
         e = _err(h.post(server + "/v1/chat/completions", json=body), 400)
-        assert e["param"] == "messages" and "tool" in e["message"]
+        assert e["param"] == "messages" and "function_call" in e["message"]
     _healthy(server)

@@ -8,10 +8,19 @@ the server keeps serving after any of them. A client that disconnects (streaming
 
 Extra request fields beyond OpenAI's (as vLLM accepts them): ``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``, ``truncation_side``. Fields whose effect the server
-does not implement (``response_format`` other than text, ``tools``, guided decoding, vLLM's chat-template options,
-...: ``_UNSUPPORTED``, ``_UNSUPPORTED_CHAT``) are refused with a 400 unless they ask for nothing; other unknown fields
-are ignored.
+``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``, ``truncation_side``; structured output
+(``response_format``, vLLM's ``guided_*`` and ``structured_outputs``). Fields whose effect the server does not
+implement (OpenAI's deprecated ``functions`` / ``function_call``, beam search, vLLM's chat-template options, tools on
+the completions route, ...: ``_UNSUPPORTED``, ``_UNSUPPORTED_CHAT``, ``_UNSUPPORTED_COMPLETIONS``) are refused with
+a 400 unless they ask for nothing; other unknown fields are ignored.
+
+Tool calling (chat, in Kimi's format: :mod:`openk3.infer.tools`), as vLLM serves it with ``--tool-call-parser
+kimi_k2 --enable-auto-tool-choice``: ``tools`` are declared in the prompt by the chat template, and assistant
+``tool_calls`` and ``tool`` results in the messages are rendered in Kimi's layout. ``tool_choice`` ``auto`` (the
+default with tools) reads the reply's calls into ``message.tool_calls`` (streamed as ``delta.tool_calls``) with
+``finish_reason`` ``"tool_calls"``; ``required`` or a named function constrains the reply to a call section whose
+arguments match the functions' ``parameters`` schemas (llguidance; ``parallel_tool_calls: false``: one call);
+``none`` declares the tools but parses nothing, and bans the section's first token where it is a special token.
 
 Log-probabilities (of the model's distribution: ``log_softmax`` of the logits before penalty, temperature and
 filters): completions take ``logprobs`` k (0-20: each token's logprob and the k most likely tokens, plus the chosen
@@ -45,6 +54,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from openk3.infer.engine import ContextLengthError, Engine, PromptError, RequestOutput
 from openk3.infer.guided import GUIDED_KINDS
 from openk3.infer.sampling import MAX_LOGPROBS, SEED_MIN, SamplingParamError, SamplingParams
+from openk3.infer.tools import (
+    ToolCallParser,
+    ToolError,
+    ToolRequest,
+    parse_tool_calls,
+    tool_grammar,
+    tool_request,
+)
+from openk3.train.tokenizer import TOOL_MARKERS, TOOL_SECTION_BEGIN
 
 __all__ = ["create_app", "serve", "ApiError", "check_api_key"]
 
@@ -117,9 +135,7 @@ def _get(body: dict, name: str, types, default=None, *, allow_none=True):
 # for a JSON schema, no tool call, no grammar) would be a wrong answer that looks right.
 _UNSUPPORTED = {
     "suffix": lambda v: not v,
-    "tools": lambda v: v is None or v == [],
-    "functions": lambda v: v is None or v == [],
-    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "functions": lambda v: v is None or v == [],  # (OpenAI's deprecated form of tools)
     "function_call": lambda v: v in (None, "none", "auto"),
     "use_beam_search": lambda v: v is None or v is False,
     "spaces_between_special_tokens": lambda v: v is None or v is True,
@@ -131,6 +147,11 @@ _UNSUPPORTED = {
     "modalities": lambda v: v is None or v == ["text"],
     "audio": lambda v: v is None,
     "web_search_options": lambda v: v is None,
+}
+# ... those of completions requests (tools are the chat route's)
+_UNSUPPORTED_COMPLETIONS = {
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v in (None, "none", "auto"),
 }
 # ... and those of vLLM's chat requests (completions' `echo` is served)
 _UNSUPPORTED_CHAT = {
@@ -207,8 +228,60 @@ def _guided(body: dict) -> tuple[dict | None, str | None]:
     return (found[0][1], found[0][0]) if found else (None, None)
 
 
+def _message_tool_calls(calls, k: int) -> list[dict]:
+    """An assistant message's ``tool_calls`` checked (OpenAI's shape) for the chat template: each one's arguments as
+    JSON text, a missing id as Kimi writes it (``functions.NAME:J``)."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{k}].tool_calls must be a list", param="messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or c.get("type", "function") != "function"
+        ):
+            raise ApiError(
+                400,
+                f'messages[{k}].tool_calls[{j}] must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                '"arguments": ...}}}}',
+                param="messages",
+            )
+        args = fn.get("arguments", "{}")
+        if isinstance(args, dict):
+            args = json.dumps(args, ensure_ascii=False)
+        if not isinstance(args, str):
+            raise ApiError(
+                400,
+                f"messages[{k}].tool_calls[{j}].function.arguments must be a JSON string",
+                param="messages",
+            )
+        cid = c.get("id")
+        if cid is not None and not isinstance(cid, str):
+            raise ApiError(400, f"messages[{k}].tool_calls[{j}].id must be a string", param="messages")
+        fid = cid or f"functions.{fn['name']}:{j}"
+        out.append({"id": fid, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _tool_call_deltas(calls) -> list[dict]:
+    """A stream chunk's ``delta.tool_calls`` of a :class:`~openk3.infer.tools.ToolDelta`'s calls: a call's first
+    one with its id, type and name, later ones with their arguments' next text."""
+    out = []
+    for k, call, args in calls:
+        if call is not None:
+            fn = {"name": call.name, "arguments": args}
+            out.append({"index": k, "id": call.id, "type": "function", "function": fn})
+        else:
+            out.append({"index": k, "function": {"arguments": args}})
+    return out
+
+
 def _refuse_unsupported(body: dict, *, chat: bool) -> None:
-    for name, no_op in (*_UNSUPPORTED.items(), *(_UNSUPPORTED_CHAT.items() if chat else ())):
+    for name, no_op in (
+        *_UNSUPPORTED.items(),
+        *(_UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS).items(),
+    ):
         if name in body and not no_op(body[name]):
             raise ApiError(400, f"'{name}' is not supported by this server", param=name)
 
@@ -868,7 +941,15 @@ def create_app(
         return chunk(choices, usage(group.prompt_tokens, got.completion))
 
     # -------------------------------------------------------------------------------------------- chat
-    def chat_prompt(body: dict) -> str:
+    def tools_of(body: dict) -> ToolRequest:
+        try:
+            return tool_request(body)
+        except ToolError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+
+    def chat_prompt(body: dict, treq: ToolRequest) -> str:
+        """The prompt of a chat request's messages and declared tools (Kimi's layout for tools, assistant tool calls
+        and tool results: :meth:`~openk3.train.tokenizer.Tokenizer.apply_chat_template`)."""
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -882,9 +963,9 @@ def create_app(
                     f"messages[{k}].role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}",
                     param="messages",
                 )
-            if m.get("tool_calls") or m.get("function_call"):  # (the template renders the content alone)
+            if m.get("function_call"):
                 raise ApiError(
-                    400, f"messages[{k}]: tool and function calls are not supported", param="messages"
+                    400, f"messages[{k}]: function_call is not supported; send tool_calls", param="messages"
                 )
             c = m.get("content")
             if c is None:
@@ -904,9 +985,26 @@ def create_app(
                 c = "".join(parts)
             if not isinstance(c, str):
                 raise ApiError(400, f"messages[{k}].content must be a string or text parts", param="messages")
-            clean.append({"role": m["role"], "content": c})
+            one = {"role": m["role"], "content": c}
+            if isinstance(m.get("name"), str):
+                one["name"] = m["name"]
+            if m.get("tool_calls"):
+                if m["role"] != "assistant":
+                    raise ApiError(
+                        400, f"messages[{k}]: only assistant messages have tool_calls", param="messages"
+                    )
+                one["tool_calls"] = _message_tool_calls(m["tool_calls"], k)
+            if m["role"] == "tool":
+                if not isinstance(m.get("tool_call_id"), str):
+                    raise ApiError(
+                        400,
+                        f"messages[{k}].tool_call_id must be a string: the id of the call whose result it is",
+                        param="messages",
+                    )
+                one["tool_call_id"] = m["tool_call_id"]
+            clean.append(one)
         try:
-            return tok.apply_chat_template(clean, add_generation_prompt=True)
+            return tok.apply_chat_template(clean, add_generation_prompt=True, tools=treq.tools or None)
         except Exception as e:
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
@@ -923,7 +1021,7 @@ def create_app(
         if ("prompt" in body) == ("messages" in body):
             raise ApiError(400, "give either 'prompt' (a string) or 'messages'", param="prompt")
         if "messages" in body:
-            text = chat_prompt(body)
+            text = chat_prompt(body, tools_of(body))
         else:
             text = _get(body, "prompt", str, None, allow_none=False)
         strs = _get(body, "return_token_strs", bool, False)
@@ -946,16 +1044,44 @@ def create_app(
             raise ApiError(400, f"'tokens' must be token ids in [0, {engine.tok_vocab})", param="tokens")
         return {"prompt": tok.decode(ids)}
 
+    def special(marker: str) -> int | None:
+        return tok.special_tokens.get(marker)
+
+    def use_tools(treq: ToolRequest, params: SamplingParams, guided_field: str | None) -> str | None:
+        """Set a chat request's params for its tools; returns the field an error of its grammar names."""
+        if not treq.tools:
+            return guided_field
+        if not treq.parse:  # tool_choice "none": declared, but the section of calls never starts
+            sb = special(TOOL_SECTION_BEGIN)
+            if sb is not None:  # (OpenAI's ban: a bias of -100)
+                params.logit_bias = {**(params.logit_bias or {}), sb: -100.0}
+            return guided_field
+        if guided_field is not None:
+            raise ApiError(
+                400,
+                f"'{guided_field}' cannot be combined with tool calls (tool_choice {treq.choice!r}); send "
+                f"tool_choice \"none\" or leave out '{guided_field}'",
+                param=guided_field,
+            )
+        # the markers stay in the text, where the parser reads them (vLLM turns skip_special_tokens off for it)
+        params.keep_special_token_ids = [i for i in map(special, TOOL_MARKERS) if i is not None]
+        if not treq.forced:
+            return None
+        params.guided = {"grammar": tool_grammar(treq, special, engine.cfg.guided_compact_json)}
+        return "tools"
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await body_of(request)
         if tok is None:
             raise ApiError(400, "this server has no tokenizer, so it cannot render chat messages")
-        prompt = chat_prompt(body)
+        treq = tools_of(body)
+        prompt = chat_prompt(body, treq)
         params, n, guided_field = _sampling_params(body, chat=True)
         stream, include_usage = _stream_flags(body)
         if im_end is not None and im_end not in params.stop_token_ids:
             params.stop_token_ids.append(im_end)
+        guided_field = use_tools(treq, params, guided_field)
         group = _Group(engine, n, prompt_param="messages", guided_param=guided_field)
         await group.submit_all([prompt], params)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -970,6 +1096,7 @@ def create_app(
 
             async def gen():
                 completion = 0
+                parsers = [ToolCallParser() for _ in range(n)] if treq.parse else None
                 try:
                     for j in range(n):
                         c = {
@@ -986,21 +1113,25 @@ def create_app(
                             continue
                         completion += len(out.new_token_ids)
                         lp = chat_logprobs(out.new_logprobs) if out.new_logprobs else None
-                        if out.new_text or lp is not None:
+                        delta = {"content": out.new_text} if out.new_text else {}
+                        if parsers is not None:
+                            td = parsers[i].feed(out.new_text, final=out.finished)
+                            delta = {"content": td.content} if td.content else {}
+                            if td.calls:
+                                delta["tool_calls"] = _tool_call_deltas(td.calls)
+                        if delta or lp is not None:
                             c = {
                                 "index": i,
-                                "delta": {"content": out.new_text},
+                                "delta": delta or {"content": ""},
                                 "logprobs": lp,
                                 "finish_reason": None,
                             }
                             yield _sse(chunk([c]))
                         if out.finished:
-                            c = {
-                                "index": i,
-                                "delta": {},
-                                "logprobs": None,
-                                "finish_reason": out.finish_reason,
-                            }
+                            reason = out.finish_reason
+                            if parsers is not None and parsers[i].calls and reason == "stop":
+                                reason = "tool_calls"
+                            c = {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
                             yield _sse(chunk([c]))
                     if include_usage:
                         yield _sse(chunk([], usage(group.prompt_tokens, completion)))
@@ -1013,15 +1144,24 @@ def create_app(
             )
 
         got = await _collect(group, request)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": got.texts[i]},
-                "logprobs": chat_logprobs(got.logprobs[i]) if params.logprobs is not None else None,
-                "finish_reason": got.reasons[i],
-            }
-            for i in range(n)
-        ]
+        choices = []
+        for i in range(n):
+            message, reason = {"role": "assistant", "content": got.texts[i]}, got.reasons[i]
+            if treq.parse:
+                content, calls = parse_tool_calls(got.texts[i])
+                message["content"] = content
+                if calls:
+                    message = {"role": "assistant", "content": content or None}
+                    message["tool_calls"] = [c.openai() for c in calls]
+                    reason = "tool_calls" if reason == "stop" else reason
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": chat_logprobs(got.logprobs[i]) if params.logprobs is not None else None,
+                    "finish_reason": reason,
+                }
+            )
         return chunk(choices, usage(group.prompt_tokens, got.completion), obj="chat.completion")
 
     return app
