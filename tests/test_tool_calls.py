@@ -589,3 +589,61 @@ def test_tool_choice_none_keeps_the_section_from_starting(served):
     assert toks[0] == SB
     r = client.chat.completions.create(tool_choice="none", **kw)
     assert SB not in [t.token for t in r.choices[0].logprobs.content]
+
+
+def test_cli_chat_with_tools(tmp_path, monkeypatch, capsys):
+    """openk3 chat --tools FILE: a forced call is printed with its id, /tool ID RESULT answers it; bad tool flags
+    are refused before the model loads."""
+    import io
+
+    from openk3.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no runs/default here: the embedded tiny model is used
+    monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "tools.json").write_text(json.dumps([WEATHER, NOW]))
+    common = [
+        "--tools",
+        "tools.json",
+        "-n",
+        "120",
+        "--seed",
+        "1",
+        "--max-total-tokens",
+        "1024",
+        "--guided-compact-json",
+    ]
+    monkeypatch.setattr(
+        "sys.stdin", io.StringIO("weather in Oslo?\n/tool\n/tool functions.get_weather:0 sunny\n/exit\n")
+    )
+    import openk3.infer.cli as cli
+
+    rendered, render = [], cli._render
+    monkeypatch.setattr(
+        cli,
+        "_render",
+        lambda tok, msgs, tools=None: (
+            rendered.append(tok.apply_chat_template(msgs, tools=tools)) or render(tok, msgs, tools)
+        ),
+    )
+    assert main(["chat", "--tool-choice", "get_weather", *common]) == 0
+    out = capsys.readouterr()
+    # the second turn's prompt holds the first turn's call and its result
+    assert len(rendered) == 2 and rendered[1].startswith(rendered[0]) and "tool_declare" in rendered[0]
+    assert "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:" in rendered[1]
+    assert rendered[1].endswith(
+        "<|im_start|>tool\n## Return of functions.get_weather:0\nsunny<|im_end|>\n<|im_start|>assistant\n"
+    )
+    calls = [line for line in out.out.splitlines() if line.startswith("[tool call ")]
+    assert len(calls) >= 2, out.out  # one per turn: the question's and the tool result's
+    for line in calls:
+        head, _, rest = line.partition("] ")
+        assert head.startswith("[tool call functions.get_weather:") and rest.startswith("get_weather(")
+        _validate(rest[len("get_weather(") : -1], WEATHER)
+    assert "/tool ID RESULT" in out.err
+    assert main(["chat", "--tool-choice", "missing", *common]) == 2
+    assert "not declared" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{")
+    assert main(["chat", "--tools", "bad.json"]) == 2
+    assert "bad.json" in capsys.readouterr().err
+    assert main(["chat", "--choice", "a", *common]) == 2
+    assert "structured-output" in capsys.readouterr().err

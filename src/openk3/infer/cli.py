@@ -483,23 +483,53 @@ def cmd_generate(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ chat
-def _render(tok, messages) -> tuple[str, list[int]]:
+def _render(tok, messages, tools=None) -> tuple[str, list[int]]:
     """Prompt text and extra stop ids: the tokenizer's chat template when it has one (or its <|im_start|> tokens),
-    else a plain transcript."""
+    else a plain transcript (which cannot declare tools)."""
     im_end = tok.token_to_id("<|im_end|>")
     if tok.chat_template or tok.token_to_id("<|im_start|>") is not None:
-        return tok.apply_chat_template(messages, add_generation_prompt=True), [
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools), [
             im_end
         ] if im_end is not None else []
+    if tools:
+        raise ValueError("--tools needs a tokenizer with a chat template (or <|im_start|> tokens)")
     lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
     return "\n".join(lines) + "\nAssistant:", []
 
 
-_CHAT_HELP = "/reset clears the history, /help shows this, /exit (or /quit, Ctrl-D) quits"
+_CHAT_HELP = "/reset clears the history, /tool ID RESULT answers a tool call, /help shows this, /exit (or /quit, Ctrl-D) quits"
+
+
+def _chat_tools(args, base):
+    """The ToolRequest of ``--tools FILE`` and ``--tool-choice``, or None without tools."""
+    if args.tools is None:
+        return None
+    import json
+
+    from openk3.infer.tools import ToolError, tool_request
+
+    try:
+        with open(args.tools, encoding="utf-8") as f:
+            tools = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tools {args.tools}: cannot read a JSON list of tools ({e})") from None
+    tc = args.tool_choice
+    if tc not in ("auto", "required", "none"):
+        tc = {"type": "function", "function": {"name": tc}}
+    try:
+        treq = tool_request({"tools": tools, "tool_choice": tc})
+    except ToolError as e:
+        raise ValueError(f"--tools / --tool-choice: {e}") from None
+    if treq.parse and base.guided is not None:
+        raise ValueError(
+            "--tools cannot be combined with the structured-output options unless --tool-choice none"
+        )
+    return treq
 
 
 def cmd_chat(args) -> int:
     base = _params(args)  # (bad sampling flags are refused before the model loads)
+    treq = _chat_tools(args, base)
     engine, name, source = _load(args)
     _describe(engine, name, source)
     _info(f"[openk3] type a message; {_CHAT_HELP}")
@@ -522,11 +552,19 @@ def cmd_chat(args) -> int:
         if line in ("/help", "/?"):
             _info(f"[openk3] {_CHAT_HELP}")
             continue
-        history.append({"role": "user", "content": line})
-        prompt, stop_ids = _render(engine.tokenizer, history)
+        if line.startswith("/tool"):
+            parts = line.split(None, 2)
+            if len(parts) < 3:
+                _info("[openk3] /tool ID RESULT: the result of the tool call ID (as printed)")
+                continue
+            history.append({"role": "tool", "tool_call_id": parts[1], "content": parts[2]})
+        else:
+            history.append({"role": "user", "content": line})
+        prompt, stop_ids = _render(engine.tokenizer, history, treq.tools if treq else None)
         params = _params(args)
         params.stop = base.stop + (["\nUser:"] if not stop_ids else [])
         params.stop_token_ids = stop_ids
+        parser = _use_tools(engine, treq, params)
         ids = engine.encode(prompt)
         if len(ids) >= engine.max_model_len - 1:
             _info("[openk3] the conversation no longer fits in the context; /reset to start over")
@@ -537,18 +575,39 @@ def cmd_chat(args) -> int:
         sys.stdout.write("assistant> " if interactive else "")
         sys.stdout.flush()
 
-        def show(out):
-            if out.new_text:
-                sys.stdout.write(out.new_text)
+        def show(out, parser=parser):
+            text = out.new_text if parser is None else parser.feed(out.new_text, final=out.finished).content
+            if text:
+                sys.stdout.write(text)
                 sys.stdout.flush()
 
         (req,) = engine.generate([ids], params, on_output=show)
         sys.stdout.write("\n")
+        if parser is not None and parser.calls:
+            for c in parser.calls:
+                sys.stdout.write(f"[tool call {c.id}] {c.name}({c.arguments})\n")
+            calls = [c.openai() for c in parser.calls]
+            history.append({"role": "assistant", "content": parser.content, "tool_calls": calls})
+        else:
+            history.append({"role": "assistant", "content": req.text})
         sys.stdout.flush()
         if req.error:
             raise RuntimeError(f"generation failed: {req.error}")
-        history.append({"role": "assistant", "content": req.text})
     return 0
+
+
+def _use_tools(engine, treq, params):
+    """Set a chat turn's params for its tools (as the server does); returns the reply's tool-call parser, or None."""
+    if treq is None or not treq.parse:
+        return None
+    from openk3.infer.tools import ToolCallParser, tool_grammar
+    from openk3.train.tokenizer import TOOL_MARKERS
+
+    special = engine.tokenizer.special_tokens.get
+    params.keep_special_token_ids = [i for i in map(special, TOOL_MARKERS) if i is not None]
+    if treq.forced:
+        params.guided = {"grammar": tool_grammar(treq, special, engine.cfg.guided_compact_json)}
+    return ToolCallParser()
 
 
 # ------------------------------------------------------------------------------------------------ serve
@@ -632,6 +691,18 @@ def register(sub) -> None:
         "--temperature 0.7",
     )
     p.add_argument("--system", help="system message")
+    p.add_argument(
+        "--tools",
+        metavar="FILE",
+        help='a JSON file of OpenAI tools ([{"type": "function", "function": {...}}, ...]) to declare; the '
+        "model's calls are printed, and /tool ID RESULT answers one",
+    )
+    p.add_argument(
+        "--tool-choice",
+        default="auto",
+        metavar="CHOICE",
+        help="auto (default), required, none, or a function's name (required and a name force a call)",
+    )
     _add_model_args(p)
     _add_sampling_args(p, 256)
     _add_engine_args(p)
