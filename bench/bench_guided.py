@@ -12,9 +12,10 @@ own ``Tokenizer`` and ``GuidedCompiler``:
 * per decode step: ``mask_words`` for 1 row and for batches of ``--rows`` rows, each row walking a real accepted
   answer token by token (mask, then ``consume_token`` of the answer's next token, as ``Engine._append_token``
   does), median and p90 per step and per row;
-* the host side of ``_keep_masks`` after the words are computed (``torch.from_numpy`` + ``device_tensor``; on a
-  CUDA device the copy is issued from pageable memory, which this CPU run cannot time), and, as a reference, the
-  unpack ``mask_words_to_bool`` that a CPU engine runs on the host.
+* the host side of ``_keep_masks`` after the words are computed (``torch.from_numpy`` + ``device_tensor``: with
+  ``--device cuda`` the host time of the non-blocking copy call from pageable memory), and the unpack
+  ``mask_words_to_bool`` on ``--device`` (on the CPU: what a CPU engine runs on the host; on CUDA: until the device
+  is synchronised, the copy included).
 
 Example: ``python bench/bench_guided.py --vocab 32768,163840 --rows 1,8,32,64 --steps 48 --out bench/out/g.json``
 """
@@ -251,6 +252,7 @@ def machine() -> dict:
         "torch": torch.__version__,
         "llguidance": getattr(llguidance, "__version__", "?"),
         "tokenizers": tokenizers.__version__,
+        "loadavg_start": os.getloadavg(),
     }
 
 
@@ -330,6 +332,8 @@ def main(argv=None) -> dict:
                 r = walk(gc, spec, ids, tok.eos_id, rows, a.steps, a.warmup, device, comp_walk)
                 res["rows"].append({"vocab": V, "grammar": name, "answer_tokens": len(ids), **r})
     res["wall_s"] = time.perf_counter() - t_start
+    # (other processes on the machine skew these timings: the load averages say whether there were any)
+    res["machine"]["loadavg_end"] = os.getloadavg()
     print_tables(res)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -337,11 +341,16 @@ def main(argv=None) -> dict:
     return res
 
 
+def _load(la) -> str:
+    return "/".join(f"{x:.2f}" for x in la)
+
+
 def print_tables(res: dict) -> None:
     m = res["machine"]
     print(
         f"\nmachine: {m['cpu']}, {m['nproc']} CPUs; torch {m['torch']}, llguidance {m['llguidance']}, "
-        f"tokenizers {m['tokenizers']}; wall {res['wall_s']:.1f} s\n"
+        f"tokenizers {m['tokenizers']}; wall {res['wall_s']:.1f} s; load average (1, 5, 15 min) "
+        f"{_load(m['loadavg_start'])} at the start, {_load(m['loadavg_end'])} at the end\n"
     )
     print("| vocab | corpus | BPE training (once) | llguidance tokenizer view (once per engine) |")
     print("| ---: | ---: | ---: | ---: |")
@@ -362,7 +371,7 @@ def print_tables(res: dict) -> None:
         )
     print(
         "\n| vocab | grammar | rows | mask ms / step (med / p90) | us / row (med / p90) | consume ms / step | "
-        "words -> tensor us | CPU unpack ms | host-bound tok/s |"
+        "words -> tensor us | unpack ms | host-bound tok/s |"
     )
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in res["rows"]:
@@ -375,7 +384,7 @@ def print_tables(res: dict) -> None:
     print(
         "\nmask: GuidedCompiler.mask_words over all rows (1 row: compute_bitmask; several: one LLExecutor call); "
         "consume: each row's consume_token; words -> tensor: torch.from_numpy + device_tensor (host side of "
-        "_keep_masks); CPU unpack: mask_words_to_bool on this CPU (on a GPU it runs on the device); host-bound "
+        "_keep_masks); unpack: mask_words_to_bool on --device (CUDA: synchronised, the copy included); host-bound "
         "tok/s: rows / (mask + consume). For context only, decode steps measured elsewhere on a GPU: " + ctx
     )
 
