@@ -517,6 +517,24 @@ def test_multi_turn_with_tool_results_is_rendered(served):
     want = engine.tokenizer.apply_chat_template(messages, tools=[WEATHER])
     assert got["tokens"] == engine.tokenizer.encode(want)
     assert r.usage.prompt_tokens == got["count"]
+    # a reply's message object sent back as it is (as OpenAI's examples do), with the call's result
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[NOW],
+        tool_choice="required",
+        max_tokens=120,
+        parallel_tool_calls=False,
+    )
+    (call,) = r.choices[0].message.tool_calls
+    follow = [*ASK, r.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    again = client.chat.completions.create(model=MODEL, messages=follow, tools=[NOW], max_tokens=2)
+    want = engine.tokenizer.apply_chat_template(
+        [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]}, follow[-1]],
+        tools=[NOW],
+    )
+    assert again.usage.prompt_tokens == len(engine.tokenizer.encode(want))
+    assert f"{CB}{call.id}{AB}{{}}{CE}" in want and f"## Return of {call.id}\n12:00" in want
 
 
 def test_bad_tool_requests_get_400s(served):
