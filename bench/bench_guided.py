@@ -31,7 +31,6 @@ import statistics
 import sys
 import sysconfig
 import time
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,9 +42,6 @@ from openk3.infer.cache import device_tensor  # noqa: E402
 from openk3.infer.guided import GuidedCompiler, mask_words_to_bool  # noqa: E402
 from openk3.train.data import default_corpus  # noqa: E402
 from openk3.train.tokenizer import Tokenizer  # noqa: E402
-
-# (one row's words are a read-only view of llguidance's bytes, as in the engine; nothing writes to them)
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 TOK_CACHE = ROOT / "bench" / "out" / "guided_tok"
 _CORPUS_VERSION = 1  # bump when the corpus rule changes (the cache folder is keyed by it)

@@ -1944,6 +1944,9 @@ def test_guided_masks_of_several_rows_equal_one_by_one():
         par = gc.mask_words(ms)
         one = np.stack([np.frombuffer(m.compute_bitmask(), dtype=np.int32) for m in ms])
         assert np.array_equal(par, one), step
+        for b, m in enumerate(ms):  # one row alone: the same words, in a writable array (no torch warning)
+            alone = gc.mask_words([m])
+            assert alone.flags.writeable and np.array_equal(alone[0], one[b]), (step, b)
         rows = mask_words_to_bool(torch.from_numpy(par), tok.vocab_size + 7)
         for b, m in enumerate(ms):
             bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")

@@ -163,7 +163,8 @@ class GuidedCompiler:
         import llguidance
 
         if len(matchers) == 1:
-            return np.frombuffer(matchers[0].compute_bitmask(), dtype=np.int32).reshape(1, -1)
+            words = bytearray(matchers[0].compute_bitmask())  # writable: torch.from_numpy warns on a view
+            return np.frombuffer(words, dtype=np.int32).reshape(1, -1)
         W = (self._lltokenizer().vocab_size + 31) // 32
         out = np.zeros((len(matchers), W), dtype=np.int32)
         if self._executor is None:
