@@ -454,6 +454,28 @@ def test_gumbel_argmax_kernel(R, V):
         assert torch.equal(got, want)
 
 
+@here
+def test_gumbel_kernels_at_the_top_hash():
+    """Tokens whose hash is the largest (the uniform that rounded to 1.0: +inf noise, so the token always won): the
+    one-pass draw and the draw kernels of sample() pick the likely token, as the reference does."""
+    from openk3.infer.sampling import sample
+    from test_sampling import top_hash_hits
+
+    V = 4096
+    hits = top_hash_hits(V, 4)
+    keys = [k for k, _ in hits]
+    x = torch.full((len(hits), V), -30.0)
+    likely = [(i + 1) % V for _, i in hits]
+    for r, j in enumerate(likely):
+        x[r, j] = 0.0
+    x = x.to(DEV)
+    want = torch.tensor(likely, device=DEV)
+    assert torch.equal(KN.gumbel_argmax_triton(x, torch.tensor(keys, device=DEV)), want)
+    got = sample(x, temperature=1.0, keys=keys, fast=True)
+    assert torch.equal(got, want)
+    assert torch.equal(sample(x, temperature=1.0, top_p=0.9, keys=keys, fast=True), want)
+
+
 def _nucleus_mass_above(xs: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
     """Per row: the probability mass (of softmax(xs), xs already filtered) of the tokens strictly more likely than
     ``tok``, in fp64: a token is in the top-p set iff this is below p."""

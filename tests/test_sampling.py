@@ -395,3 +395,41 @@ def test_count_penalties_openai_semantics_and_order():
         with pytest.raises(ValueError, match=name):
             SamplingParams(**{name: 2.5}).validate()
         SamplingParams(**{name: -2.0}).validate()
+
+
+def top_hash_hits(V: int, want: int, start: int = 0) -> list[tuple[int, int]]:
+    """(key, token) pairs whose 24-bit hash is the largest, 2**24 - 1 (the uniform that rounds to 1.0 in fp32),
+    found by brute force over the keys of seeds start, start + 1, ... at position 0."""
+    from openk3.infer.sampling import _h32, sample_keys
+
+    hv = _h32(torch.arange(V, dtype=torch.long))
+    hits, seed = [], start
+    while len(hits) < want:
+        keys = torch.tensor(sample_keys(range(seed, seed + 4096), [0] * 4096))
+        h = _h32(hv[None, :] ^ keys[:, None]) >> 8
+        for r, i in (h == 2**24 - 1).nonzero().tolist():
+            hits.append((int(keys[r]), i))
+        seed += 4096
+    return hits[:want]
+
+
+def test_gumbel_noise_stays_finite_at_the_top_hash():
+    """The uniform of the largest hash used to round to 1.0: +inf noise (that token won whatever its probability:
+    about 1 draw in 100 at 163,840 tokens), NaN for a banned (-inf) token, which argmax then picked. Now finite."""
+    from openk3.infer.sampling import gumbel_argmax_reference, gumbel_scores
+
+    V = 4096
+    for key, i in top_hash_hits(V, 3):
+        keys = torch.tensor([key])
+        x = torch.zeros(1, V)
+        sc = gumbel_scores(x, keys)
+        assert torch.isfinite(sc).all(), (key, i)
+        # a token with a tiny probability is not drawn because of its noise
+        x = torch.full((1, V), -30.0)
+        j = (i + 1) % V
+        x[0, j] = 0.0
+        assert int(gumbel_argmax_reference(x, keys)) == j
+        # a banned token scores -inf, never NaN, so it is never the draw
+        x[0, i] = float("-inf")
+        sc = gumbel_scores(x, keys)
+        assert sc[0, i] == float("-inf") and int(gumbel_argmax_reference(x, keys)) == j

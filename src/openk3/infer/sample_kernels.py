@@ -64,7 +64,7 @@ if HAS_TRITON:
     def _gumbel(i, key):
         """The counter-based Gumbel noise of tokens ``i`` under draw key ``key`` (sampling.gumbel_scores)."""
         h = _h32(_h32(i.to(tl.uint32)) ^ key)
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = tl.minimum(((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0), 0.99999994)  # sampling.U_MAX
         return -tl.log(-tl.log(u))
 
     @triton.jit

@@ -369,6 +369,10 @@ def sample_keys(seeds: Sequence[int], counters: Sequence[int]) -> list[int]:
 
 
 _VOCAB_HASH: dict = {}
+# The uniform of a 24-bit hash h is (h + 0.5) / 2**24, but h = 2**24 - 1 rounds to 1.0 in fp32, where the Gumbel
+# noise -log(-log(u)) is +inf: that token would win whatever its probability (1 draw in ~100 at a 163,840-token
+# vocabulary), and a banned (-inf) token would score NaN. The largest fp32 below 1 keeps the noise finite.
+U_MAX = 1.0 - 2.0**-24
 
 
 def gumbel_scores(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -378,7 +382,7 @@ def gumbel_scores(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     if hv is None:  # the per-index half of the hash, once per vocabulary size and device
         hv = _VOCAB_HASH[(V, logits.device)] = _h32(torch.arange(V, dtype=torch.long, device=logits.device))
     h = _h32(hv[None, :] ^ keys.to(device=logits.device, dtype=torch.long)[:, None])
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    u = (((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)).clamp_(max=U_MAX)
     return logits.float() - torch.log(-torch.log(u))
 
 
