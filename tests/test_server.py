@@ -1274,12 +1274,20 @@ def test_unsupported_fields_are_refused_not_ignored(server):
             ("continue_final_message", True),
             ("add_generation_prompt", False),
             ("chat_template", "{{ messages }}"),
-            ("chat_template_kwargs", {"thinking": True}),
+            ("chat_template_kwargs", {"enable_thinking": True}),  # (built-in template: "thinking" only)
+            ("chat_template_kwargs", {"thinking": "yes"}),
+            ("chat_template_kwargs", {"messages": []}),
+            ("chat_template_kwargs", ["thinking"]),
             ("documents", [{"text": "x"}]),
         ):
             e = _err(h.post(server + "/v1/chat/completions", json=dict(chat_base, **{field: value})), 400)
             assert e["param"] == field, (field, e)
-        for field, value in (("echo", False), ("add_generation_prompt", True), ("chat_template_kwargs", {})):
+        for field, value in (
+            ("echo", False),
+            ("add_generation_prompt", True),
+            ("chat_template_kwargs", {}),
+            ("chat_template_kwargs", {"thinking": False}),
+        ):
             r = h.post(server + "/v1/chat/completions", json=dict(chat_base, **{field: value}))
             assert r.status_code == 200, (field, r.text)
         call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}

@@ -2,12 +2,14 @@
 results, the forced-call grammar, and the server's tools, tool_choice and parallel_tool_calls through the official
 ``openai`` client, with a tokenizer that has Kimi's tool-call special tokens and with one that has not."""
 
+import contextlib
 import json
 import random
 import re
 import socket
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from openk3.train.tokenizer import Tokenizer
 SB, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CB, AB, CE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 MARKERS = (SB, SE, CB, AB, CE)
+THINK = ("<think>", "</think>")
 
 WEATHER = {
     "type": "function",
@@ -200,8 +203,8 @@ def _kimi_tokenizer(tmp_path, with_markers=True):
     without."""
     tok = Tokenizer.train_bpe(default_corpus(max_bytes=300_000), vocab_size=1024, cache_dir=tmp_path)
     if with_markers:
-        tok._hf.add_special_tokens(list(MARKERS))
-        tok.special_tokens.update({m: tok._hf.token_to_id(m) for m in MARKERS})
+        tok._hf.add_special_tokens([*MARKERS, *THINK])
+        tok.special_tokens.update({m: tok._hf.token_to_id(m) for m in (*MARKERS, *THINK)})
     return tok
 
 
@@ -263,6 +266,24 @@ def test_jinja_chat_template_gets_tools(tmp_path):
     # (transformers' tojson: plain JSON, not jinja's HTML-escaped one)
     assert out == f"[tools]{json.dumps([NOW])}[user]Weather in Oslo?[assistant]<functions.get_weather:0>"
     assert tok.apply_chat_template([{"role": "user", "content": "<b>"}]) == "[user]<b>"
+
+
+def test_chat_template_kwargs(tmp_path):
+    """vLLM's chat_template_kwargs: a jinja template's own variables; the built-in template takes ``thinking``
+    (its prompt is the same either way) and refuses other names; the request's own variables cannot be set."""
+    pytest.importorskip("jinja2")
+    tok = _kimi_tokenizer(tmp_path)
+    hi = [{"role": "user", "content": "hi"}]
+    plain = tok.apply_chat_template(hi)
+    assert tok.apply_chat_template(hi, template_kwargs={"thinking": False}) == plain
+    with pytest.raises(ValueError, match="only the 'thinking' option"):
+        tok.apply_chat_template(hi, template_kwargs={"enable_thinking": True})
+    tok.chat_template = "{% if thinking %}<think>{% endif %}{{ messages[0].content }}{{ style or '' }}"
+    assert tok.apply_chat_template(hi, template_kwargs={"thinking": True, "style": "!"}) == "<think>hi!"
+    assert tok.apply_chat_template(hi, template_kwargs={"thinking": False}) == "hi"
+    for name in ("messages", "tools", "add_generation_prompt", "eos_token"):
+        with pytest.raises(ValueError, match="set by the chat request"):
+            tok.apply_chat_template(hi, template_kwargs={name: 1})
 
 
 # ------------------------------------------------------------------------------------------------ grammar
@@ -340,7 +361,13 @@ def served(tmp_path_factory, request):
             model, tok, page_size=16, max_seqs=8, max_tokens=4096, max_model_len=768, guided_compact_json=True
         )
     )
-    app = create_app(engine, MODEL)
+    with _running(create_app(engine, MODEL)) as url:
+        yield url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60), engine
+
+
+@contextlib.contextmanager
+def _running(app):
+    """``app`` served by uvicorn on a free port of 127.0.0.1 (its URL) until the block ends."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     srv = uvicorn.Server(
@@ -352,12 +379,12 @@ def served(tmp_path_factory, request):
     while not srv.started:
         assert time.monotonic() < deadline and th.is_alive(), "server did not start"
         time.sleep(0.05)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    yield url, client, engine
-    srv.should_exit = True
-    th.join(15)
-    sock.close()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        th.join(15)
+        sock.close()
 
 
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
@@ -443,7 +470,7 @@ def test_required_and_named_tool_choice_give_calls_of_the_schemas(served):
 def _script(engine, text):
     """A grammar that makes the model write ``text`` (the markers as the tokenizer has them)."""
     parts = []
-    for piece in re.split("(" + "|".join(re.escape(m) for m in MARKERS) + ")", text):
+    for piece in re.split("(" + "|".join(re.escape(m) for m in (*MARKERS, *THINK)) + ")", text):
         if not piece:
             continue
         i = engine.tokenizer.special_tokens.get(piece)
@@ -665,3 +692,90 @@ def test_cli_chat_with_tools(tmp_path, monkeypatch, capsys):
     assert "bad.json" in capsys.readouterr().err
     assert main(["chat", "--choice", "a", *common]) == 2
     assert "structured-output" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ reasoning
+def _stream_thinking(client, **kw):
+    """(reasoning, content, {index: [id, name, arguments]}, finish_reason) of a streamed chat reply."""
+    reasoning, content, calls, reason = "", "", {}, None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+        content += ch.delta.content or ""
+        for d in ch.delta.tool_calls or []:
+            calls.setdefault(d.index, [d.id, d.function.name, ""])[2] += d.function.arguments or ""
+        reason = ch.finish_reason or reason
+    return reasoning, content, calls, reason
+
+
+def test_reasoning_parser_separates_thinking_from_the_answer_and_its_calls(served):
+    """With ``reasoning_parser="kimi_k2"`` a reply's ``<think>`` part is ``reasoning_content``, the rest content
+    and tool calls (a call section ends the reasoning too); streamed the same; ``thinking: false`` turns it off."""
+    from openk3.infer.server import create_app
+
+    _, _, engine = served
+    special = engine.tokenizer.special_tokens.get(THINK[0]) is not None
+    with _running(create_app(engine, MODEL, start_engine=False, reasoning_parser="kimi_k2")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        cases = [
+            # (reply, tools?, reasoning, content, calls)
+            ("<think>Look it up first.</think>Checking." + SB + _call("get_weather", 0, '{"city": "Oslo"}') + SE,
+             True, "Look it up first.", "Checking.", [("functions.get_weather:0", "get_weather", '{"city": "Oslo"}')]),
+            ("<think>plan" + SB + _call("now", 0, "{}") + SE, True, "plan", None, [("functions.now:0", "now", "{}")]),
+            ("Short answer.</think>It is sunny.", False, "Short answer.", "It is sunny.", []),
+            ("<think>still thinking", False, "still thinking", None, []),
+            ("<think>cut at </th", False, "cut at </th", None, []),  # (a held-back tail, flushed at the end)
+        ]  # fmt: skip
+        try:
+            for reply, with_tools, want_r, want_c, want_calls in cases:
+                engine.script = _script(engine, reply)
+                kw = dict(messages=ASK, max_tokens=200, **({"tools": TOOLS} if with_tools else {}))
+                r = client.chat.completions.create(model=MODEL, **kw)
+                m = r.choices[0].message
+                assert (m.model_extra.get("reasoning_content"), m.content) == (want_r, want_c), reply
+                got = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
+                assert got == want_calls, reply
+                assert r.choices[0].finish_reason == ("tool_calls" if want_calls else "stop")
+                sr, sc, scalls, sreason = _stream_thinking(client, **kw)
+                assert (sr, sc or None) == (want_r, want_c), reply
+                assert [tuple(scalls[k]) for k in sorted(scalls)] == want_calls
+                assert sreason == r.choices[0].finish_reason
+            # thinking off for one request: the whole reply is content (markers that are special tokens skipped)
+            engine.script = _script(engine, "<think>hmm</think>Hello")
+            r = client.chat.completions.create(
+                model=MODEL,
+                messages=ASK,
+                max_tokens=50,
+                extra_body={"chat_template_kwargs": {"thinking": False}},
+            )
+            m = r.choices[0].message
+            assert m.model_extra.get("reasoning_content") is None
+            assert m.content == ("hmmHello" if special else "<think>hmm</think>Hello")
+            # the server without the parser leaves the reply as it is
+            r = served[1].chat.completions.create(model=MODEL, messages=ASK, max_tokens=50)
+            assert "reasoning_content" not in r.choices[0].message.model_extra
+            assert r.choices[0].message.content == ("hmmHello" if special else "<think>hmm</think>Hello")
+        finally:
+            engine.script = None
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        create_app(engine, MODEL, start_engine=False, reasoning_parser="deepseek")
+
+
+def test_serve_cli_reasoning_parser(monkeypatch):
+    """``openk3 serve --reasoning-parser kimi_k2`` reaches the server; ``none`` (the default) is no parser."""
+    import openk3.infer.cli as icli
+    import openk3.infer.server as srv
+    from openk3.cli import build_parser
+
+    got = []
+    monkeypatch.setattr(icli, "_load", lambda args: (types.SimpleNamespace(graphs_enabled=False), "m", "src"))
+    monkeypatch.setattr(icli, "_describe", lambda *a: None)
+    monkeypatch.setattr(srv, "serve", lambda engine, **kw: got.append(kw["reasoning_parser"]))
+    for argv, want in ((["serve"], None), (["serve", "--reasoning-parser", "kimi_k2"], "kimi_k2")):
+        assert icli.cmd_serve(build_parser().parse_args(argv)) == 0
+        assert got.pop() == want
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--reasoning-parser", "deepseek_r1"])
+    assert srv.REASONING_PARSERS == ("kimi_k2",)  # (the CLI's choices, written out there)

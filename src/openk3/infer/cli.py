@@ -655,6 +655,7 @@ def cmd_serve(args) -> int:
         api_key=key,
         log_level=args.log_level,
         max_request_bytes=max_request_bytes,
+        reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
     )
     return 0
 
@@ -730,6 +731,13 @@ def register(sub) -> None:
         type=float,
         default=16.0,  # server.MAX_REQUEST_BYTES (not imported here: fastapi is optional)
         help="larger request bodies get a 413 error (MiB; default %(default)g)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="none",
+        choices=["none", "kimi_k2"],  # server.REASONING_PARSERS
+        help="kimi_k2: a thinking model's <think>...</think> reasoning goes to the chat reply's reasoning_content "
+        "apart from its content (vLLM's option of that name; default none)",
     )
     _add_model_args(p)
     _add_engine_args(p)

@@ -53,6 +53,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.infer.engine import ContextLengthError, Engine, PromptError, RequestOutput
 from openk3.infer.guided import GUIDED_KINDS
+from openk3.infer.reasoning import THINK_END, THINK_START, ReasoningSplitter, split_reasoning
 from openk3.infer.sampling import MAX_LOGPROBS, SEED_MIN, SamplingParamError, SamplingParams
 from openk3.infer.tools import (
     ToolCallParser,
@@ -64,9 +65,10 @@ from openk3.infer.tools import (
 )
 from openk3.train.tokenizer import TOOL_MARKERS, TOOL_SECTION_BEGIN
 
-__all__ = ["create_app", "serve", "ApiError", "check_api_key"]
+__all__ = ["create_app", "serve", "ApiError", "check_api_key", "REASONING_PARSERS"]
 
 MAX_N = 16
+REASONING_PARSERS = ("kimi_k2",)  # (vLLM's name for Kimi's <think> layout)
 MAX_REQUEST_BYTES = 16 * 2**20  # the default limit on a request body
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -159,7 +161,6 @@ _UNSUPPORTED_CHAT = {
     "continue_final_message": lambda v: v is None or v is False,
     "add_generation_prompt": lambda v: v is None or v is True,
     "chat_template": lambda v: v is None,
-    "chat_template_kwargs": lambda v: v is None or v == {},
     "documents": lambda v: v is None or v == [],
 }
 
@@ -621,10 +622,19 @@ def create_app(
     start_engine: bool = True,
     max_request_bytes: int = MAX_REQUEST_BYTES,
     loop_required: bool | None = None,
+    reasoning_parser: str | None = None,
 ):
     """The FastAPI application. ``start_engine``: start the engine's background loop with the app (and stop it at
     shutdown). ``max_request_bytes``: a larger request body gets a 413 error before it is read to its end.
-    ``loop_required`` (default: ``start_engine``): /health answers 503 while the engine's loop is not running."""
+    ``loop_required`` (default: ``start_engine``): /health answers 503 while the engine's loop is not running.
+    ``reasoning_parser`` (one of :data:`REASONING_PARSERS`, vLLM's ``--reasoning-parser``): chat replies give a
+    thinking model's reasoning as ``message.reasoning_content`` (``delta.reasoning_content`` when streamed) apart
+    from its answer (:mod:`openk3.infer.reasoning`); a request's ``chat_template_kwargs: {"thinking": false}`` turns
+    it off for that request."""
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or None, got {reasoning_parser!r}"
+        )
     if loop_required is None:
         loop_required = start_engine
     if not isinstance(max_request_bytes, int) or isinstance(max_request_bytes, bool) or max_request_bytes < 1:
@@ -947,6 +957,19 @@ def create_app(
         except ToolError as e:
             raise ApiError(400, str(e), param=e.param) from None
 
+    def template_kwargs(body: dict) -> dict:
+        kw = _get(body, "chat_template_kwargs", dict, None)
+        if kw is None:
+            return {}
+        if "thinking" in kw and not isinstance(kw["thinking"], bool):
+            raise ApiError(
+                400, "chat_template_kwargs.thinking must be true or false", param="chat_template_kwargs"
+            )
+        try:
+            return tok.check_template_kwargs(kw)
+        except ValueError as e:
+            raise ApiError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
+
     def chat_prompt(body: dict, treq: ToolRequest) -> str:
         """The prompt of a chat request's messages and declared tools (Kimi's layout for tools, assistant tool calls
         and tool results: :meth:`~openk3.train.tokenizer.Tokenizer.apply_chat_template`)."""
@@ -1003,8 +1026,11 @@ def create_app(
                     )
                 one["tool_call_id"] = m["tool_call_id"]
             clean.append(one)
+        kw = template_kwargs(body)
         try:
-            return tok.apply_chat_template(clean, add_generation_prompt=True, tools=treq.tools or None)
+            return tok.apply_chat_template(
+                clean, add_generation_prompt=True, tools=treq.tools or None, template_kwargs=kw
+            )
         except Exception as e:
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
@@ -1082,6 +1108,10 @@ def create_app(
         if im_end is not None and im_end not in params.stop_token_ids:
             params.stop_token_ids.append(im_end)
         guided_field = use_tools(treq, params, guided_field)
+        thinking = reasoning_parser is not None and template_kwargs(body).get("thinking", True)
+        if thinking:  # the think markers stay in the text, where the splitter reads them
+            marks = [i for i in map(special, (THINK_START, THINK_END)) if i is not None]
+            params.keep_special_token_ids = [*params.keep_special_token_ids, *marks]
         group = _Group(engine, n, prompt_param="messages", guided_param=guided_field)
         await group.submit_all([prompt], params)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -1097,6 +1127,7 @@ def create_app(
             async def gen():
                 completion = 0
                 parsers = [ToolCallParser() for _ in range(n)] if treq.parse else None
+                splitters = [ReasoningSplitter() for _ in range(n)] if thinking else None
                 try:
                     for j in range(n):
                         c = {
@@ -1113,12 +1144,21 @@ def create_app(
                             continue
                         completion += len(out.new_token_ids)
                         lp = chat_logprobs(out.new_logprobs) if out.new_logprobs else None
-                        delta = {"content": out.new_text} if out.new_text else {}
+                        text, reasoning = out.new_text, ""
+                        if splitters is not None:
+                            reasoning, text = splitters[i].push(text)
+                            if out.finished:
+                                more = splitters[i].finish()
+                                reasoning, text = reasoning + more[0], text + more[1]
+                        delta = {"reasoning_content": reasoning} if reasoning else {}
                         if parsers is not None:
-                            td = parsers[i].feed(out.new_text, final=out.finished)
-                            delta = {"content": td.content} if td.content else {}
+                            td = parsers[i].feed(text, final=out.finished)
+                            if td.content:
+                                delta["content"] = td.content
                             if td.calls:
                                 delta["tool_calls"] = _tool_call_deltas(td.calls)
+                        elif text:
+                            delta["content"] = text
                         if delta or lp is not None:
                             c = {
                                 "index": i,
@@ -1146,14 +1186,20 @@ def create_app(
         got = await _collect(group, request)
         choices = []
         for i in range(n):
-            message, reason = {"role": "assistant", "content": got.texts[i]}, got.reasons[i]
+            text, reasoning = got.texts[i], None
+            if thinking:
+                reasoning, text = split_reasoning(text)
+            message, reason = {"role": "assistant", "content": text}, got.reasons[i]
             if treq.parse:
-                content, calls = parse_tool_calls(got.texts[i])
+                content, calls = parse_tool_calls(text)
                 message["content"] = content
                 if calls:
                     message = {"role": "assistant", "content": content or None}
                     message["tool_calls"] = [c.openai() for c in calls]
                     reason = "tool_calls" if reason == "stop" else reason
+            if thinking:  # (a reply that is reasoning only has no content: null, as vLLM gives it)
+                message["content"] = message["content"] or None
+                message["reasoning_content"] = reasoning or None
             choices.append(
                 {
                     "index": i,
@@ -1176,6 +1222,7 @@ def serve(
     api_key: str | None = None,
     log_level: str = "info",
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    reasoning_parser: str | None = None,
 ) -> None:
     """Run the server until interrupted (Ctrl+C, SIGTERM). The HTTP side (uvicorn) runs in a thread and the
     engine's loop in the calling thread: on CPU that is the thread that built the model, whose torch thread pool
@@ -1189,6 +1236,7 @@ def serve(
         model_name,
         api_key=api_key,
         max_request_bytes=max_request_bytes,
+        reasoning_parser=reasoning_parser,
         start_engine=False,  # (the loop runs below, in this thread)
         loop_required=True,
     )

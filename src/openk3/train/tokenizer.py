@@ -307,6 +307,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render chat ``messages`` (dicts with ``role`` and ``content``) as one prompt string.
 
@@ -325,31 +326,34 @@ class Tokenizer:
         per call + ``<|tool_calls_section_end|>``; a ``tool`` message as ``## Return of {tool_call_id}\\n{content}``.
         The markers are Kimi's special tokens; a tokenizer without them encodes the same text as plain text.
 
+        ``template_kwargs`` are extra variables of a jinja template (vLLM's ``chat_template_kwargs``, e.g. Kimi's
+        ``thinking``); the built-in template takes ``thinking`` only (it writes the same prompt either way: the
+        switch is for the reader of the reply) and refuses any other name.
+
         Encode the result with ``encode(prompt, allow_special=True)``.
         """
         messages = list(messages)
+        template_kwargs = self.check_template_kwargs(template_kwargs)
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or "role" not in m:
                 raise ValueError(f"chat message {i} must be a dict with 'role' and 'content' keys")
             if "content" not in m and not m.get("tool_calls"):
                 raise ValueError(f"chat message {i} must be a dict with 'role' and 'content' keys")
         tools = list(tools) if tools else None
-        if self.chat_template:
-            try:
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
-            except ImportError:
-                pass
-            else:
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-                env.filters["tojson"] = _tojson  # (transformers' JSON, not jinja's HTML-escaped one)
-                id_to_special = {v: k for k, v in self.special_tokens.items()}
-                return env.from_string(self.chat_template).render(
-                    messages=messages,
-                    tools=tools,
-                    add_generation_prompt=add_generation_prompt,
-                    bos_token=id_to_special.get(self.bos_id, ""),
-                    eos_token=id_to_special.get(self.eos_id, ""),
-                )
+        if self._uses_jinja():
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.filters["tojson"] = _tojson  # (transformers' JSON, not jinja's HTML-escaped one)
+            id_to_special = {v: k for k, v in self.special_tokens.items()}
+            return env.from_string(self.chat_template).render(
+                **template_kwargs,
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=id_to_special.get(self.bos_id, ""),
+                eos_token=id_to_special.get(self.eos_id, ""),
+            )
         parts = []
         if tools:
             parts.append(
@@ -365,6 +369,32 @@ class Tokenizer:
         if add_generation_prompt:
             parts.append(f"{IM_START_TOKEN}assistant\n")
         return "".join(parts)
+
+    def _uses_jinja(self) -> bool:
+        """Whether :meth:`apply_chat_template` renders the tokenizer's own jinja template (else the built-in one)."""
+        if not self.chat_template:
+            return False
+        try:
+            import jinja2.sandbox  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def check_template_kwargs(self, template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``template_kwargs`` checked for :meth:`apply_chat_template` (a ``ValueError`` says what is wrong)."""
+        kw = dict(template_kwargs or {})
+        reserved = sorted(set(kw) & _TEMPLATE_NAMES)
+        if reserved:
+            raise ValueError(
+                f"template variables {reserved} are set by the chat request itself, not by its kwargs"
+            )
+        other = sorted(set(kw) - {"thinking"})
+        if other and not self._uses_jinja():
+            raise ValueError(
+                f"the built-in chat template takes only the 'thinking' option, not {other} (a tokenizer_config.json "
+                "with a chat_template takes its own variables)"
+            )
+        return kw
 
     # ------------------------------------------------------------------ save / load
     def _config(self) -> dict[str, Any]:
@@ -586,6 +616,10 @@ class Tokenizer:
         if cache_path is not None:
             tok.save(cache_path)
         return tok
+
+
+# the variables apply_chat_template itself gives a jinja template
+_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
