@@ -10,8 +10,8 @@ Extra request fields beyond OpenAI's (as vLLM accepts them): ``top_k``, ``min_p`
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``include_stop_str_in_output``,
 ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``, ``truncation_side``; structured output
 (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``). Fields whose effect the server does not
-implement (OpenAI's deprecated ``functions`` / ``function_call``, beam search, vLLM's chat-template options, tools on
-the completions route, ...: ``_UNSUPPORTED``, ``_UNSUPPORTED_CHAT``, ``_UNSUPPORTED_COMPLETIONS``) are refused with
+implement (OpenAI's deprecated ``functions`` / ``function_call``, beam search, vLLM's chat-template options other
+than ``chat_template_kwargs``, tools on the completions route, ...: ``_UNSUPPORTED``, ``_UNSUPPORTED_CHAT``, ``_UNSUPPORTED_COMPLETIONS``) are refused with
 a 400 unless they ask for nothing; other unknown fields are ignored.
 
 Tool calling (chat, in Kimi's format: :mod:`openk3.infer.tools`), as vLLM serves it with ``--tool-call-parser
@@ -21,6 +21,10 @@ default with tools) reads the reply's calls into ``message.tool_calls`` (streame
 ``finish_reason`` ``"tool_calls"``; ``required`` or a named function constrains the reply to a call section whose
 arguments match the functions' ``parameters`` schemas (llguidance; ``parallel_tool_calls: false``: one call);
 ``none`` declares the tools but parses nothing, and bans the section's first token where it is a special token.
+
+Reasoning (``create_app(reasoning_parser="kimi_k2")``, vLLM's ``--reasoning-parser kimi_k2``): a chat reply's
+``<think>`` part is ``message.reasoning_content`` (:mod:`openk3.infer.reasoning`), read before the tool calls;
+``chat_template_kwargs`` (the chat template's variables) with ``thinking: false`` turns it off for the request.
 
 Log-probabilities (of the model's distribution: ``log_softmax`` of the logits before penalty, temperature and
 filters): completions take ``logprobs`` k (0-20: each token's logprob and the k most likely tokens, plus the chosen
