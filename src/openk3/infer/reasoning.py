@@ -19,22 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from openk3.infer.tools import held_prefix
+from openk3.train.tokenizer import TOOL_SECTION_BEGIN
+
 __all__ = ["THINK_START", "THINK_END", "TOOL_SECTION_BEGIN", "ReasoningSplitter", "split_reasoning"]
 
 THINK_START = "<think>"
 THINK_END = "</think>"
-TOOL_SECTION_BEGIN = "<|tool_calls_section_begin|>"
-
-
-def _held_tail(text: str, markers: Sequence[str]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of one of ``markers``."""
-    best = 0
-    for m in markers:
-        for n in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:n]):
-                best = n
-                break
-    return best
 
 
 class ReasoningSplitter:
@@ -83,7 +74,7 @@ class ReasoningSplitter:
             content = self._buf[cut:] if keep else self._buf[cut + len(marker) :]
             self._buf, self._thinking = "", False
             return reasoning, content
-        held = _held_tail(self._buf, (self.end, *self.implicit_ends))
+        held = held_prefix(self._buf, (self.end, *self.implicit_ends))
         out = self._buf[: len(self._buf) - held]
         self._buf = self._buf[len(self._buf) - held :]
         return out, ""

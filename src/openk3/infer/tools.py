@@ -191,9 +191,9 @@ class ToolDelta:
     calls: list[tuple[int, ToolCall | None, str]] = field(default_factory=list)
 
 
-def _held(text: str, markers) -> int:
+def held_prefix(text: str, markers) -> int:
     """The length of the longest end of ``text`` that is the start of one of ``markers`` (but not all of it): text
-    held back while a marker may be arriving."""
+    held back while a marker may be arriving (here and in :mod:`openk3.infer.reasoning`)."""
     best = 0
     for m in markers:
         for k in range(min(len(m) - 1, len(text)), best, -1):
@@ -219,7 +219,7 @@ def _parse(text: str, final: bool) -> tuple[str, list[ToolCall]]:
         i = text.find(TOOL_SECTION_BEGIN, pos)
         if i < 0:
             tail = text[pos:]
-            content.append(tail if final else tail[: len(tail) - _held(tail, (TOOL_SECTION_BEGIN,))])
+            content.append(tail if final else tail[: len(tail) - held_prefix(tail, (TOOL_SECTION_BEGIN,))])
             return "".join(content), calls
         content.append(text[pos:i])
         pos, ncalls = i + len(TOOL_SECTION_BEGIN), len(calls)
@@ -261,7 +261,7 @@ def _parse(text: str, final: bool) -> tuple[str, list[ToolCall]]:
                     ToolCall(
                         call_id,
                         got.group(1),
-                        args if final else args[: len(args) - _held(args, TOOL_MARKERS)],
+                        args if final else args[: len(args) - held_prefix(args, TOOL_MARKERS)],
                     )
                 )
                 return "".join(content), calls
@@ -286,7 +286,7 @@ class ToolCallParser:
         if not final and TOOL_SECTION_BEGIN not in self.text[self._scan :]:
             # no section yet: plain text (a marker's start held back), without parsing the whole reply again
             self._scan = max(0, len(self.text) - len(TOOL_SECTION_BEGIN) + 1)
-            upto = len(self.text) - _held(self.text, (TOOL_SECTION_BEGIN,))
+            upto = len(self.text) - held_prefix(self.text, (TOOL_SECTION_BEGIN,))
             delta = ToolDelta(self.text[len(self.content) : upto])
             self.content = self.text[:upto]
             return delta
