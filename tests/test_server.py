@@ -20,6 +20,7 @@ from openk3.infer.server import create_app  # noqa: E402
 from openk3.model import K3ForCausalLM  # noqa: E402
 from openk3.train.data import default_corpus  # noqa: E402
 from openk3.train.tokenizer import Tokenizer  # noqa: E402
+from serving import running  # noqa: E402
 
 MODEL = "tiny-test"
 CTX = 384
@@ -42,24 +43,8 @@ def engine(tmp_path_factory, request):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(engine, MODEL)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
-    )
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and th.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    th.join(15)
-    sock.close()
+    with running(create_app(engine, MODEL)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

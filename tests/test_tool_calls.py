@@ -2,13 +2,9 @@
 results, the forced-call grammar, and the server's tools, tool_choice and parallel_tool_calls through the official
 ``openai`` client, with a tokenizer that has Kimi's tool-call special tokens and with one that has not."""
 
-import contextlib
 import json
 import random
 import re
-import socket
-import threading
-import time
 import types
 
 import pytest
@@ -17,6 +13,7 @@ import torch
 from openk3.infer.tools import ToolCallParser, ToolError, parse_tool_calls, tool_grammar, tool_request
 from openk3.train.data import default_corpus
 from openk3.train.tokenizer import Tokenizer
+from serving import running
 
 SB, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CB, AB, CE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -361,30 +358,8 @@ def served(tmp_path_factory, request):
             model, tok, page_size=16, max_seqs=8, max_tokens=4096, max_model_len=768, guided_compact_json=True
         )
     )
-    with _running(create_app(engine, MODEL)) as url:
+    with running(create_app(engine, MODEL)) as url:
         yield url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60), engine
-
-
-@contextlib.contextmanager
-def _running(app):
-    """``app`` served by uvicorn on a free port of 127.0.0.1 (its URL) until the block ends."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
-    )
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and th.is_alive(), "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        srv.should_exit = True
-        th.join(15)
-        sock.close()
 
 
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
@@ -717,7 +692,7 @@ def test_reasoning_parser_separates_thinking_from_the_answer_and_its_calls(serve
 
     _, _, engine = served
     special = engine.tokenizer.special_tokens.get(THINK[0]) is not None
-    with _running(create_app(engine, MODEL, start_engine=False, reasoning_parser="kimi_k2")) as url:
+    with running(create_app(engine, MODEL, start_engine=False, reasoning_parser="kimi_k2")) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         cases = [
             # (reply, tools?, reasoning, content, calls)
