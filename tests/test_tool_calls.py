@@ -754,3 +754,32 @@ def test_serve_cli_reasoning_parser(monkeypatch):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--reasoning-parser", "deepseek_r1"])
     assert srv.REASONING_PARSERS == ("kimi_k2",)  # (the CLI's choices, written out there)
+
+
+def test_several_choices_stream_their_own_calls(served):
+    """``n`` = 3 with a forced call, streamed: each choice's deltas (by choice index) add up to calls of the schemas,
+    and the same seed non-streamed gives the same calls per choice."""
+    _, client, _ = served
+    by_name = {t["function"]["name"]: t for t in TOOLS}
+    kw = dict(
+        messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=1.0, n=3, seed=11
+    )
+    per = {}
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
+        for ch in chunk.choices:
+            got = per.setdefault(ch.index, {"calls": {}, "reason": None})
+            for d in ch.delta.tool_calls or []:
+                if d.index not in got["calls"]:
+                    got["calls"][d.index] = [d.id, d.function.name, d.function.arguments or ""]
+                else:
+                    got["calls"][d.index][2] += d.function.arguments or ""
+            got["reason"] = ch.finish_reason or got["reason"]
+    assert sorted(per) == [0, 1, 2]
+    r = client.chat.completions.create(model=MODEL, **kw)
+    for ch in r.choices:
+        got = per[ch.index]
+        assert got["reason"] == ch.finish_reason == "tool_calls"
+        calls = [got["calls"][k] for k in sorted(got["calls"])]
+        assert calls == [[c.id, c.function.name, c.function.arguments] for c in ch.message.tool_calls]
+        for _, name, args in calls:
+            _validate(args, by_name[name])
