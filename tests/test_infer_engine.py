@@ -1855,6 +1855,33 @@ def test_guided_decoding(tiny, tmp_path, backend, overlap):
         )
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_guided_start_token_ids_defer_the_grammar(tiny, overlap):
+    """``guided_start_token_ids`` (a thinking model's end of reasoning): the grammar applies only after the first
+    such token. Drawn from {"a", "b", X} (``allowed_token_ids``), a reply is free before X (it holds "a"s, which the
+    grammar never allows) and exactly the grammar's "bbb" after it; without the option no reply holds "a" or X."""
+    pytest.importorskip("llguidance")
+    tok = _hf_tok()
+    a, b = (tok.encode(c, allow_special=False) for c in "ab")
+    assert len(a) == len(b) == 1
+    x = tok.special_tokens["<|im_start|>"]
+    eng = Engine(tiny, tok, page_size=16, max_seqs=8, max_tokens=4096, max_model_len=256, overlap=overlap)
+    base = dict(max_tokens=40, temperature=1.0, allowed_token_ids=[a[0], b[0], x], guided={"regex": "b{3}"})
+    before_x = []
+    for seed in range(8):
+        r = eng.generate(["x = 1"], SamplingParams(seed=seed, guided_start_token_ids=[x], **base))[0]
+        ids = r.output_ids
+        if x not in ids:  # (the reply ran out before X: all free)
+            assert r.finish_reason == "length"
+            continue
+        k = ids.index(x)
+        before_x += ids[:k]
+        assert ids[k + 1 :] == b * 3 and r.finish_reason == "stop", ids
+        r = eng.generate(["x = 1"], SamplingParams(seed=seed, **base))[0]
+        assert r.output_ids == b * 3 and r.finish_reason == "stop"
+    assert a[0] in before_x  # free before X: a token the grammar never allows
+
+
 def test_guided_json_whitespace_follows_the_option():
     """JSON with whitespace between its tokens is a match by default (vLLM's default) and not with
     guided_compact_json (vLLM's disable_any_whitespace); a schema's x-guidance overrides the engine's choice."""

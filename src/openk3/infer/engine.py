@@ -493,6 +493,7 @@ class Request:
         self.allowed: torch.Tensor | None = None  # [V] bool: the ids it may draw (params.allowed_token_ids)
         self.bad_seqs: list[tuple[int, ...]] = []  # token sequences of params.bad_words
         self.matcher = None  # params.guided: the llguidance matcher of its output so far
+        self.guiding = False  # the matcher applies (from the start, or since a guided_start_token_ids token)
         self.seed: int | None = None  # sampled requests: the draw seed (params.seed, or a random one)
         self.logits_log: list[torch.Tensor] = []
         self.logprobs: list = []  # TokenLogprob per output token (params.logprobs)
@@ -1032,6 +1033,7 @@ class Engine:
                     self.tokenizer, self.eos_ids, compact_json=self.cfg.guided_compact_json
                 )
             req.matcher = self._guided.matcher(params.guided)
+            req.guiding = not params.guided_start_token_ids
         if self.tokenizer is not None:
             skip = (
                 self._special_ids - set(params.keep_special_token_ids)
@@ -1737,7 +1739,7 @@ class Engine:
         """[B, V] bool of the ids each row may draw (``allowed_token_ids``, and a guided request's matcher mask:
         first, as vLLM's processors), or None when no row restricts its draw."""
         allowed = [r.params.allowed_token_ids is not None for r in batch]
-        guided = [r.matcher is not None for r in batch]
+        guided = [r.matcher is not None and r.guiding for r in batch]
         if not any(allowed) and not any(guided):
             return None
         V, dev = logits.shape[-1], logits.device
@@ -1857,7 +1859,9 @@ class Engine:
         if req.counts is not None:
             req.counts[t : t + 1].add_(1.0)
         p = req.params
-        if req.matcher is not None and not req.matcher.consume_token(t):
+        if req.matcher is not None and not req.guiding:
+            req.guiding = t in p.guided_start_token_ids  # (the grammar applies from the next token)
+        elif req.matcher is not None and not req.matcher.consume_token(t):
             # (only when the bans of other settings left no token of the grammar's: the draw had nothing to pick)
             self._emit(req, [t], "", lps)
             self._finish(req, "error", error=f"guided decoding: {req.matcher.get_error().strip()}")
@@ -1868,7 +1872,7 @@ class Engine:
             self._finish(req, "stop")
             return
         text = self._extend_text(req, req.detok.push(t)) if req.detok is not None else ""
-        if req.matcher is not None and req.matcher.is_stopped():  # a complete match that nothing extends
+        if req.matcher is not None and req.guiding and req.matcher.is_stopped():  # a complete match, final
             self._emit(req, [t], text, lps)
             self._finish(req, "stop")
             return

@@ -80,6 +80,9 @@ class SamplingParams:
     ``truncation_side="right"``; -1: the context length). These five are vLLM's extras, with its meanings.
     ``guided``: structured output, one of ``{"json": schema}``, ``{"json_object": True}``, ``{"regex": pattern}``,
     ``{"choice": [...]}``, ``{"grammar": text}`` (:mod:`openk3.infer.guided`; needs llguidance).
+    ``guided_start_token_ids``: the grammar applies only after the first of these ids in the output (a thinking
+    model's end of reasoning, ``</think>``, as vLLM starts structured output after the reasoning); empty: from the
+    first token.
     ``repetition_penalty`` > 1 discourages tokens already present in the prompt or the output, < 1 favours them (HF
     semantics; in [0.01, 100]).
     ``frequency_penalty`` / ``presence_penalty`` (OpenAI semantics, in [-2, 2]) subtract ``frequency * count +
@@ -123,6 +126,7 @@ class SamplingParams:
     truncation_side: str = "left"
     guided: dict | None = None
     keep_special_token_ids: list[int] = field(default_factory=list)
+    guided_start_token_ids: list[int] = field(default_factory=list)
 
     def validate(self) -> SamplingParams:
         """Raise :class:`SamplingParamError` (a ``ValueError`` naming the field) for an invalid value; returns self."""
@@ -213,7 +217,7 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("stop_token_ids", "keep_special_token_ids"):
+        for name in ("stop_token_ids", "keep_special_token_ids", "guided_start_token_ids"):
             if not isinstance(getattr(self, name), (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in getattr(self, name)
             ):

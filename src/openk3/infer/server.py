@@ -25,6 +25,7 @@ arguments match the functions' ``parameters`` schemas (llguidance; ``parallel_to
 Reasoning (``create_app(reasoning_parser="kimi_k2")``, vLLM's ``--reasoning-parser kimi_k2``): a chat reply's
 ``<think>`` part is ``message.reasoning_content`` (:mod:`openk3.infer.reasoning`), read before the tool calls;
 ``chat_template_kwargs`` (the chat template's variables) with ``thinking: false`` turns it off for the request.
+A grammar (structured output, a forced call) then applies from the token after ``</think>`` (a special token).
 
 Log-probabilities (of the model's distribution: ``log_softmax`` of the logits before penalty, temperature and
 filters): completions take ``logprobs`` k (0-20: each token's logprob and the k most likely tokens, plus the chosen
@@ -1116,6 +1117,9 @@ def create_app(
         if thinking:  # the think markers stay in the text, where the splitter reads them
             marks = [i for i in map(special, (THINK_START, THINK_END)) if i is not None]
             params.keep_special_token_ids = [*params.keep_special_token_ids, *marks]
+            if params.guided is not None and special(THINK_END) is not None:
+                # a grammar (structured output, a forced call) applies to the answer, after the reasoning (vLLM)
+                params.guided_start_token_ids = [special(THINK_END)]
         group = _Group(engine, n, prompt_param="messages", guided_param=guided_field)
         await group.submit_all([prompt], params)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
