@@ -813,3 +813,39 @@ def test_reasoning_parser_defers_a_grammar_to_the_answer(served):
         ch = r.choices[0]
         assert ch.logprobs.content[0].token == THINK[1]
         assert ch.message.content.lstrip().startswith("{"), ch.message.content
+
+
+def test_cli_chat_reasoning_parser(tmp_path, monkeypatch, capsys):
+    """openk3 chat --reasoning-parser kimi_k2: the reasoning goes to stderr, the answer to stdout, and only the
+    answer stays in the conversation (a grammar makes the embedded random model write a thinking reply)."""
+    import io
+
+    import openk3.infer.cli as cli
+    from openk3.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no runs/default here: the embedded tiny model is used
+    monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nagain\n/exit\n"))
+    rendered, render = [], cli._render
+    monkeypatch.setattr(
+        cli, "_render", lambda tok, msgs, tools=None: rendered.append(msgs[-2:]) or render(tok, msgs, tools)
+    )
+    argv = [
+        "chat",
+        "--regex",
+        "<think>plan ahead</think>The answer!",
+        "-n",
+        "80",
+        "--max-total-tokens",
+        "1024",
+    ]
+    assert main([*argv, "--reasoning-parser", "kimi_k2"]) == 0
+    out = capsys.readouterr()
+    assert out.out.count("The answer!") == 2 and "plan ahead" not in out.out and "think>" not in out.out
+    assert out.err.count("plan ahead") == 2
+    assert rendered[1][0] == {"role": "assistant", "content": "The answer!"}
+    rendered.clear()
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nagain\n/exit\n"))
+    assert main(argv) == 0  # without the parser the reply is kept whole
+    assert "<think>plan ahead</think>The answer!" in capsys.readouterr().out
+    assert rendered[1][0]["content"] == "<think>plan ahead</think>The answer!"

@@ -565,6 +565,7 @@ def cmd_chat(args) -> int:
         params.stop = base.stop + (["\nUser:"] if not stop_ids else [])
         params.stop_token_ids = stop_ids
         parser = _use_tools(engine, treq, params)
+        splitter = _use_reasoning(engine, params) if args.reasoning_parser != "none" else None
         ids = engine.encode(prompt)
         if len(ids) >= engine.max_model_len - 1:
             _info("[openk3] the conversation no longer fits in the context; /reset to start over")
@@ -575,8 +576,20 @@ def cmd_chat(args) -> int:
         sys.stdout.write("assistant> " if interactive else "")
         sys.stdout.flush()
 
-        def show(out, parser=parser):
-            text = out.new_text if parser is None else parser.feed(out.new_text, final=out.finished).content
+        answer = []
+
+        def show(out, parser=parser, splitter=splitter, answer=answer):
+            text = out.new_text
+            if splitter is not None:  # reasoning to stderr, as it comes
+                thought, text = splitter.push(text)
+                if out.finished:
+                    more = splitter.finish()
+                    thought, text = thought + more[0], text + more[1]
+                if thought:
+                    sys.stderr.write(thought)
+                    sys.stderr.flush()
+            answer.append(text)
+            text = text if parser is None else parser.feed(text, final=out.finished).content
             if text:
                 sys.stdout.write(text)
                 sys.stdout.flush()
@@ -589,11 +602,35 @@ def cmd_chat(args) -> int:
             calls = [c.openai() for c in parser.calls]
             history.append({"role": "assistant", "content": parser.content, "tool_calls": calls})
         else:
-            history.append({"role": "assistant", "content": req.text})
+            # (with the reasoning split, only the answer stays in the conversation)
+            history.append(
+                {"role": "assistant", "content": req.text if splitter is None else "".join(answer)}
+            )
         sys.stdout.flush()
         if req.error:
             raise RuntimeError(f"generation failed: {req.error}")
     return 0
+
+
+def _add_reasoning_arg(p, what: str) -> None:
+    p.add_argument(
+        "--reasoning-parser",
+        default="none",
+        choices=["none", "kimi_k2"],  # server.REASONING_PARSERS
+        help=f"kimi_k2: {what} (vLLM's option of that name; a grammar then applies after </think>; default none)",
+    )
+
+
+def _use_reasoning(engine, params):
+    """Set a chat turn's params for Kimi's reasoning layout (as the server does); returns its splitter."""
+    from openk3.infer.reasoning import THINK_END, THINK_START, ReasoningSplitter
+
+    special = engine.tokenizer.special_tokens.get
+    marks = [i for i in map(special, (THINK_START, THINK_END)) if i is not None]
+    params.keep_special_token_ids = [*params.keep_special_token_ids, *marks]
+    if params.guided is not None and special(THINK_END) is not None:
+        params.guided_start_token_ids = [special(THINK_END)]
+    return ReasoningSplitter()
 
 
 def _use_tools(engine, treq, params):
@@ -704,6 +741,8 @@ def register(sub) -> None:
         metavar="CHOICE",
         help="auto (default), required, none, or a function's name (required and a name force a call)",
     )
+    _add_reasoning_arg(p, "the reply's <think>...</think> reasoning goes to stderr and the answer to stdout; only "
+                       "the answer stays in the conversation")  # fmt: skip
     _add_model_args(p)
     _add_sampling_args(p, 256)
     _add_engine_args(p)
@@ -732,13 +771,8 @@ def register(sub) -> None:
         default=16.0,  # server.MAX_REQUEST_BYTES (not imported here: fastapi is optional)
         help="larger request bodies get a 413 error (MiB; default %(default)g)",
     )
-    p.add_argument(
-        "--reasoning-parser",
-        default="none",
-        choices=["none", "kimi_k2"],  # server.REASONING_PARSERS
-        help="kimi_k2: a thinking model's <think>...</think> reasoning goes to the chat reply's reasoning_content "
-        "apart from its content (vLLM's option of that name; default none)",
-    )
+    _add_reasoning_arg(p, "a thinking model's <think>...</think> reasoning goes to the chat reply's "
+                       "reasoning_content apart from its content")  # fmt: skip
     _add_model_args(p)
     _add_engine_args(p)
     p.set_defaults(func=cmd_serve)
