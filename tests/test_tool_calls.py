@@ -195,6 +195,21 @@ def test_tool_request_checks():
 
 
 # ------------------------------------------------------------------------------------------------ chat template
+def _tiktoken_kimi(tmp_path, with_markers=True):
+    """A tiktoken-backed tokenizer (Kimi's kind: the bytes and a few merges), with the tool-call and think markers as
+    special tokens after them or without."""
+    import base64
+
+    pytest.importorskip("tiktoken")
+    ranks = [bytes([b]) for b in range(256)] + [b"ti", b"on", b"fu", b"nc", b"Os", b"lo"]
+    path = tmp_path / "tiktoken.model"
+    path.write_bytes(
+        b"".join(base64.b64encode(t) + b" " + str(i).encode() + b"\n" for i, t in enumerate(ranks))
+    )
+    names = ["<|eos|>", *((*MARKERS, *THINK) if with_markers else ())]
+    return Tokenizer.from_file(path, special_tokens={m: len(ranks) + k for k, m in enumerate(names)})
+
+
 def _kimi_tokenizer(tmp_path, with_markers=True):
     """A small BPE tokenizer, with Kimi's tool-call markers as special tokens (as Kimi's tokenizer has them) or
     without."""
@@ -285,11 +300,14 @@ def test_chat_template_kwargs(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ grammar
 @pytest.mark.parametrize("with_markers", [True, False], ids=["special", "plain"])
-def test_tool_grammar_accepts_calls_of_the_schemas_only(tmp_path, with_markers):
+@pytest.mark.parametrize("backend", ["hf", "tiktoken"])
+def test_tool_grammar_accepts_calls_of_the_schemas_only(tmp_path, with_markers, backend):
     pytest.importorskip("llguidance")
     from openk3.infer.guided import GuidedCompiler
 
-    tok = _kimi_tokenizer(tmp_path, with_markers)
+    tok = (
+        _kimi_tokenizer(tmp_path, with_markers) if backend == "hf" else _tiktoken_kimi(tmp_path, with_markers)
+    )
     compiler = GuidedCompiler(tok, [tok.eos_id])
 
     def accepts(req, text):
