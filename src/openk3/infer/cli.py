@@ -581,10 +581,7 @@ def cmd_chat(args) -> int:
         def show(out, parser=parser, splitter=splitter, answer=answer):
             text = out.new_text
             if splitter is not None:  # reasoning to stderr, as it comes
-                thought, text = splitter.push(text)
-                if out.finished:
-                    more = splitter.finish()
-                    thought, text = thought + more[0], text + more[1]
+                thought, text = splitter.feed(text, final=out.finished)
                 if thought:
                     sys.stderr.write(thought)
                     sys.stderr.flush()
@@ -623,13 +620,9 @@ def _add_reasoning_arg(p, what: str) -> None:
 
 def _use_reasoning(engine, params):
     """Set a chat turn's params for Kimi's reasoning layout (as the server does); returns its splitter."""
-    from openk3.infer.reasoning import THINK_END, THINK_START, ReasoningSplitter
+    from openk3.infer.reasoning import ReasoningSplitter, reasoning_params
 
-    special = engine.tokenizer.special_tokens.get
-    marks = [i for i in map(special, (THINK_START, THINK_END)) if i is not None]
-    params.keep_special_token_ids = [*params.keep_special_token_ids, *marks]
-    if params.guided is not None and special(THINK_END) is not None:
-        params.guided_start_token_ids = [special(THINK_END)]
+    reasoning_params(params, engine.tokenizer.special_tokens.get)
     return ReasoningSplitter()
 
 
@@ -637,13 +630,9 @@ def _use_tools(engine, treq, params):
     """Set a chat turn's params for its tools (as the server does); returns the reply's tool-call parser, or None."""
     if treq is None or not treq.parse:
         return None
-    from openk3.infer.tools import ToolCallParser, tool_grammar
-    from openk3.train.tokenizer import TOOL_MARKERS
+    from openk3.infer.tools import ToolCallParser, tool_params
 
-    special = engine.tokenizer.special_tokens.get
-    params.keep_special_token_ids = [i for i in map(special, TOOL_MARKERS) if i is not None]
-    if treq.forced:
-        params.guided = {"grammar": tool_grammar(treq, special, engine.cfg.guided_compact_json)}
+    tool_params(treq, params, engine.tokenizer.special_tokens.get, engine.cfg.guided_compact_json)
     return ToolCallParser()
 
 

@@ -17,12 +17,19 @@ same two parts as the whole.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from openk3.infer.tools import held_prefix
 from openk3.train.tokenizer import TOOL_SECTION_BEGIN
 
-__all__ = ["THINK_START", "THINK_END", "TOOL_SECTION_BEGIN", "ReasoningSplitter", "split_reasoning"]
+__all__ = [
+    "THINK_START",
+    "THINK_END",
+    "TOOL_SECTION_BEGIN",
+    "ReasoningSplitter",
+    "split_reasoning",
+    "reasoning_params",
+]
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -32,7 +39,8 @@ class ReasoningSplitter:
     """Incremental reasoning / content split of one reply.
 
     ``push(piece)`` returns the ``(reasoning, content)`` text that piece settles (either may be empty);
-    ``finish()`` returns what was held back once the reply is complete.
+    ``finish()`` returns what was held back once the reply is complete; ``feed(piece, final)`` is both (the last
+    piece with ``final``).
     """
 
     def __init__(
@@ -85,10 +93,27 @@ class ReasoningSplitter:
         self._at_start = False
         return (rest, "") if self._thinking else ("", rest)
 
+    def feed(self, piece: str, final: bool = False) -> tuple[str, str]:
+        """:meth:`push` of ``piece``, and with ``final`` (the reply's last piece) :meth:`finish` too."""
+        r, c = self.push(piece)
+        if final:
+            r2, c2 = self.finish()
+            r, c = r + r2, c + c2
+        return r, c
+
 
 def split_reasoning(text: str, **markers) -> tuple[str, str]:
     """``(reasoning, content)`` of a whole reply (see the module docstring for the rules)."""
-    s = ReasoningSplitter(**markers)
-    r1, c1 = s.push(text)
-    r2, c2 = s.finish()
-    return r1 + r2, c1 + c2
+    return ReasoningSplitter(**markers).feed(text, final=True)
+
+
+def reasoning_params(params, special_id: Callable[[str], int | None]) -> None:
+    """Set a chat request's :class:`~openk3.infer.sampling.SamplingParams` for a split reply: the think markers
+    that are special tokens (``special_id(marker)``: their id, or None) stay in its text, where the splitter reads
+    them, and a grammar applies after ``</think>`` where that is one token, as vLLM starts structured output after
+    the reasoning."""
+    marks = [i for i in map(special_id, (THINK_START, THINK_END)) if i is not None]
+    params.keep_special_token_ids = [*params.keep_special_token_ids, *marks]
+    end = special_id(THINK_END)
+    if params.guided is not None and end is not None:
+        params.guided_start_token_ids = [end]

@@ -58,17 +58,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.infer.engine import ContextLengthError, Engine, PromptError, RequestOutput
 from openk3.infer.guided import GUIDED_KINDS
-from openk3.infer.reasoning import THINK_END, THINK_START, ReasoningSplitter, split_reasoning
+from openk3.infer.reasoning import ReasoningSplitter, reasoning_params, split_reasoning
 from openk3.infer.sampling import MAX_LOGPROBS, SEED_MIN, SamplingParamError, SamplingParams
 from openk3.infer.tools import (
     ToolCallParser,
     ToolError,
     ToolRequest,
     parse_tool_calls,
-    tool_grammar,
+    tool_params,
     tool_request,
 )
-from openk3.train.tokenizer import TOOL_MARKERS, TOOL_SECTION_BEGIN
+from openk3.train.tokenizer import TOOL_SECTION_BEGIN
 
 __all__ = ["create_app", "serve", "ApiError", "check_api_key", "REASONING_PARSERS"]
 
@@ -1094,12 +1094,8 @@ def create_app(
                 f"tool_choice \"none\" or leave out '{guided_field}'",
                 param=guided_field,
             )
-        # the markers stay in the text, where the parser reads them (vLLM turns skip_special_tokens off for it)
-        params.keep_special_token_ids = [i for i in map(special, TOOL_MARKERS) if i is not None]
-        if not treq.forced:
-            return None
-        params.guided = {"grammar": tool_grammar(treq, special, engine.cfg.guided_compact_json)}
-        return "tools"
+        tool_params(treq, params, special, engine.cfg.guided_compact_json)
+        return "tools" if treq.forced else None
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -1114,12 +1110,8 @@ def create_app(
             params.stop_token_ids.append(im_end)
         guided_field = use_tools(treq, params, guided_field)
         thinking = reasoning_parser is not None and template_kwargs(body).get("thinking", True)
-        if thinking:  # the think markers stay in the text, where the splitter reads them
-            marks = [i for i in map(special, (THINK_START, THINK_END)) if i is not None]
-            params.keep_special_token_ids = [*params.keep_special_token_ids, *marks]
-            if params.guided is not None and special(THINK_END) is not None:
-                # a grammar (structured output, a forced call) applies to the answer, after the reasoning (vLLM)
-                params.guided_start_token_ids = [special(THINK_END)]
+        if thinking:
+            reasoning_params(params, special)
         group = _Group(engine, n, prompt_param="messages", guided_param=guided_field)
         await group.submit_all([prompt], params)
         cid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -1154,10 +1146,7 @@ def create_app(
                         lp = chat_logprobs(out.new_logprobs) if out.new_logprobs else None
                         text, reasoning = out.new_text, ""
                         if splitters is not None:
-                            reasoning, text = splitters[i].push(text)
-                            if out.finished:
-                                more = splitters[i].finish()
-                                reasoning, text = reasoning + more[0], text + more[1]
+                            reasoning, text = splitters[i].feed(text, final=out.finished)
                         delta = {"reasoning_content": reasoning} if reasoning else {}
                         if parsers is not None:
                             td = parsers[i].feed(text, final=out.finished)

@@ -37,6 +37,7 @@ from openk3.train.tokenizer import (
 )
 
 __all__ = [
+    "tool_params",
     "ToolError",
     "ToolRequest",
     "ToolCall",
@@ -165,6 +166,17 @@ def tool_grammar(
             f"args_{k}: %json {json.dumps(schema)}",
         ]
     return "\n".join(lines) + "\n"
+
+
+def tool_params(
+    req: ToolRequest, params, special_id: Callable[[str], int | None], compact_json: bool = False
+) -> None:
+    """Set a chat request's :class:`~openk3.infer.sampling.SamplingParams` for its tools when the reply is parsed:
+    the markers that are special tokens stay in its text, where the parser reads them (vLLM turns
+    ``skip_special_tokens`` off for its parser), and a forced call gets :func:`tool_grammar`."""
+    params.keep_special_token_ids = [i for i in map(special_id, TOOL_MARKERS) if i is not None]
+    if req.forced:
+        params.guided = {"grammar": tool_grammar(req, special_id, compact_json)}
 
 
 # ------------------------------------------------------------------------------------------------ parsing
