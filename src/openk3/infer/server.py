@@ -975,9 +975,10 @@ def create_app(
         except ValueError as e:
             raise ApiError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
 
-    def chat_prompt(body: dict, treq: ToolRequest) -> str:
+    def chat_prompt(body: dict, treq: ToolRequest) -> tuple[str, dict]:
         """The prompt of a chat request's messages and declared tools (Kimi's layout for tools, assistant tool calls
-        and tool results: :meth:`~openk3.train.tokenizer.Tokenizer.apply_chat_template`)."""
+        and tool results: :meth:`~openk3.train.tokenizer.Tokenizer.apply_chat_template`), and the template's
+        ``chat_template_kwargs`` (checked)."""
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -1033,11 +1034,12 @@ def create_app(
             clean.append(one)
         kw = template_kwargs(body)
         try:
-            return tok.apply_chat_template(
+            prompt = tok.apply_chat_template(
                 clean, add_generation_prompt=True, tools=treq.tools or None, template_kwargs=kw
             )
         except Exception as e:
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        return prompt, kw
 
     im_end = tok.token_to_id("<|im_end|>") if tok is not None else None
 
@@ -1052,7 +1054,7 @@ def create_app(
         if ("prompt" in body) == ("messages" in body):
             raise ApiError(400, "give either 'prompt' (a string) or 'messages'", param="prompt")
         if "messages" in body:
-            text = chat_prompt(body, tools_of(body))
+            text, _ = chat_prompt(body, tools_of(body))
         else:
             text = _get(body, "prompt", str, None, allow_none=False)
         strs = _get(body, "return_token_strs", bool, False)
@@ -1103,13 +1105,13 @@ def create_app(
         if tok is None:
             raise ApiError(400, "this server has no tokenizer, so it cannot render chat messages")
         treq = tools_of(body)
-        prompt = chat_prompt(body, treq)
+        prompt, kw = chat_prompt(body, treq)
         params, n, guided_field = _sampling_params(body, chat=True)
         stream, include_usage = _stream_flags(body)
         if im_end is not None and im_end not in params.stop_token_ids:
             params.stop_token_ids.append(im_end)
         guided_field = use_tools(treq, params, guided_field)
-        thinking = reasoning_parser is not None and template_kwargs(body).get("thinking", True)
+        thinking = reasoning_parser is not None and kw.get("thinking", True)
         if thinking:
             reasoning_params(params, special)
         group = _Group(engine, n, prompt_param="messages", guided_param=guided_field)
