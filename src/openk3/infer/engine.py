@@ -493,7 +493,9 @@ class Request:
         self.allowed: torch.Tensor | None = None  # [V] bool: the ids it may draw (params.allowed_token_ids)
         self.bad_seqs: list[tuple[int, ...]] = []  # token sequences of params.bad_words
         self.matcher = None  # params.guided: the llguidance matcher of its output so far
-        self.guiding = False  # the matcher applies (from the start, or since a guided_start_token_ids token)
+        self.guiding = (
+            False  # a matcher that applies (from the start, or since a guided_start_token_ids token)
+        )
         self.seed: int | None = None  # sampled requests: the draw seed (params.seed, or a random one)
         self.logits_log: list[torch.Tensor] = []
         self.logprobs: list = []  # TokenLogprob per output token (params.logprobs)
@@ -1739,7 +1741,7 @@ class Engine:
         """[B, V] bool of the ids each row may draw (``allowed_token_ids``, and a guided request's matcher mask:
         first, as vLLM's processors), or None when no row restricts its draw."""
         allowed = [r.params.allowed_token_ids is not None for r in batch]
-        guided = [r.matcher is not None and r.guiding for r in batch]
+        guided = [r.guiding for r in batch]
         if not any(allowed) and not any(guided):
             return None
         V, dev = logits.shape[-1], logits.device
@@ -1872,7 +1874,7 @@ class Engine:
             self._finish(req, "stop")
             return
         text = self._extend_text(req, req.detok.push(t)) if req.detok is not None else ""
-        if req.matcher is not None and req.guiding and req.matcher.is_stopped():  # a complete match, final
+        if req.guiding and req.matcher.is_stopped():  # a complete match that nothing extends
             self._emit(req, [t], text, lps)
             self._finish(req, "stop")
             return
