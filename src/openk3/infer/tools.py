@@ -27,6 +27,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from openk3.infer.sampling import SamplingParamError
 from openk3.train.tokenizer import (
     TOOL_ARGUMENT_BEGIN,
     TOOL_CALL_BEGIN,
@@ -54,12 +55,8 @@ _CHOICE_HELP = '"none", "auto", "required" or {"type": "function", "function": {
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-class ToolError(ValueError):
+class ToolError(SamplingParamError):
     """A request's tools or tool choice that cannot be served; ``param`` names the field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
