@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+import engine_chaos
 from openk3.config import get_preset
 from openk3.infer.cache import CacheLayout, PagedHybridCache, plan_pool
 from openk3.infer.decode import (
@@ -825,6 +826,41 @@ def test_abort_frees_pages_and_slot(tiny):
     assert b.finish_reason == "length" and len(b.output_ids) == 5
     s = eng.stats()
     assert s["pages_free"] == s["pages_total"] and s["slots_free"] == 2
+
+
+@pytest.mark.parametrize("seed,overlap", [(3, False), (4, True)], ids=["sequential", "overlap"])
+def test_random_serving_scenario_equals_each_request_alone(tiny, seed, overlap):
+    """Random arrivals, prompts sharing prefixes, mixed sampling options (greedy and seeded draws, penalties, stop
+    ids, min_tokens, logit bias, logprobs) and aborts, through a small pool (preemption), short prefix intervals and
+    prefill pieces: each request gets exactly what it gets alone on a roomy engine without a prefix cache."""
+    sc = engine_chaos.scenario(seed, tiny.config.vocab_size, overlap=overlap)
+    eng = Engine(tiny, None, record_logits=True, **sc.engine_kw)
+    got = engine_chaos.drive(eng, sc)
+    s = eng.stats()
+    # the scenario did exercise what it is for
+    assert s["preemptions_total"] > 0 and s["prefix_cache_hits"] > 0
+    aborted = [i for i, r in enumerate(got) if r.finish_reason == "abort"]
+    assert aborted and set(aborted) <= set(sc.abort_after)
+    alone_eng = Engine(tiny, None, max_seqs=2, max_tokens=4096, prefix_cache=False, record_logits=True)
+    for i, (p, sp) in enumerate(zip(sc.prompts, sc.params)):
+        (alone,) = alone_eng.generate([p], sp)
+        r = got[i]
+        n = len(r.output_ids)
+        # each step's logits too: a token can survive a small error that the logits show (a stale cache row)
+        if n:
+            assert _rel(torch.stack(r.logits_log), torch.stack(alone.logits_log[:n])) < 1e-5, i
+        if i in aborted:  # what an aborted request got is the start of its whole reply
+            assert r.output_ids == alone.output_ids[:n], i
+            continue
+        assert (r.output_ids, r.finish_reason) == (alone.output_ids, alone.finish_reason), (i, sp)
+        if sp.logprobs is not None:
+            assert [e.id for e in r.logprobs] == r.output_ids
+            for a, b in zip(r.logprobs, alone.logprobs):
+                assert abs(a.logprob - b.logprob) < 1e-5
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    # every page is free or held by the prefix cache alone, every slot free
+    assert s["pages_free"] + s["pages_held_by_prefix_cache_only"] == s["pages_total"]
+    assert s["slots_free"] == sc.engine_kw["max_seqs"] and s["pages_used_by_sequences"] == 0
 
 
 def test_seeded_sampling_is_batch_independent(tiny):
