@@ -543,6 +543,106 @@ def test_32_concurrent_streams(server, engine):
     assert s["pages_used_by_sequences"] == 0 and s["slots_free"] == engine.cfg.max_seqs
 
 
+def _random_requests(seed: int, n: int) -> list[tuple[str, dict]]:
+    """(route, body) of ``n`` random requests: completions and chat, one or two choices, greedy or seeded draws,
+    min_tokens, logprobs, a few penalties (no stop strings yet)."""
+    import random
+
+    rng = random.Random(seed)
+    heads = ["def f(x):", "import os\n", "class A:", "for i in range(", "x = [", "# the ", "return self."]
+    out = []
+    for i in range(n):
+        kw: dict = dict(model=MODEL, max_tokens=rng.randrange(4, 28), n=rng.choice([1, 1, 2]))
+        if rng.random() < 0.4:
+            kw["temperature"] = 0.0
+        else:
+            kw.update(
+                temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(1 << 30), top_p=rng.choice([1.0, 0.9])
+            )
+        extra = {"ignore_eos": rng.random() < 0.7}
+        if rng.random() < 0.3:
+            extra["min_tokens"] = rng.randrange(0, kw["max_tokens"] + 1)
+        if rng.random() < 0.3:
+            kw["frequency_penalty"] = 0.5
+        if rng.random() < 0.3:
+            extra["repetition_penalty"] = 1.3
+        text = rng.choice(heads) + str(i)
+        if rng.random() < 0.5:
+            out.append(("completions", dict(kw, prompt=text, extra_body=extra)))
+        else:
+            out.append(("chat", dict(kw, messages=[{"role": "user", "content": text}], extra_body=extra)))
+    return out
+
+
+async def _ask(client, route, kw, stream):
+    """[(text, finish_reason)] per choice, from one request sent streamed or whole."""
+    api = client.completions if route == "completions" else client.chat.completions
+    if not stream:
+        r = await api.create(**kw)
+        return [
+            (c.text if route == "completions" else c.message.content or "", c.finish_reason)
+            for c in r.choices
+        ]
+    texts, reasons = {}, {}
+    async for chunk in await api.create(stream=True, **kw):
+        for c in chunk.choices:
+            piece = c.text if route == "completions" else (c.delta.content or "")
+            texts[c.index] = texts.get(c.index, "") + piece
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    return [(texts.get(i, ""), reasons.get(i)) for i in range(kw["n"])]
+
+
+def test_random_concurrent_requests_equal_each_alone_with_stop_strings(server, engine):
+    """24 random requests at once, streamed or not, with stop strings cut from each one's own reply, get what each
+    gets alone; and each reply with stop strings is its reply without them cut at the earliest stop string (the
+    finish reason "stop" exactly where one was found)."""
+    import random
+
+    rng = random.Random(7)
+    reqs = _random_requests(11, 24)
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            # alone and whole, without stop strings: each choice's full reply
+            full = [await _ask(client, route, kw, False) for route, kw in reqs]
+            # stop strings from the replies themselves (a second string that never occurs, for some)
+            for (_route, kw), choices in zip(reqs, full):
+                text = choices[0][0]
+                if len(text) >= 4 and rng.random() < 0.7:
+                    a = rng.randrange(0, len(text) - 2)
+                    stops = [text[a : a + rng.randrange(1, 4)]]
+                    if rng.random() < 0.5:
+                        stops.append("\x00never")
+                    kw["stop"] = stops
+            streamed = [rng.random() < 0.5 for _ in reqs]
+            together = await asyncio.gather(
+                *(_ask(client, route, kw, st) for (route, kw), st in zip(reqs, streamed))
+            )
+            alone = [await _ask(client, route, kw, False) for route, kw in reqs]
+            return full, together, alone, streamed
+        finally:
+            await client.close()
+
+    full, together, alone, streamed = asyncio.run(main())
+    assert sum(streamed) and not all(streamed)
+    hits = 0
+    for (_route, kw), f, t, a, st in zip(reqs, full, together, alone, streamed):
+        assert t == a, (kw, st, t, a)
+        for (text, reason), (ftext, freason) in zip(a, f):
+            stops = kw.get("stop", [])
+            found = [i for i in (ftext.find(s) for s in stops) if i >= 0]
+            # (a stop string is looked for only once min_tokens are out; below that the reply may run past it)
+            if found and not kw["extra_body"].get("min_tokens"):
+                hits += 1
+                assert (text, reason) == (ftext[: min(found)], "stop"), (kw, ftext)
+            elif not found:
+                assert (text, reason) == (ftext, freason), (kw, ftext)
+    assert hits >= 8
+    s = _wait_idle(engine)
+    assert s["pages_used_by_sequences"] == 0 and s["slots_free"] == engine.cfg.max_seqs
+
+
 def test_client_disconnect_frees_pages_and_others_continue(server, client, engine):
     aborted_before = engine.stats()["requests_finished_abort"]
     result = {}
