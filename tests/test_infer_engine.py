@@ -1,5 +1,6 @@
 """Inference engine on CPU: paged hybrid cache, decode steps, continuous batching, prefix cache, preemption."""
 
+import copy
 import dataclasses
 import json
 
@@ -828,11 +829,29 @@ def test_abort_frees_pages_and_slot(tiny):
     assert s["pages_free"] == s["pages_total"] and s["slots_free"] == 2
 
 
+@pytest.fixture(scope="module")
+def tiny_pinned(tiny):
+    """``tiny`` with each MoE layer's routing pinned to a fixed expert set (a large correction bias): at random init
+    some tokens sit on near-ties between experts, where the last-bit differences of another batch composition or
+    prefill piece flip an expert and change that token's logits by ~1 % (seen in this scenario: the decode of a
+    request alone differed from a full forward there, and the stressed engine's did not)."""
+    m = copy.deepcopy(tiny)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            if layer.is_moe:
+                gate = layer.block_sparse_moe.gate
+                pick = torch.randperm(gate.weight.shape[0], generator=g)[: gate.top_k]
+                gate.e_score_correction_bias[pick] = 10.0
+    return m
+
+
 @pytest.mark.parametrize("seed,overlap", [(3, False), (4, True)], ids=["sequential", "overlap"])
-def test_random_serving_scenario_equals_each_request_alone(tiny, seed, overlap):
+def test_random_serving_scenario_equals_each_request_alone(tiny_pinned, seed, overlap):
     """Random arrivals, prompts sharing prefixes, mixed sampling options (greedy and seeded draws, penalties, stop
     ids, min_tokens, logit bias, logprobs) and aborts, through a small pool (preemption), short prefix intervals and
     prefill pieces: each request gets exactly what it gets alone on a roomy engine without a prefix cache."""
+    tiny = tiny_pinned
     sc = engine_chaos.scenario(seed, tiny.config.vocab_size, overlap=overlap)
     eng = Engine(tiny, None, record_logits=True, **sc.engine_kw)
     got = engine_chaos.drive(eng, sc)
