@@ -470,6 +470,32 @@ def test_preemption_recomputes_exactly(tiny):
     assert small.stats()["pages_free"] == small.pool.num_pages
 
 
+@pytest.mark.parametrize(
+    "penalty",
+    [dict(repetition_penalty=0.3), dict(frequency_penalty=-1.5), dict(presence_penalty=-1.5)],
+    ids=["repetition", "frequency", "presence"],
+)
+def test_preemption_keeps_each_requests_penalty_history(tiny_pinned, penalty):
+    """A request preempted after some tokens and recomputed keeps its penalties' history (the tokens it has seen and
+    how often it wrote each): the same tokens as on a pool that never preempts. Penalties that favour repeats make
+    the history decide the next token."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, **penalty)
+    # short prompts: most of what a request has seen is its own reply; both fit at first, and the newer one is
+    # preempted ~20 tokens into its reply
+    prompts = _prompts(6, [3, 3])
+    small = Engine(tiny_pinned, None, page_size=4, max_seqs=2, max_tokens=48, prefix_cache=False)
+    outs_at_preemption = []
+    preempt = small._preempt
+    small._preempt = lambda r: (outs_at_preemption.append(len(r.output_ids)), preempt(r))
+    reqs = small.generate(prompts, params)
+    assert outs_at_preemption and min(outs_at_preemption) >= 10
+    big = Engine(tiny_pinned, None, page_size=4, max_seqs=2, max_tokens=1024, prefix_cache=False)
+    want = [r.output_ids for r in big.generate(prompts, params)]
+    assert [r.output_ids for r in reqs] == want
+    plain = big.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert [r.output_ids for r in plain] != want  # (the penalty does change the replies)
+
+
 def _check_logprobs(model, r, tol=1e-4):
     """A request's logprobs / prompt logprobs against log_softmax of a full re-forward of its final sequence:
     each chosen token's value, and the top-k ids (where the k-th is clearly above the next) and values."""
