@@ -806,16 +806,27 @@ def test_several_choices_stream_their_own_calls(served):
 def test_reasoning_parser_defers_a_grammar_to_the_answer(served):
     """Under the reasoning parser a forced call or structured output applies after ``</think>`` (when it is a
     special token), as vLLM starts structured output after the reasoning: a model pushed to end its reasoning
-    first writes ``</think>``, then the grammar's call or JSON."""
+    first writes ``</think>``, then the grammar's call or JSON. Where ``</think>`` is plain text (no token to wait
+    for) the grammar applies from the first token: the reply is the call, with no reasoning."""
     from openk3.infer.server import create_app
 
     _, _, engine = served
     end = engine.tokenizer.special_tokens.get(THINK[1])
-    if end is None:
-        pytest.skip("the tokenizer has no </think> special token: the grammar applies from the first token")
     by_name = {t["function"]["name"]: t for t in TOOLS}
     with running(create_app(engine, MODEL, start_engine=False, reasoning_parser="kimi_k2")) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        if end is None:
+            r = client.chat.completions.create(
+                model=MODEL, messages=ASK, max_tokens=200, seed=3, tools=TOOLS, tool_choice="required"
+            )
+            ch = r.choices[0]
+            assert (
+                ch.finish_reason == "tool_calls" and ch.message.model_extra.get("reasoning_content") is None
+            )
+            assert ch.message.tool_calls
+            for c in ch.message.tool_calls:
+                _validate(c.function.arguments, by_name[c.function.name])
+            return
         kw = dict(
             model=MODEL, messages=ASK, max_tokens=200, seed=3, logit_bias={str(end): 100}, logprobs=True
         )
