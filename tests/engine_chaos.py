@@ -8,7 +8,25 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import torch
+
 from openk3.infer.sampling import SamplingParams
+
+
+def pin_routing(model, seed: int = 0):
+    """Pin each MoE layer's routing of ``model`` to a fixed expert set (a large correction bias), in place; returns
+    it. At random init some tokens sit on near-tied experts, where a last-bit difference of their input (another
+    batch, another prefill piece) flips an expert and moves that token's logits by ~1 % (bench/NOTES.md v50): a
+    comparison of a request served in a batch with it served alone is exact only without such ties."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.is_moe:
+                gate = layer.block_sparse_moe.gate
+                gate.e_score_correction_bias[
+                    torch.randperm(gate.weight.shape[0], generator=g)[: gate.top_k]
+                ] = 10.0
+    return model
 
 
 @dataclass

@@ -857,19 +857,8 @@ def test_abort_frees_pages_and_slot(tiny):
 
 @pytest.fixture(scope="module")
 def tiny_pinned(tiny):
-    """``tiny`` with each MoE layer's routing pinned to a fixed expert set (a large correction bias): at random init
-    some tokens sit on near-ties between experts, where the last-bit differences of another batch composition or
-    prefill piece flip an expert and change that token's logits by ~1 % (seen in this scenario: the decode of a
-    request alone differed from a full forward there, and the stressed engine's did not)."""
-    m = copy.deepcopy(tiny)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for layer in m.model.layers:
-            if layer.is_moe:
-                gate = layer.block_sparse_moe.gate
-                pick = torch.randperm(gate.weight.shape[0], generator=g)[: gate.top_k]
-                gate.e_score_correction_bias[pick] = 10.0
-    return m
+    """``tiny`` with pinned routing (``engine_chaos.pin_routing``), for exact batch-against-alone comparisons."""
+    return engine_chaos.pin_routing(copy.deepcopy(tiny))
 
 
 @pytest.mark.parametrize("seed,overlap", [(3, False), (4, True)], ids=["sequential", "overlap"])
@@ -877,16 +866,15 @@ def test_random_serving_scenario_equals_each_request_alone(tiny_pinned, seed, ov
     """Random arrivals, prompts sharing prefixes, mixed sampling options (greedy and seeded draws, penalties, stop
     ids, min_tokens, logit bias, logprobs) and aborts, through a small pool (preemption), short prefix intervals and
     prefill pieces: each request gets exactly what it gets alone on a roomy engine without a prefix cache."""
-    tiny = tiny_pinned
-    sc = engine_chaos.scenario(seed, tiny.config.vocab_size, overlap=overlap)
-    eng = Engine(tiny, None, record_logits=True, **sc.engine_kw)
+    sc = engine_chaos.scenario(seed, tiny_pinned.config.vocab_size, overlap=overlap)
+    eng = Engine(tiny_pinned, None, record_logits=True, **sc.engine_kw)
     got = engine_chaos.drive(eng, sc)
     s = eng.stats()
     # the scenario did exercise what it is for
     assert s["preemptions_total"] > 0 and s["prefix_cache_hits"] > 0
     aborted = [i for i, r in enumerate(got) if r.finish_reason == "abort"]
     assert aborted and set(aborted) <= set(sc.abort_after)
-    alone_eng = Engine(tiny, None, max_seqs=2, max_tokens=4096, prefix_cache=False, record_logits=True)
+    alone_eng = Engine(tiny_pinned, None, max_seqs=2, max_tokens=4096, prefix_cache=False, record_logits=True)
     for i, (p, sp) in enumerate(zip(sc.prompts, sc.params)):
         (alone,) = alone_eng.generate([p], sp)
         r = got[i]

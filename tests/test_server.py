@@ -15,6 +15,7 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from engine_chaos import pin_routing  # noqa: E402
 from openk3.config import get_preset  # noqa: E402
 from openk3.infer.engine import Engine  # noqa: E402
 from openk3.infer.server import create_app  # noqa: E402
@@ -595,19 +596,9 @@ async def _ask(client, route, kw, stream):
 
 @pytest.fixture(scope="module")
 def pinned(engine):
-    """(url, engine) of a second server like ``server`` whose model has each MoE layer's routing pinned to a fixed
-    expert set: at random init some tokens sit on near-tied experts, and the last-bit differences between a row
-    decoded beside others and alone can flip one (bench/NOTES.md v50), which would change a reply that is compared
-    exactly."""
-    model = copy.deepcopy(engine.model)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if layer.is_moe:
-                gate = layer.block_sparse_moe.gate
-                gate.e_score_correction_bias[
-                    torch.randperm(gate.weight.shape[0], generator=g)[: gate.top_k]
-                ] = 10.0
+    """(url, engine) of a second server like ``server`` whose model has pinned routing (``pin_routing``): its
+    replies are compared exactly between a row decoded beside others and alone."""
+    model = pin_routing(copy.deepcopy(engine.model))
     eng = Engine(
         model, engine.tokenizer, page_size=16, max_seqs=40, max_tokens=16384, max_model_len=CTX, prefix_interval=32,
         overlap=engine.cfg.overlap,
