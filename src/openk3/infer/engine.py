@@ -493,9 +493,7 @@ class Request:
         self.allowed: torch.Tensor | None = None  # [V] bool: the ids it may draw (params.allowed_token_ids)
         self.bad_seqs: list[tuple[int, ...]] = []  # token sequences of params.bad_words
         self.matcher = None  # params.guided: the llguidance matcher of its output so far
-        self.guiding = (
-            False  # a matcher that applies (from the start, or since a guided_start_token_ids token)
-        )
+        self.guiding = False  # the matcher applies (from the start, or after a guided_start_token_ids token)
         self.seed: int | None = None  # sampled requests: the draw seed (params.seed, or a random one)
         self.logits_log: list[torch.Tensor] = []
         self.logprobs: list = []  # TokenLogprob per output token (params.logprobs)
