@@ -3,6 +3,7 @@
 import asyncio
 import copy
 import json
+import random
 import socket
 import threading
 import time
@@ -26,6 +27,8 @@ from serving import running  # noqa: E402
 
 MODEL = "tiny-test"
 CTX = 384
+# the served engine's settings (both servers of this module)
+ENGINE_KW = dict(page_size=16, max_seqs=40, max_tokens=16384, max_model_len=CTX, prefix_interval=32)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sequential", "overlap"])
@@ -36,11 +39,7 @@ def engine(tmp_path_factory, request):
     tok = Tokenizer.train_bpe(
         default_corpus(max_bytes=300_000), vocab_size=1024, cache_dir=tmp_path_factory.mktemp("tok")
     )
-    eng = Engine(
-        model, tok, page_size=16, max_seqs=40, max_tokens=16384, max_model_len=CTX, prefix_interval=32,
-        overlap=request.param,
-    )  # fmt: skip
-    yield eng
+    yield Engine(model, tok, overlap=request.param, **ENGINE_KW)
 
 
 @pytest.fixture(scope="module")
@@ -548,8 +547,6 @@ def test_32_concurrent_streams(server, engine):
 def _random_requests(seed: int, n: int) -> list[tuple[str, dict]]:
     """(route, body) of ``n`` random requests: completions and chat, one or two choices, greedy or seeded draws,
     min_tokens, logprobs, a few penalties (no stop strings yet)."""
-    import random
-
     rng = random.Random(seed)
     heads = ["def f(x):", "import os\n", "class A:", "for i in range(", "x = [", "# the ", "return self."]
     out = []
@@ -599,10 +596,7 @@ def pinned(engine):
     """(url, engine) of a second server like ``server`` whose model has pinned routing (``pin_routing``): its
     replies are compared exactly between a row decoded beside others and alone."""
     model = pin_routing(copy.deepcopy(engine.model))
-    eng = Engine(
-        model, engine.tokenizer, page_size=16, max_seqs=40, max_tokens=16384, max_model_len=CTX, prefix_interval=32,
-        overlap=engine.cfg.overlap,
-    )  # fmt: skip
+    eng = Engine(model, engine.tokenizer, overlap=engine.cfg.overlap, **ENGINE_KW)
     with running(create_app(eng, MODEL)) as url:
         yield url, eng
 
@@ -611,10 +605,7 @@ def test_random_concurrent_requests_equal_each_alone_with_stop_strings(pinned):
     """24 random requests at once, streamed or not, with stop strings cut from each one's own reply, get what each
     gets alone; and each reply with stop strings is its reply without them cut at the earliest stop string (the
     finish reason "stop" exactly where one was found)."""
-    import random
-
     server, engine = pinned
-
     rng = random.Random(7)
     reqs = _random_requests(11, 24)
 
